@@ -1,0 +1,22 @@
+# The two commands the README leads with. Each sets itself up (venv + install) on a fresh clone.
+PYTHON ?= python3
+VENV ?= .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/interlock explain fixtures/logs/scenario.jsonl --model Qwen/Qwen2.5-7B-Instruct; \
+	  $(VENV)/bin/interlock audit fixtures/logs/scenario.jsonl --kind models,health
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

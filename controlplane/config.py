@@ -1,0 +1,579 @@
+"""The gateway's configuration: schema, loading and validation (plinth §1).
+
+`load_config` follows plinth's loader step by step: read the file, decode the TOML (unknown keys
+ignored, keys matched to fields case-insensitively, a wrong TOML type is an error), apply the
+loader defaults, parse the Go duration strings, then validate in plinth's order, first failure
+wins. Error messages are plinth's exact texts; `ConfigError` adds the file and the key.
+
+Durations are Go duration strings in the file ("3s", "1m30s") and float seconds in the schema.
+A loaded `Config` travels through the event log as builtins (`config_to_builtins`) and comes
+back unchanged (`config_from_builtins`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from typing import Any
+
+import msgspec
+import msgspec.inspect
+from msgspec import Struct
+from msgspec.structs import replace
+
+DEFAULT_LISTEN = ":8000"
+DEFAULT_METRICS_LISTEN = ":9090"
+DEFAULT_HEALTH_INTERVAL = 3.0
+DEFAULT_HEALTH_FAIL_THRESHOLD = 3
+DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_PROBE_TIMEOUT = 5.0
+DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_VLLM_PORT = 8000
+DEFAULT_METRICS_PORT = 9100
+
+
+# ---------------------------------------------------------------------------------------------
+# Schema
+
+
+class ClusterConfig(Struct, frozen=True, kw_only=True):
+    name: str = ""
+
+
+class GatewayConfig(Struct, frozen=True, kw_only=True):
+    listen: str = DEFAULT_LISTEN
+    metrics_listen: str = DEFAULT_METRICS_LISTEN
+    health_interval: float = DEFAULT_HEALTH_INTERVAL
+    """Seconds between health rounds (a Go duration string in the file)."""
+    health_fail_threshold: int = DEFAULT_HEALTH_FAIL_THRESHOLD
+    max_buffered_response_bytes: int = DEFAULT_MAX_BUFFERED_RESPONSE_BYTES
+    """The validated raw value: -1 means unlimited. Read `response_buffer_limit` to apply it."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Interlock additions.
+    probe_timeout: float = DEFAULT_PROBE_TIMEOUT
+    """Seconds one probe of a node may take (a Go duration string in the file)."""
+    event_log: str = ""
+    """Path of the JSON Lines event log; "" = no event log."""
+    event_log_max_bytes: int = DEFAULT_EVENT_LOG_MAX_BYTES
+    """The event log starts a new segment once the current one reaches this size."""
+    decision_log: str = ""
+    """Path of the per-request decision log; "" = no decision log."""
+
+    @property
+    def response_buffer_limit(self) -> int:
+        """plinth's effective response buffer limit: 0 (no bound) when negative, default when 0.
+
+        Holds for configs built directly, which never went through validation.
+        """
+        if self.max_buffered_response_bytes < 0:
+            return 0
+        return self.max_buffered_response_bytes or DEFAULT_MAX_BUFFERED_RESPONSE_BYTES
+
+    @property
+    def request_body_limit(self) -> int:
+        """plinth's effective request body limit: the default when <= 0 (there is no unlimited)."""
+        if self.max_request_body_bytes <= 0:
+            return DEFAULT_MAX_REQUEST_BODY_BYTES
+        return self.max_request_body_bytes
+
+
+class NodeConfig(Struct, frozen=True, kw_only=True):
+    ip: str = ""
+    """The node's identity: unique among the nodes."""
+    name: str = ""
+    vllm_port: int = DEFAULT_VLLM_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
+    ring: str = ""
+    """"" = a standalone (ring-less) node."""
+
+
+class ModelEntry(Struct, frozen=True, kw_only=True):
+    name: str = ""
+    """Must equal the id the node serves (`GET /v1/models` `data[].id`) exactly."""
+    pipeline_stages: int = 0
+    """Informational only."""
+    ring: str = ""
+
+
+class ModelsConfig(Struct, frozen=True, kw_only=True):
+    default: str = ""
+    """Injected into requests that name no model; not checked against `available`."""
+    available: tuple[ModelEntry, ...] = ()
+
+
+class Config(Struct, frozen=True, kw_only=True):
+    cluster: ClusterConfig = ClusterConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    nodes: tuple[NodeConfig, ...] = ()
+    models: ModelsConfig = ModelsConfig()
+
+    def model_ring(self, name: str) -> str:
+        """plinth's ModelRing: the ring of the first available model named `name`, else ""."""
+        for model in self.models.available:
+            if model.name == name:
+                return model.ring
+        return ""
+
+    def node(self, ip: str) -> NodeConfig | None:
+        for node in self.nodes:
+            if node.ip == ip:
+                return node
+        return None
+
+
+class ConfigError(Exception):
+    """An invalid or unreadable config file.
+
+    `message` is plinth's exact text; `key` is the offending dotted key (`gateway.listen`,
+    `nodes[2].ip`) or "" when no single key is at fault.
+    """
+
+    def __init__(self, path: str, key: str, message: str) -> None:
+        super().__init__(path, key, message)
+        self.path = path
+        self.key = key
+        self.message = message
+
+    def __str__(self) -> str:
+        if self.key:
+            return f"{self.path}: {self.key}: {self.message}"
+        return f"{self.path}: {self.message}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+_DURATION_KEYS = ("health_interval", "probe_timeout")
+"""The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read, decode, default and validate the config file at `path`; raise ConfigError if bad."""
+    path = os.fspath(path)
+    document = _match_field_names(_read_toml(path), msgspec.inspect.type_info(Config))
+    document, duration_texts = _split_durations(path, document)
+    try:
+        config = msgspec.convert(document, Config)
+    except msgspec.ValidationError as exc:
+        message, key = _split_validation_error(exc)
+        raise ConfigError(path, key, f"parsing config: {message}") from None
+    config = _apply_loader_defaults(path, config, duration_texts)
+    return _validate(path, config)
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise ConfigError(path, "", f"reading config: {exc}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(path, "", f"parsing config: {exc}") from None
+
+
+def _match_field_names(table: Any, schema: msgspec.inspect.StructType) -> Any:
+    """Rename a TOML table's keys to the schema's field names, case-insensitively, as go-toml v2
+    does, and drop the keys the schema does not know (plinth ignores them, `[provision]` too).
+
+    A value of the wrong shape is left as it is, for msgspec.convert to report with its key.
+    """
+    if not isinstance(table, dict):
+        return table
+    fields = {field.name.lower(): field for field in schema.fields}
+    renamed = {}
+    for key, value in table.items():
+        field = fields.get(key.lower())
+        if field is None:
+            continue
+        if isinstance(field.type, msgspec.inspect.StructType):
+            value = _match_field_names(value, field.type)
+        elif isinstance(field.type, msgspec.inspect.VarTupleType) and isinstance(value, list):
+            item_schema = field.type.item_type
+            if isinstance(item_schema, msgspec.inspect.StructType):
+                value = [_match_field_names(item, item_schema) for item in value]
+        renamed[field.name] = value
+    return renamed
+
+
+def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Take the duration strings out of [gateway], checking that they are strings."""
+    gateway = document.get("gateway")
+    if not isinstance(gateway, dict):
+        return document, {}
+    texts = {}
+    for name in _DURATION_KEYS:
+        if name in gateway:
+            try:
+                texts[name] = msgspec.convert(gateway[name], str)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(path, f"gateway.{name}", f"parsing config: {exc}") from None
+    rest = {key: value for key, value in gateway.items() if key not in _DURATION_KEYS}
+    return {**document, "gateway": rest}, texts
+
+
+def _split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
+    """Split msgspec's "Expected `int`, got `str` - at `$.nodes[0].ip`" into text and dotted key."""
+    match = re.fullmatch(r"(.*) - at `\$\.?(.*)`", str(exc), flags=re.DOTALL)
+    if match is None:
+        return str(exc), ""
+    return match.group(1), match.group(2)
+
+
+def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, str]) -> Config:
+    """plinth's loader: empty or zero values take their defaults; duration strings are parsed."""
+    gateway = config.gateway
+    durations = {}
+    for name, text in duration_texts.items():
+        if text == "":
+            continue  # absent or empty: the schema default stands
+        try:
+            durations[name] = parse_go_duration(text) / 1e9
+        except ValueError as exc:
+            raise ConfigError(path, f"gateway.{name}", f"parsing {name}: {exc}") from None
+    gateway = replace(
+        gateway,
+        listen=gateway.listen or DEFAULT_LISTEN,
+        metrics_listen=gateway.metrics_listen or DEFAULT_METRICS_LISTEN,
+        health_fail_threshold=gateway.health_fail_threshold or DEFAULT_HEALTH_FAIL_THRESHOLD,
+        event_log_max_bytes=gateway.event_log_max_bytes or DEFAULT_EVENT_LOG_MAX_BYTES,
+        **durations,
+    )
+    nodes = tuple(
+        replace(
+            node,
+            vllm_port=node.vllm_port or DEFAULT_VLLM_PORT,
+            metrics_port=node.metrics_port or DEFAULT_METRICS_PORT,
+        )
+        for node in config.nodes
+    )
+    return replace(config, gateway=gateway, nodes=nodes)
+
+
+def _validate(path: str, config: Config) -> Config:
+    """plinth's Validate, in its order (first failure wins); returns the config with the size
+    limits' zero values replaced by their defaults, as Validate does.
+
+    Interlock's own gateway keys are checked right after plinth's gateway keys.
+    """
+
+    def invalid(key: str, message: str) -> ConfigError:
+        return ConfigError(path, key, message)
+
+    gateway = config.gateway
+    if gateway.health_interval <= 0:
+        raise invalid("gateway.health_interval", "health_interval must be greater than zero")
+    if gateway.health_fail_threshold <= 0:
+        raise invalid(
+            "gateway.health_fail_threshold", "health_fail_threshold must be greater than zero"
+        )
+    if gateway.max_buffered_response_bytes < -1:
+        raise invalid(
+            "gateway.max_buffered_response_bytes",
+            "max_buffered_response_bytes must be -1 (unlimited) or non-negative",
+        )
+    if gateway.max_request_body_bytes < 0:
+        raise invalid(
+            "gateway.max_request_body_bytes",
+            "max_request_body_bytes must be non-negative (0 uses the default)",
+        )
+    if gateway.probe_timeout <= 0:
+        raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
+    if gateway.event_log_max_bytes <= 0:
+        raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
+
+    if not config.nodes:
+        raise invalid("nodes", "at least one node must be configured")
+    seen_ips = set()
+    for index, node in enumerate(config.nodes):
+        if node.ip in seen_ips:
+            raise invalid(
+                f"nodes[{index}].ip",
+                f"duplicate node IP {go_quote(node.ip)}: plinth node identity is IP-based",
+            )
+        seen_ips.add(node.ip)
+
+    rings = {node.ring for node in config.nodes}
+    for index, model in enumerate(config.models.available):
+        if model.ring and model.ring not in rings:
+            raise invalid(
+                f"models.available[{index}].ring",
+                f"model {go_quote(model.name)} references ring {go_quote(model.ring)}, "
+                "but no node belongs to that ring",
+            )
+        if not model.ring and "" not in rings:
+            raise invalid(
+                f"models.available[{index}].ring",
+                f"model {go_quote(model.name)} has no ring, but every node belongs to a ring",
+            )
+
+    gateway = replace(
+        gateway,
+        max_buffered_response_bytes=gateway.max_buffered_response_bytes
+        or DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
+        max_request_body_bytes=gateway.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
+    )
+    return replace(config, gateway=gateway)
+
+
+# ---------------------------------------------------------------------------------------------
+# The event log's form of a config
+
+
+def config_to_builtins(config: Config) -> dict[str, Any]:
+    return msgspec.to_builtins(config)
+
+
+def config_from_builtins(data: dict[str, Any]) -> Config:
+    """Rebuild a config from `config_to_builtins` output (raises msgspec.ValidationError, which
+    names the field, if `data` does not fit the schema)."""
+    return msgspec.convert(data, Config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Human summary, listen addresses
+
+
+def describe_config(config: Config) -> str:
+    """A short summary of a loaded config, for `interlock check-config`."""
+    gateway = config.gateway
+    lines = [
+        f"cluster: {config.cluster.name or '(unnamed)'}",
+        f"listen: {gateway.listen} (metrics {gateway.metrics_listen})",
+        f"health: every {_seconds_text(gateway.health_interval)}, "
+        f"dead after {gateway.health_fail_threshold} consecutive failures, "
+        f"probe timeout {_seconds_text(gateway.probe_timeout)}",
+        f"nodes ({len(config.nodes)}):",
+    ]
+    for node in config.nodes:
+        ring = f"ring {node.ring}" if node.ring else "standalone"
+        lines.append(f"  {node.name or '(unnamed)'}  {node.ip}:{node.vllm_port}  {ring}")
+    default_model = config.models.default or "(none)"
+    lines.append(f"models ({len(config.models.available)}), default {default_model}:")
+    for model in config.models.available:
+        ring = f"ring {model.ring}" if model.ring else "standalone"
+        lines.append(f"  {model.name}  {ring}")
+    if gateway.event_log:
+        lines.append(
+            f"event log: {gateway.event_log} (segments of {gateway.event_log_max_bytes} bytes)"
+        )
+    else:
+        lines.append("event log: none")
+    lines.append(f"decision log: {gateway.decision_log or 'none'}")
+    return "\n".join(lines)
+
+
+def _seconds_text(seconds: float) -> str:
+    return format_go_duration(round(seconds * 1e9))
+
+
+def parse_listen_address(address: str) -> tuple[str, int]:
+    """Split a Go-style listen address (`host:port`, `[v6]:port`) for binding; an empty host
+    means all interfaces. Raises ValueError naming the address."""
+
+    def invalid(why: str) -> ValueError:
+        return ValueError(f"invalid listen address {go_quote(address)}: {why}")
+
+    # The splitting rules are Go's net.SplitHostPort.
+    last_colon = address.rfind(":")
+    if last_colon < 0:
+        raise invalid("missing port in address")
+    if address.startswith("["):
+        closing = address.find("]")
+        if closing < 0:
+            raise invalid("missing ']' in address")
+        if closing + 1 == len(address):
+            raise invalid("missing port in address")
+        if closing + 1 != last_colon:
+            if address[closing + 1] == ":":
+                raise invalid("too many colons in address")
+            raise invalid("missing port in address")
+        host = address[1:closing]
+        no_open_bracket_from, no_close_bracket_from = 1, closing + 1
+    else:
+        host = address[:last_colon]
+        if ":" in host:
+            raise invalid("too many colons in address")
+        no_open_bracket_from = no_close_bracket_from = 0
+    if "[" in address[no_open_bracket_from:]:
+        raise invalid("unexpected '[' in address")
+    if "]" in address[no_close_bracket_from:]:
+        raise invalid("unexpected ']' in address")
+
+    port_text = address[last_colon + 1 :]
+    if not re.fullmatch(r"[0-9]{1,5}", port_text) or int(port_text) > 65535:
+        raise invalid(f"invalid port {go_quote(port_text)}")
+    return host or "0.0.0.0", int(port_text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Go compatibility: time.ParseDuration, Duration.String, strconv.Quote
+
+_NANOSECONDS_PER_UNIT = {
+    "ns": 1,
+    "us": 1_000,
+    "µs": 1_000,  # U+00B5 micro sign
+    "μs": 1_000,  # U+03BC Greek small letter mu
+    "ms": 1_000_000,
+    "s": 1_000_000_000,
+    "m": 60 * 1_000_000_000,
+    "h": 3600 * 1_000_000_000,
+}
+_INT64_OVERFLOW = 1 << 63
+"""Go's `1<<63`: one past the largest Duration; its negation is the smallest."""
+
+
+def parse_go_duration(text: str) -> int:
+    """Go's time.ParseDuration, returning nanoseconds; errors are ValueErrors with Go's text.
+
+    A transcription of Go's algorithm (including its int64 overflow checks and its float64
+    arithmetic for fractions), so that every input is accepted or rejected exactly as plinth does.
+    """
+    rest = text
+    negative = False
+    if rest[:1] in ("-", "+"):
+        negative = rest[0] == "-"
+        rest = rest[1:]
+    if rest == "0":
+        return 0
+    invalid_duration = ValueError(f"time: invalid duration {_go_time_quote(text)}")
+    if rest == "":
+        raise invalid_duration
+
+    total = 0
+    while rest:
+        if not (rest[0] == "." or "0" <= rest[0] <= "9"):
+            raise invalid_duration
+        # The integer part: [0-9]*
+        digits = _leading_digits(rest)
+        rest = rest[len(digits) :]
+        whole = 0
+        for digit in digits:
+            if whole > _INT64_OVERFLOW // 10:
+                raise invalid_duration
+            whole = whole * 10 + int(digit)
+            if whole > _INT64_OVERFLOW:
+                raise invalid_duration
+        # The fraction: (\.[0-9]*)?  Digits beyond int64 precision are dropped, as in Go.
+        fraction, scale, fraction_digits = 0, 1.0, ""
+        if rest.startswith("."):
+            fraction_digits = _leading_digits(rest[1:])
+            rest = rest[1 + len(fraction_digits) :]
+            for digit in fraction_digits:
+                if fraction > (_INT64_OVERFLOW - 1) // 10:
+                    break
+                extended = fraction * 10 + int(digit)
+                if extended > _INT64_OVERFLOW:
+                    break
+                fraction = extended
+                scale *= 10
+        if not digits and not fraction_digits:
+            raise invalid_duration  # no digits, e.g. ".s"
+        # The unit: everything up to the next digit or '.'.
+        unit_name = re.match(r"[^0-9.]*", rest).group()
+        if not unit_name:
+            raise ValueError(f"time: missing unit in duration {_go_time_quote(text)}")
+        rest = rest[len(unit_name) :]
+        unit = _NANOSECONDS_PER_UNIT.get(unit_name)
+        if unit is None:
+            raise ValueError(
+                f"time: unknown unit {_go_time_quote(unit_name)} in duration {_go_time_quote(text)}"
+            )
+        if whole > _INT64_OVERFLOW // unit:
+            raise invalid_duration
+        value = whole * unit
+        if fraction > 0:
+            value += int(float(fraction) * (float(unit) / scale))
+            if value > _INT64_OVERFLOW:
+                raise invalid_duration
+        total += value
+        if total > _INT64_OVERFLOW:
+            raise invalid_duration
+    if negative:
+        return -total
+    if total > _INT64_OVERFLOW - 1:
+        raise invalid_duration
+    return total
+
+
+def _leading_digits(text: str) -> str:
+    return re.match(r"[0-9]*", text).group()
+
+
+def format_go_duration(nanoseconds: int) -> str:
+    """Go's Duration.String: "1h2m3.5s", "1.5ms", "0s"."""
+    if nanoseconds == 0:
+        return "0s"
+    sign = "-" if nanoseconds < 0 else ""
+    magnitude = abs(nanoseconds)
+    if magnitude < 1_000:
+        return f"{sign}{magnitude}ns"
+    if magnitude < 1_000_000:
+        return f"{sign}{_decimal_text(magnitude, 3)}µs"
+    if magnitude < 1_000_000_000:
+        return f"{sign}{_decimal_text(magnitude, 6)}ms"
+    whole_seconds, fraction = divmod(magnitude, 1_000_000_000)
+    whole_minutes, seconds = divmod(whole_seconds, 60)
+    hours, minutes = divmod(whole_minutes, 60)
+    text = _decimal_text(seconds * 1_000_000_000 + fraction, 9) + "s"
+    if whole_minutes:
+        text = f"{minutes}m{text}"
+    if hours:
+        text = f"{hours}h{text}"
+    return sign + text
+
+
+def _decimal_text(value: int, fraction_digits: int) -> str:
+    """`value / 10**fraction_digits` without trailing zeros (and without a bare '.')."""
+    whole, fraction = divmod(value, 10**fraction_digits)
+    fraction_text = f"{fraction:0{fraction_digits}d}".rstrip("0")
+    return f"{whole}.{fraction_text}" if fraction_text else str(whole)
+
+
+def _go_time_quote(text: str) -> str:
+    """The time package's own quoting in its errors: non-ASCII and control characters as \\xHH
+    per UTF-8 byte, `"` and `\\` backslashed."""
+    parts = []
+    for char in text:
+        if ord(char) >= 0x80 or char < " ":
+            parts.append("".join(f"\\x{byte:02x}" for byte in char.encode("utf-8")))
+        elif char in '"\\':
+            parts.append("\\" + char)
+        else:
+            parts.append(char)
+    return '"' + "".join(parts) + '"'
+
+
+_GO_NAMED_ESCAPES = {
+    "\a": "\\a",
+    "\b": "\\b",
+    "\f": "\\f",
+    "\n": "\\n",
+    "\r": "\\r",
+    "\t": "\\t",
+    "\v": "\\v",
+}
+
+
+def go_quote(text: str) -> str:
+    """Go's strconv.Quote (`%q`): printable characters as they are, `"` and `\\` backslashed,
+    the rest escaped (\\n, \\x00, \\u00a0, \\U000e0001)."""
+    parts = []
+    for char in text:
+        code = ord(char)
+        if char in '"\\':
+            parts.append("\\" + char)
+        elif char.isprintable():
+            parts.append(char)
+        elif char in _GO_NAMED_ESCAPES:
+            parts.append(_GO_NAMED_ESCAPES[char])
+        elif code < 0x20 or code == 0x7F:
+            parts.append(f"\\x{code:02x}")
+        elif code < 0x10000:
+            parts.append(f"\\u{code:04x}")
+        else:
+            parts.append(f"\\U{code:08x}")
+    return '"' + "".join(parts) + '"'

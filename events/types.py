@@ -1,0 +1,113 @@
+"""The vocabulary of the control plane: every event that can change a routing decision.
+
+Each event is a frozen msgspec Struct in one tagged union (the `type` field names it in the
+JSON Lines log). `at` is wall-clock UNIX seconds, set by whoever observed the event; `seq` is
+0 until the reducer task applies the event and numbers it 1, 2, 3, …
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+
+class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    at: float
+    seq: int = 0
+
+
+class RunStarted(EventBase, frozen=True, tag="run_started"):
+    """A gateway run began with this validated config (as builtins), so a log is self-contained."""
+
+    version: str
+    config_path: str
+    config: dict[str, Any]
+
+
+class ConfigReloaded(EventBase, frozen=True, tag="config_reloaded"):
+    """SIGHUP loaded and validated a new config, which replaces the current one."""
+
+    config_path: str
+    config: dict[str, Any]
+
+
+class ReloadRejected(EventBase, frozen=True, tag="reload_rejected"):
+    """SIGHUP found an invalid config; the current one stays in force."""
+
+    config_path: str
+    error: str
+
+
+class HealthProbed(EventBase, frozen=True, tag="health_probe"):
+    """One `GET /health` of a node: healthy iff it answered 200 (`status` is None on a transport error)."""
+
+    node: str
+    ok: bool
+    status: int | None = None
+    error: str = ""
+    latency: float = 0.0
+
+
+class ProbeCrashed(EventBase, frozen=True, tag="probe_crashed"):
+    """A health check raised instead of answering (plinth's recovered panic)."""
+
+    node: str
+    error: str
+
+
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
+    uuid: str
+    memory_used: int = 0
+    memory_total: int = 0
+    utilization: int = 0
+    temperature: int = 0
+
+
+class GpuScraped(EventBase, frozen=True, tag="gpu_scrape"):
+    """One scrape of a node's GPU exporter; `gpus` is empty when it gave no result."""
+
+    node: str
+    gpus: tuple[GpuSample, ...] = ()
+    error: str = ""
+
+
+class ModelsListed(EventBase, frozen=True, tag="model_listing"):
+    """One `GET /v1/models` of a node: the ids in order, or None with the error text."""
+
+    node: str
+    models: tuple[str, ...] | None = None
+    error: str = ""
+
+
+class UpstreamFailed(EventBase, frozen=True, tag="upstream_failed"):
+    """The data plane could not reach a node (connection-level failure)."""
+
+    node: str
+    error: str
+
+
+class UpstreamRecovered(EventBase, frozen=True, tag="upstream_recovered"):
+    """The data plane completed an attempt on a node: it is reachable again."""
+
+    node: str
+
+
+class RunStopped(EventBase, frozen=True, tag="run_stopped"):
+    """The gateway shut down cleanly."""
+
+
+Event = Union[
+    RunStarted,
+    ConfigReloaded,
+    ReloadRejected,
+    HealthProbed,
+    ProbeCrashed,
+    GpuScraped,
+    ModelsListed,
+    UpstreamFailed,
+    UpstreamRecovered,
+    RunStopped,
+]
+
+EVENT_TYPES: tuple[type[EventBase], ...] = Event.__args__

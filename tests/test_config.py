@@ -1,0 +1,650 @@
+"""Config loading and validation (plinth §1): messages, order, defaults, Go durations."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from controlplane.config import (
+    DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    Config,
+    ConfigError,
+    GatewayConfig,
+    ModelEntry,
+    ModelsConfig,
+    NodeConfig,
+    config_from_builtins,
+    config_to_builtins,
+    describe_config,
+    format_go_duration,
+    go_quote,
+    load_config,
+    parse_go_duration,
+    parse_listen_address,
+)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+ONE_NODE = """
+[[nodes]]
+ip = "10.0.0.1"
+name = "gpu-node-1"
+"""
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gateway.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def load_text(tmp_path: Path, text: str) -> Config:
+    return load_config(write_config(tmp_path, text))
+
+
+def load_error(tmp_path: Path, text: str) -> ConfigError:
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.path == str(path)
+    return caught.value
+
+
+def gateway_with(line: str) -> str:
+    return f"[gateway]\n{line}\n{ONE_NODE}"
+
+
+# --- validation messages ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('health_interval = "0"', "health_interval must be greater than zero"),
+        ('health_interval = "-1s"', "health_interval must be greater than zero"),
+        ('health_interval = "0.1ns"', "health_interval must be greater than zero"),
+        ("health_fail_threshold = -1", "health_fail_threshold must be greater than zero"),
+        (
+            "max_buffered_response_bytes = -2",
+            "max_buffered_response_bytes must be -1 (unlimited) or non-negative",
+        ),
+        (
+            "max_request_body_bytes = -1",
+            "max_request_body_bytes must be non-negative (0 uses the default)",
+        ),
+        ('probe_timeout = "0s"', "probe_timeout must be greater than zero"),
+        ('probe_timeout = "-5s"', "probe_timeout must be greater than zero"),
+        ("event_log_max_bytes = -1", "event_log_max_bytes must be greater than zero"),
+        ('health_interval = "3"', 'parsing health_interval: time: missing unit in duration "3"'),
+        ('health_interval = "soon"', 'parsing health_interval: time: invalid duration "soon"'),
+        ('probe_timeout = "5x"', 'parsing probe_timeout: time: unknown unit "x" in duration "5x"'),
+    ],
+)
+def test_gateway_value_errors(tmp_path: Path, line: str, message: str) -> None:
+    key = "gateway." + line.split(" = ")[0]
+    error = load_error(tmp_path, gateway_with(line))
+    assert (error.key, error.message) == (key, message)
+    assert str(error) == f"{error.path}: {key}: {message}"
+
+
+def test_no_nodes(tmp_path: Path) -> None:
+    error = load_error(tmp_path, '[cluster]\nname = "empty"\n')
+    assert error.message == "at least one node must be configured"
+    assert error.key == "nodes"
+
+
+def test_duplicate_node_ip_is_go_quoted(tmp_path: Path) -> None:
+    text = '[[nodes]]\nip = "10.0.0.1"\n[[nodes]]\nip = "10.0.0.2"\n[[nodes]]\nip = "10.0.0.1"\n'
+    error = load_error(tmp_path, text)
+    assert error.message == 'duplicate node IP "10.0.0.1": plinth node identity is IP-based'
+    assert str(error) == f"{error.path}: nodes[2].ip: {error.message}"
+
+    escaped = load_error(tmp_path, '[[nodes]]\nip = "a\\"b\\n"\n[[nodes]]\nip = "a\\"b\\n"\n')
+    assert escaped.message == 'duplicate node IP "a\\"b\\n": plinth node identity is IP-based'
+
+
+def test_model_ring_without_nodes(tmp_path: Path) -> None:
+    text = ONE_NODE + (
+        '[[models.available]]\nname = "a"\n'
+        '[[models.available]]\nname = "big"\nring = "ring-x"\n'
+    )
+    error = load_error(tmp_path, text)
+    assert error.message == 'model "big" references ring "ring-x", but no node belongs to that ring'
+    assert error.key == "models.available[1].ring"
+
+
+def test_ringless_model_without_standalone_node(tmp_path: Path) -> None:
+    text = '[[nodes]]\nip = "10.0.0.3"\nring = "ring-a"\n[[models.available]]\nname = "small"\n'
+    error = load_error(tmp_path, text)
+    assert error.message == 'model "small" has no ring, but every node belongs to a ring'
+    assert str(error) == f"{error.path}: models.available[0].ring: {error.message}"
+
+
+def test_models_default_is_not_validated(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE + '[models]\ndefault = "served-nowhere"\n')
+    assert config.models.default == "served-nowhere"
+
+
+def test_empty_node_ip_is_not_validated(tmp_path: Path) -> None:
+    assert load_text(tmp_path, "[[nodes]]\nname = 'no-ip'\n").nodes[0].ip == ""
+
+
+# --- validation order -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("gateway_lines", "nodes", "expected"),
+    [
+        # health_interval before health_fail_threshold
+        ('health_interval = "0s"\nhealth_fail_threshold = -1', ONE_NODE, "health_interval must"),
+        # threshold before the buffered-response limit
+        (
+            "health_fail_threshold = -1\nmax_buffered_response_bytes = -5",
+            ONE_NODE,
+            "health_fail_threshold must",
+        ),
+        # buffered-response limit before the request-body limit
+        (
+            "max_request_body_bytes = -1\nmax_buffered_response_bytes = -5",
+            ONE_NODE,
+            "max_buffered_response_bytes must",
+        ),
+        # request-body limit before Interlock's own keys
+        ('max_request_body_bytes = -1\nprobe_timeout = "0s"', ONE_NODE, "max_request_body_bytes must"),
+        # gateway keys before the node checks
+        ("event_log_max_bytes = -1", "", "event_log_max_bytes must"),
+        # a duration that does not parse fails before any validation
+        ('health_fail_threshold = -1\nhealth_interval = "x"', ONE_NODE, "parsing health_interval"),
+        # a wrong TOML type fails before the durations are parsed
+        ('health_interval = "x"\nlisten = 8000', ONE_NODE, "parsing config"),
+    ],
+)
+def test_first_failure_wins(tmp_path: Path, gateway_lines: str, nodes: str, expected: str) -> None:
+    error = load_error(tmp_path, f"[gateway]\n{gateway_lines}\n{nodes}")
+    assert error.message.startswith(expected)
+
+
+def test_duplicate_ip_before_ring_checks(tmp_path: Path) -> None:
+    text = ONE_NODE + ONE_NODE + '[[models.available]]\nname = "m"\nring = "nowhere"\n'
+    assert load_error(tmp_path, text).message.startswith("duplicate node IP")
+
+
+def test_models_are_checked_in_order(tmp_path: Path) -> None:
+    text = (
+        '[[nodes]]\nip = "10.0.0.3"\nring = "ring-a"\n'
+        '[[models.available]]\nname = "first"\n'
+        '[[models.available]]\nname = "second"\nring = "nowhere"\n'
+    )
+    error = load_error(tmp_path, text)
+    assert error.message == 'model "first" has no ring, but every node belongs to a ring'
+
+
+# --- reading and decoding ---------------------------------------------------------------------
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "absent.toml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    error = caught.value
+    assert error.key == ""
+    assert error.message == f"reading config: [Errno 2] No such file or directory: '{path}'"
+    assert str(error) == f"{path}: reading config: [Errno 2] No such file or directory: '{path}'"
+
+
+def test_directory_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path)
+    assert caught.value.message == f"reading config: [Errno 21] Is a directory: '{tmp_path}'"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path: Path) -> None:
+    path = write_config(tmp_path, ONE_NODE)
+    path.chmod(0)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.message == f"reading config: [Errno 13] Permission denied: '{path}'"
+
+
+def test_toml_syntax_error(tmp_path: Path) -> None:
+    error = load_error(tmp_path, "[gateway\nlisten = ':8000'\n")
+    assert error.key == ""
+    assert error.message.startswith("parsing config: ")
+    assert "line 1" in error.message
+
+
+def test_invalid_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_bytes(b'[cluster]\nname = "\xff"\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert caught.value.message.startswith("parsing config: ")
+
+
+NODE_2 = '[[nodes]]\nip = "10.0.0.2"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "message"),
+    [
+        (gateway_with('health_fail_threshold = "3"'), "gateway.health_fail_threshold", "Expected `int`, got `str`"),
+        (gateway_with("listen = 8000"), "gateway.listen", "Expected `str`, got `int`"),
+        (gateway_with("health_interval = 3"), "gateway.health_interval", "Expected `str`, got `int`"),
+        (gateway_with("probe_timeout = 1.5"), "gateway.probe_timeout", "Expected `str`, got `float`"),
+        (gateway_with("max_request_body_bytes = 1.5"), "gateway.max_request_body_bytes", "Expected `int`, got `float`"),
+        (ONE_NODE + NODE_2 + 'vllm_port = "8000"\n', "nodes[1].vllm_port", "Expected `int`, got `str`"),
+        (ONE_NODE + "[[models.available]]\nname = 7\n", "models.available[0].name", "Expected `str`, got `int`"),
+        ('gateway = "fast"\n' + ONE_NODE, "gateway", "Expected `object`, got `str`"),
+        ('[nodes]\nip = "10.0.0.1"\n', "nodes", "Expected `array`, got `object`"),
+    ],
+)
+def test_wrong_toml_type_names_the_key(tmp_path: Path, text: str, key: str, message: str) -> None:
+    error = load_error(tmp_path, text)
+    assert (error.key, error.message) == (key, f"parsing config: {message}")
+    assert str(error) == f"{error.path}: {key}: parsing config: {message}"
+
+
+def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
+    text = (
+        'top_level = 1\n[cluster]\nname = "c"\nregion = "eu"\n'
+        "[gateway]\nrequest_overload_threshold = 3\n"
+        '[[nodes]]\nip = "10.0.0.1"\ngpu_count = 8\n'
+        '[[models.available]]\nname = "m"\nquantization = "q4"\n'
+        "[telemetry]\nenabled = true\n"
+    )
+    config = load_text(tmp_path, text)
+    assert config.cluster.name == "c"
+    assert config.nodes == (NodeConfig(ip="10.0.0.1"),)
+    assert config.models.available == (ModelEntry(name="m"),)
+
+
+def test_keys_match_case_insensitively(tmp_path: Path) -> None:
+    text = (
+        '[Cluster]\nNAME = "loud"\n'
+        '[GATEWAY]\nListen = ":8100"\nHEALTH_INTERVAL = "10s"\nHealth_Fail_Threshold = 5\nProbe_Timeout = "2s"\n'
+        '[[Nodes]]\nIP = "10.0.0.1"\nVllm_Port = 8001\nRing = "r"\n'
+        '[Models]\nDefault = "m"\n[[Models.Available]]\nNAME = "m"\nRING = "r"\n'
+    )
+    config = load_text(tmp_path, text)
+    assert config.cluster.name == "loud"
+    assert config.gateway.listen == ":8100"
+    assert config.gateway.health_interval == 10.0
+    assert config.gateway.health_fail_threshold == 5
+    assert config.gateway.probe_timeout == 2.0
+    assert config.nodes == (NodeConfig(ip="10.0.0.1", vllm_port=8001, ring="r"),)
+    assert config.models == ModelsConfig(default="m", available=(ModelEntry(name="m", ring="r"),))
+
+
+def test_wrong_type_under_a_differently_cased_key_names_the_field(tmp_path: Path) -> None:
+    error = load_error(tmp_path, '[Gateway]\nLISTEN = 8000\n' + ONE_NODE)
+    assert error.key == "gateway.listen"
+
+
+def test_provision_section_is_ignored(tmp_path: Path) -> None:
+    text = ONE_NODE + '[provision]\nssh_port = 70000\nssh_key = 5\nweights_dir = "~/weights"\n'
+    assert load_text(tmp_path, text).nodes[0].ip == "10.0.0.1"
+
+
+# --- defaults ---------------------------------------------------------------------------------
+
+
+def test_defaults_when_absent(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE)
+    assert config.cluster.name == ""
+    assert config.gateway == GatewayConfig(
+        listen=":8000",
+        metrics_listen=":9090",
+        health_interval=3.0,
+        health_fail_threshold=3,
+        max_buffered_response_bytes=8388608,
+        max_request_body_bytes=33554432,
+        probe_timeout=5.0,
+        event_log="",
+        event_log_max_bytes=67108864,
+        decision_log="",
+    )
+    assert config.nodes == (
+        NodeConfig(ip="10.0.0.1", name="gpu-node-1", vllm_port=8000, metrics_port=9100, ring=""),
+    )
+    assert config.models == ModelsConfig(default="", available=())
+
+
+def test_defaults_when_empty_or_zero(tmp_path: Path) -> None:
+    text = (
+        '[gateway]\nlisten = ""\nmetrics_listen = ""\nhealth_interval = ""\nhealth_fail_threshold = 0\n'
+        'max_buffered_response_bytes = 0\nmax_request_body_bytes = 0\nprobe_timeout = ""\nevent_log_max_bytes = 0\n'
+        '[[nodes]]\nip = "10.0.0.1"\nvllm_port = 0\nmetrics_port = 0\n'
+    )
+    assert load_text(tmp_path, text) == load_text(tmp_path, '[[nodes]]\nip = "10.0.0.1"\n')
+    assert load_text(tmp_path, text) == Config(nodes=(NodeConfig(ip="10.0.0.1"),))
+
+
+def test_explicit_values_are_kept(tmp_path: Path) -> None:
+    text = (
+        '[gateway]\nlisten = "127.0.0.1:8100"\nmetrics_listen = ":9191"\nhealth_interval = "1m30s"\n'
+        "health_fail_threshold = 7\nmax_buffered_response_bytes = -1\nmax_request_body_bytes = 1024\n"
+        'probe_timeout = "250ms"\nevent_log = "/var/log/interlock/events.jsonl"\nevent_log_max_bytes = 4096\n'
+        'decision_log = "/var/log/interlock/decisions.jsonl"\n'
+        '[[nodes]]\nip = "10.0.0.1"\nvllm_port = 8001\nmetrics_port = 9101\n'
+        "[[models.available]]\nname = 'm'\npipeline_stages = 1\n"
+    )
+    gateway = load_text(tmp_path, text).gateway
+    assert gateway == GatewayConfig(
+        listen="127.0.0.1:8100",
+        metrics_listen=":9191",
+        health_interval=90.0,
+        health_fail_threshold=7,
+        max_buffered_response_bytes=-1,
+        max_request_body_bytes=1024,
+        probe_timeout=0.25,
+        event_log="/var/log/interlock/events.jsonl",
+        event_log_max_bytes=4096,
+        decision_log="/var/log/interlock/decisions.jsonl",
+    )
+    assert gateway.response_buffer_limit == 0
+    assert gateway.request_body_limit == 1024
+
+
+# --- effective limits -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "effective"),
+    [(0, DEFAULT_MAX_BUFFERED_RESPONSE_BYTES), (-1, 0), (-7, 0), (1, 1), (1024, 1024)],
+)
+def test_response_buffer_limit(raw: int, effective: int) -> None:
+    assert GatewayConfig(max_buffered_response_bytes=raw).response_buffer_limit == effective
+
+
+@pytest.mark.parametrize(
+    ("raw", "effective"),
+    [(0, DEFAULT_MAX_REQUEST_BODY_BYTES), (-1, DEFAULT_MAX_REQUEST_BODY_BYTES), (1, 1), (4096, 4096)],
+)
+def test_request_body_limit(raw: int, effective: int) -> None:
+    assert GatewayConfig(max_request_body_bytes=raw).request_body_limit == effective
+
+
+def test_default_limits() -> None:
+    assert GatewayConfig().response_buffer_limit == 8 * 1024 * 1024
+    assert GatewayConfig().request_body_limit == 32 * 1024 * 1024
+
+
+# --- lookups ----------------------------------------------------------------------------------
+
+
+def test_model_ring_is_first_match() -> None:
+    config = Config(
+        models=ModelsConfig(
+            available=(
+                ModelEntry(name="big", ring="ring-a"),
+                ModelEntry(name="small"),
+                ModelEntry(name="big", ring="ring-b"),
+            )
+        )
+    )
+    assert config.model_ring("big") == "ring-a"
+    assert config.model_ring("small") == ""
+    assert config.model_ring("unknown") == ""
+    assert config.model_ring("BIG") == ""
+
+
+def test_node_lookup() -> None:
+    config = Config(nodes=(NodeConfig(ip="10.0.0.1", name="a"), NodeConfig(ip="10.0.0.2", name="b")))
+    assert config.node("10.0.0.2") == NodeConfig(ip="10.0.0.2", name="b")
+    assert config.node("10.0.0.9") is None
+
+
+# --- builtins round trip ----------------------------------------------------------------------
+
+
+def test_builtins_round_trip(tmp_path: Path) -> None:
+    config = load_config(REPO_ROOT / "config" / "gateway.toml")
+    builtins = config_to_builtins(config)
+    assert builtins["gateway"]["health_interval"] == 3.0
+    assert builtins["nodes"][2] == {
+        "ip": "10.0.0.3",
+        "name": "gpu-node-3",
+        "vllm_port": 8000,
+        "metrics_port": 9100,
+        "ring": "ring-a",
+    }
+    assert config_from_builtins(builtins) == config
+    assert config_from_builtins(msgspec.json.decode(msgspec.json.encode(builtins))) == config
+
+
+def test_round_trip_of_unusual_values(tmp_path: Path) -> None:
+    text = (
+        '[gateway]\nhealth_interval = "1.000000001s"\nprobe_timeout = "1ns"\nmax_buffered_response_bytes = -1\n'
+        '[[nodes]]\nip = "fe80::1"\nname = "nœud ☃"\n'
+    )
+    config = load_text(tmp_path, text)
+    encoded = msgspec.json.encode(config_to_builtins(config))
+    assert config_from_builtins(msgspec.json.decode(encoded)) == config
+
+
+def test_from_builtins_names_the_field() -> None:
+    builtins = config_to_builtins(Config(nodes=(NodeConfig(ip="10.0.0.1"),)))
+    builtins["nodes"][0]["vllm_port"] = "eighty"
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.nodes\[0\]\.vllm_port"):
+        config_from_builtins(builtins)
+
+
+# --- the example config and the summary -------------------------------------------------------
+
+
+def test_example_config_loads() -> None:
+    config = load_config(REPO_ROOT / "config" / "gateway.toml")
+    assert [(node.name, node.ring) for node in config.nodes] == [
+        ("gpu-node-1", ""),
+        ("gpu-node-2", ""),
+        ("gpu-node-3", "ring-a"),
+        ("gpu-node-4", "ring-a"),
+    ]
+    assert all(node.ip.startswith("10.0.0.") for node in config.nodes)
+    assert config.models.default == "Qwen/Qwen2.5-7B-Instruct"
+    assert config.models.available == (
+        ModelEntry(name="Qwen/Qwen2.5-32B-Instruct-Q4", pipeline_stages=2, ring="ring-a"),
+        ModelEntry(name="Qwen/Qwen2.5-7B-Instruct", pipeline_stages=1, ring=""),
+    )
+    assert config.model_ring("Qwen/Qwen2.5-32B-Instruct-Q4") == "ring-a"
+    assert config.gateway.response_buffer_limit == 8388608
+    assert config.gateway.request_body_limit == 33554432
+
+
+def test_example_config_documents_the_limits() -> None:
+    text = (REPO_ROOT / "config" / "gateway.toml").read_text(encoding="utf-8")
+    assert "# max_buffered_response_bytes = 8388608  # 8 MiB; -1 = unlimited" in text
+    assert "# max_request_body_bytes = 33554432  # 32 MiB; no unlimited setting" in text
+    assert "data[].id" in text
+    for key in GatewayConfig.__struct_fields__:
+        assert key in text
+
+
+def test_describe_config() -> None:
+    config = load_config(REPO_ROOT / "config" / "gateway.toml")
+    summary = describe_config(config)
+    for expected in [
+        "example-cluster",
+        ":8000",
+        ":9090",
+        "nodes (4)",
+        "gpu-node-3  10.0.0.3:8000  ring ring-a",
+        "gpu-node-1  10.0.0.1:8000  standalone",
+        "Qwen/Qwen2.5-32B-Instruct-Q4  ring ring-a",
+        "default Qwen/Qwen2.5-7B-Instruct",
+        "every 3s",
+        "3 consecutive failures",
+        "event log: none",
+    ]:
+        assert expected in summary
+    gateway = GatewayConfig(event_log="/tmp/events.jsonl", health_interval=90.0)
+    with_log = Config(nodes=config.nodes, gateway=gateway)
+    assert "event log: /tmp/events.jsonl" in describe_config(with_log)
+    assert "every 1m30s" in describe_config(with_log)
+
+
+# --- listen addresses -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "expected"),
+    [
+        (":8000", ("0.0.0.0", 8000)),
+        ("127.0.0.1:9090", ("127.0.0.1", 9090)),
+        ("localhost:80", ("localhost", 80)),
+        ("[::1]:8000", ("::1", 8000)),
+        ("[::]:8000", ("::", 8000)),
+        (":0", ("0.0.0.0", 0)),
+        (":65535", ("0.0.0.0", 65535)),
+    ],
+)
+def test_parse_listen_address(address: str, expected: tuple[str, int]) -> None:
+    assert parse_listen_address(address) == expected
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("8000", "missing port in address"),
+        ("", "missing port in address"),
+        ("::1:8000", "too many colons in address"),
+        ("[::1]", "missing port in address"),
+        ("[::1]8000", "missing port in address"),
+        ("[::1]:80:80", "too many colons in address"),
+        ("[::1:8000", "missing ']' in address"),
+        ("a[b:80", "unexpected '[' in address"),
+        ("ab]:80", "unexpected ']' in address"),
+        ("host:", 'invalid port ""'),
+        ("host:http", 'invalid port "http"'),
+        ("host:65536", 'invalid port "65536"'),
+        ("host:-1", 'invalid port "-1"'),
+    ],
+)
+def test_parse_listen_address_errors(address: str, why: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_listen_address(address)
+    assert str(caught.value) == f"invalid listen address {go_quote(address)}: {why}"
+
+
+# --- Go durations and quoting -----------------------------------------------------------------
+
+SECOND = 1_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("text", "nanoseconds"),
+    [
+        ("0", 0),
+        ("-0", 0),
+        ("+0", 0),
+        ("0s", 0),
+        ("3s", 3 * SECOND),
+        ("500ms", SECOND // 2),
+        ("1m30s", 90 * SECOND),
+        ("1.5s", 3 * SECOND // 2),
+        ("1h2m3.5s", 3723 * SECOND + SECOND // 2),
+        ("-1.5h", -5400 * SECOND),
+        ("+5m", 300 * SECOND),
+        (".5s", SECOND // 2),
+        ("1.s", SECOND),
+        ("1ns", 1),
+        ("1us", 1000),
+        ("1\u00b5s", 1000),
+        ("1\u03bcs", 1000),
+        ("1ms", 1_000_000),
+        ("1h", 3600 * SECOND),
+        ("1s1s", 2 * SECOND),
+        ("0.1ns", 0),
+        ("9223372036854775807ns", 2**63 - 1),
+        ("-9223372036854775808ns", -(2**63)),
+        ("2562047h47m16.854775807s", 2**63 - 1),
+        ("0.3333333333333333333333h", 1_200_000_000_000),
+    ],
+)
+def test_parse_go_duration(text: str, nanoseconds: int) -> None:
+    assert parse_go_duration(text) == nanoseconds
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", 'time: invalid duration ""'),
+        ("-", 'time: invalid duration "-"'),
+        ("x", 'time: invalid duration "x"'),
+        ("s", 'time: invalid duration "s"'),
+        (".s", 'time: invalid duration ".s"'),
+        ("-.s", 'time: invalid duration "-.s"'),
+        (" 3s", 'time: invalid duration " 3s"'),
+        ("3", 'time: missing unit in duration "3"'),
+        ("1s3", 'time: missing unit in duration "1s3"'),
+        ("00", 'time: missing unit in duration "00"'),
+        ("3x", 'time: unknown unit "x" in duration "3x"'),
+        ("3 s", 'time: unknown unit " s" in duration "3 s"'),
+        ("1d", 'time: unknown unit "d" in duration "1d"'),
+        ("1S", 'time: unknown unit "S" in duration "1S"'),
+        ("1\u00b5", 'time: unknown unit "\\xc2\\xb5" in duration "1\\xc2\\xb5"'),
+        ('1"', 'time: unknown unit "\\"" in duration "1\\""'),
+        ("9223372036854775808ns", 'time: invalid duration "9223372036854775808ns"'),
+        ("2562048h", 'time: invalid duration "2562048h"'),
+        ("99999999999999999999s", 'time: invalid duration "99999999999999999999s"'),
+    ],
+)
+def test_parse_go_duration_errors(text: str, message: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        parse_go_duration(text)
+    assert str(caught.value) == message
+
+
+@pytest.mark.parametrize(
+    ("nanoseconds", "text"),
+    [
+        (0, "0s"),
+        (1, "1ns"),
+        (1_500, "1.5µs"),
+        (1_500_000, "1.5ms"),
+        (3 * SECOND, "3s"),
+        (90 * SECOND, "1m30s"),
+        (3600 * SECOND, "1h0m0s"),
+        (-(3723 * SECOND + SECOND // 2), "-1h2m3.5s"),
+        (-(2**63), "-2562047h47m16.854775808s"),
+    ],
+)
+def test_format_go_duration(nanoseconds: int, text: str) -> None:
+    assert format_go_duration(nanoseconds) == text
+
+
+@given(st.integers(min_value=-(2**63), max_value=2**63 - 1))
+def test_go_duration_round_trip(nanoseconds: int) -> None:
+    assert parse_go_duration(format_go_duration(nanoseconds)) == nanoseconds
+
+
+@given(st.text(max_size=12))
+def test_parse_go_duration_accepts_or_raises_value_error(text: str) -> None:
+    try:
+        parse_go_duration(text)
+    except ValueError as error:
+        assert str(error).startswith("time: ")
+
+
+@pytest.mark.parametrize(
+    ("text", "quoted"),
+    [
+        ("10.0.0.1", '"10.0.0.1"'),
+        ('a"b', '"a\\"b"'),
+        ("a\\b", '"a\\\\b"'),
+        ("tab\there", '"tab\\there"'),
+        ("\x00\x7f", '"\\x00\\x7f"'),
+        ("nœud ☃", '"nœud ☃"'),
+        ("\u00a0", '"\\u00a0"'),
+        ("\U000e0001", '"\\U000e0001"'),
+    ],
+)
+def test_go_quote(text: str, quoted: str) -> None:
+    assert go_quote(text) == quoted
