@@ -324,7 +324,8 @@ def _validate(path: str, config: Config) -> Config:
 
 
 def config_to_builtins(config: Config) -> dict[str, Any]:
-    return msgspec.to_builtins(config)
+    """The config as JSON-shaped builtins (lists, not tuples), equal to what the event log reads back."""
+    return msgspec.json.decode(msgspec.json.encode(config))
 
 
 def config_from_builtins(data: dict[str, Any]) -> Config:

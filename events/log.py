@@ -75,36 +75,54 @@ def read_events(
 ) -> Iterator[Event]:
     """Yield the events of the given segments in order.
 
-    A last line that does not decode is a torn write (a crash): it is skipped and reported
-    through `warn`. Any other bad line raises EventLogError naming the file and line number.
+    A last line that is not even JSON is a torn write (a crash): it is skipped and reported
+    through `warn`. Any other bad line, a complete last line of an unknown event type included,
+    raises EventLogError naming the file and line number.
     """
     for path in expand_log_paths(paths):
-        with open(path, "rb") as segment:
-            lines = segment.read().split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
+        lines = _segment_lines(path)
         last = len(lines)
         for number, line in enumerate(lines, start=1):
             try:
                 yield _decoder.decode(line)
             except msgspec.DecodeError as err:
-                if number == last:
+                if number == last and _is_torn(line):
                     if warn is not None:
                         warn(f"{path}:{number}: skipping torn last line ({err})")
                     continue
                 raise EventLogError(f"{path}:{number}: {err}") from None
 
 
+def _segment_lines(path: Path) -> list[bytes]:
+    with open(path, "rb") as segment:
+        lines = segment.read().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def _is_torn(line: bytes) -> bool:
+    """A line cut short by a crash is never a whole JSON value (an event is an object)."""
+    try:
+        msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return True
+    return False
+
+
 def last_seq(log_path: str | os.PathLike) -> int:
-    """The highest seq recorded in a log (0 if none), so a new run continues the numbering."""
+    """The highest seq recorded in a log (0 if none), so a new run continues the numbering.
+
+    Lines that do not decode are passed over: the seqs of a damaged segment's good lines are
+    still taken, so a new run never reuses them.
+    """
     for segment in reversed(list_segments(log_path)):
         seq = 0
-        try:
-            for event in read_events([segment]):
-                seq = event.seq
-        except EventLogError:
-            # A damaged segment still tells us nothing better than an earlier one would.
-            continue
+        for line in _segment_lines(segment):
+            try:
+                seq = max(seq, _decoder.decode(line).seq)
+            except msgspec.DecodeError:
+                continue
         if seq:
             return seq
     return 0

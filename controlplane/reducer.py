@@ -1,0 +1,304 @@
+"""The reducer: `reduce(state, event) -> (state, step)`, the only place state changes.
+
+Pure and deterministic: no I/O, no clock (time comes from `event.at`), no randomness, no
+logging. The step lists the transitions (plinth's log messages and fields, for the live log,
+metrics and audit) and the effects the runtime must run (data, never callables).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MappingProxyType
+
+import msgspec
+
+from controlplane.config import Config, NodeConfig, config_from_builtins
+from controlplane.logs import log_line
+from controlplane.state import (
+    DEAD,
+    DEGRADED,
+    DISCOVERY_DEGRADED,
+    EXPIRED,
+    KNOWN,
+    KNOWN_EMPTY,
+    OFFLINE_SECONDS,
+    UNTRIED,
+    ClusterState,
+    NodeState,
+    compute_status,
+    node_mapping,
+    with_node,
+)
+from events.types import (
+    ConfigReloaded,
+    Event,
+    GpuScraped,
+    HealthProbed,
+    ModelsListed,
+    ProbeCrashed,
+    ReloadRejected,
+    RunStarted,
+    RunStopped,
+    UpstreamFailed,
+    UpstreamRecovered,
+)
+
+# Kinds of transition, for `interlock audit --kind`.
+RUN = "run"
+RELOAD = "reload"
+HEALTH = "health"
+MODELS = "models"
+OFFLINE = "offline"
+TRANSITION_KINDS = (RUN, RELOAD, HEALTH, MODELS, OFFLINE)
+
+
+class Transition(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of the transition log: plinth's message and fields, stamped with the event."""
+
+    seq: int
+    at: float
+    kind: str
+    level: str
+    msg: str
+    node: str = ""
+    fields: tuple[tuple[str, str], ...] = ()
+
+    def log_line(self) -> str:
+        """plinth's JSON log line (§6) at the event's time, plus `seq`."""
+        return log_line(self.at, self.level, self.msg, (("seq", str(self.seq)),) + self.fields)
+
+
+class Recheck(msgspec.Struct, frozen=True, tag="recheck"):
+    """Probe this node's health once, now (after the data plane found it unreachable)."""
+
+    node: str
+
+
+class StartProbing(msgspec.Struct, frozen=True, tag="start_probing"):
+    node: str
+
+
+class StopProbing(msgspec.Struct, frozen=True, tag="stop_probing"):
+    node: str
+
+
+Effect = Recheck | StartProbing | StopProbing
+
+
+class Step(msgspec.Struct, frozen=True):
+    transitions: tuple[Transition, ...] = ()
+    effects: tuple[Effect, ...] = ()
+
+
+NOTHING = Step()
+
+
+class _StepBuilder:
+    """Collects one event's transitions, stamped with its seq and time."""
+
+    def __init__(self, event: Event):
+        self.event = event
+        self.transitions: list[Transition] = []
+        self.effects: list[Effect] = []
+
+    def log(self, kind: str, level: str, msg: str, node: str = "", **fields: object) -> None:
+        pairs = tuple((key, str(value)) for key, value in fields.items())
+        if node:
+            pairs = (("node", node),) + pairs
+        self.transitions.append(
+            Transition(seq=self.event.seq, at=self.event.at, kind=kind, level=level, msg=msg, node=node, fields=pairs)
+        )
+
+    def step(self) -> Step:
+        return Step(tuple(self.transitions), tuple(self.effects)) if self.transitions or self.effects else NOTHING
+
+
+def reduce(state: ClusterState, event: Event) -> tuple[ClusterState, Step]:
+    """Apply one numbered event; events about unknown nodes change nothing but the seq."""
+    handler = _HANDLERS[type(event)]
+    out = _StepBuilder(event)
+    new_state = handler(msgspec.structs.replace(state, seq=event.seq, at=event.at), event, out)
+    return new_state, out.step()
+
+
+# --- run and reload -------------------------------------------------------------------------
+
+
+def _run_started(state: ClusterState, event: RunStarted, out: _StepBuilder) -> ClusterState:
+    config = config_from_builtins(event.config)
+    out.log(RUN, "info", "starting gateway", cluster=config.cluster.name)
+    out.log(RUN, "info", "config loaded", nodes=len(config.nodes), models=len(config.models.available))
+    out.effects.extend(StartProbing(node.ip) for node in config.nodes)
+    nodes = node_mapping([NodeState.fresh(node) for node in config.nodes])
+    return msgspec.structs.replace(
+        state, version=event.version, config_path=event.config_path, config=config, nodes=nodes
+    )
+
+
+def _config_reloaded(state: ClusterState, event: ConfigReloaded, out: _StepBuilder) -> ClusterState:
+    config = config_from_builtins(event.config)
+    if state.config is not None:
+        for key in ("listen", "metrics_listen"):
+            old, new = getattr(state.config.gateway, key), getattr(config.gateway, key)
+            if old != new:
+                out.log(RELOAD, "warn", f"gateway.{key} changed; requires restart", old=old, new=new)
+    nodes = []
+    for node_config in config.nodes:
+        previous = state.nodes.get(node_config.ip)
+        if previous is None:
+            nodes.append(NodeState.fresh(node_config))
+            out.effects.append(StartProbing(node_config.ip))
+        else:
+            # plinth's NewMonitorWithState: health, discovery and the skip-set carry over.
+            nodes.append(
+                NodeState(
+                    ip=node_config.ip,
+                    name=node_config.name,
+                    ring=node_config.ring,
+                    status=previous.status,
+                    consecutive_failures=previous.consecutive_failures,
+                    models=previous.models,
+                    offline_until=previous.offline_until,
+                )
+            )
+    kept = {node.ip for node in config.nodes}
+    out.effects.extend(StopProbing(ip) for ip in state.nodes if ip not in kept)
+    out.log(RELOAD, "info", "config reloaded", nodes=len(config.nodes), models=len(config.models.available))
+    return msgspec.structs.replace(state, config_path=event.config_path, config=config, nodes=node_mapping(nodes))
+
+
+def _reload_rejected(state: ClusterState, event: ReloadRejected, out: _StepBuilder) -> ClusterState:
+    out.log(RELOAD, "error", "config reload failed; keeping current config", error=event.error)
+    return state
+
+
+def _run_stopped(state: ClusterState, event: RunStopped, out: _StepBuilder) -> ClusterState:
+    out.log(RUN, "info", "gateway stopped")
+    return state
+
+
+# --- health ---------------------------------------------------------------------------------
+
+_STATUS_LEVEL = {DEAD: "error", DEGRADED: "warn"}
+
+
+def _health_probed(state: ClusterState, event: HealthProbed, out: _StepBuilder) -> ClusterState:
+    node = state.nodes.get(event.node)
+    if node is None or state.config is None:
+        return state
+    failures = 0 if event.ok else node.consecutive_failures + 1
+    status = compute_status(failures, state.config.gateway.health_fail_threshold)
+    if status != node.status:
+        detail = {} if event.ok else {"error": _probe_error(event)}
+        out.log(
+            HEALTH,
+            _STATUS_LEVEL.get(status, "info"),
+            "node health changed",
+            node=node.ip,
+            **{"from": node.status, "to": status, "failures": failures},
+            **detail,
+        )
+    updated = msgspec.structs.replace(node, status=status, consecutive_failures=failures, last_check=event.at)
+    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+
+
+def _probe_error(event: HealthProbed) -> str:
+    return event.error or f"health endpoint returned status {event.status}"
+
+
+def _probe_crashed(state: ClusterState, event: ProbeCrashed, out: _StepBuilder) -> ClusterState:
+    if event.node not in state.nodes:
+        return state
+    out.log(HEALTH, "error", "health check panicked", node=event.node, panic=event.error)
+    return state
+
+
+def _gpu_scraped(state: ClusterState, event: GpuScraped, out: _StepBuilder) -> ClusterState:
+    node = state.nodes.get(event.node)
+    if node is None or not event.gpus:
+        return state  # plinth keeps the previous GPUs when a scrape gives no result
+    return msgspec.structs.replace(state, nodes=with_node(state.nodes, msgspec.structs.replace(node, gpus=event.gpus)))
+
+
+# --- model discovery (GH-31) ----------------------------------------------------------------
+
+
+def _models_listed(state: ClusterState, event: ModelsListed, out: _StepBuilder) -> ClusterState:
+    node = state.nodes.get(event.node)
+    if node is None or state.config is None:
+        return state
+    before = node.models
+    after, list_changed = before.apply_result(
+        event.models, event.error, state.config.gateway.health_fail_threshold, event.at
+    )
+    if after.state != before.state:
+        if after.state == KNOWN_EMPTY:
+            out.log(MODELS, "warn", "node reports no models", node=node.ip)
+        elif after.state == DISCOVERY_DEGRADED:
+            out.log(MODELS, "warn", "model discovery failed", node=node.ip, error=after.last_error)
+        elif after.state == EXPIRED:
+            out.log(MODELS, "error", "model discovery expired", node=node.ip, error=after.last_error)
+        elif after.state == KNOWN:
+            msg = "models discovered" if before.state == UNTRIED else "model discovery recovered"
+            out.log(MODELS, "info", msg, node=node.ip, models=",".join(after.names or ()))
+    if list_changed:
+        out.log(MODELS, "info", "node model list changed", node=node.ip, models=",".join(after.names or ()))
+        node_config = state.config.node(node.ip) or NodeConfig(ip=node.ip)
+        for model in configured_models_missing(node_config, after.names or (), state.config):
+            out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
+    updated = msgspec.structs.replace(node, models=after)
+    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+
+
+def configured_models_missing(node: NodeConfig, names: tuple[str, ...], config: Config) -> list[str]:
+    """plinth's warnConfigModelsMissing (§8.5): configured models this node should serve but does not."""
+    missing = []
+    available_names = set()
+    for entry in config.models.available:
+        available_names.add(entry.name)
+        if entry.ring == node.ring and entry.name and entry.name not in names:
+            missing.append(entry.name)
+    default = config.models.default
+    if default and default not in available_names and default not in names:
+        missing.append(default)
+    return missing
+
+
+# --- data-plane observations (the offline skip-set) -----------------------------------------
+
+
+def _upstream_failed(state: ClusterState, event: UpstreamFailed, out: _StepBuilder) -> ClusterState:
+    node = state.nodes.get(event.node)
+    if node is None or node.is_offline(event.at):
+        return state  # plinth's mark() returns false when already offline: no second recheck
+    until = event.at + OFFLINE_SECONDS
+    out.log(OFFLINE, "warn", "node marked offline", node=node.ip, error=event.error, seconds=f"{OFFLINE_SECONDS:g}")
+    out.effects.append(Recheck(node.ip))
+    updated = msgspec.structs.replace(node, offline_until=until)
+    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+
+
+def _upstream_recovered(state: ClusterState, event: UpstreamRecovered, out: _StepBuilder) -> ClusterState:
+    node = state.nodes.get(event.node)
+    if node is None or node.offline_until is None:
+        return state
+    if node.is_offline(event.at):
+        out.log(OFFLINE, "info", "node back online", node=node.ip)
+    updated = msgspec.structs.replace(node, offline_until=None)
+    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+
+
+_HANDLERS: dict[type, Callable[[ClusterState, Event, _StepBuilder], ClusterState]] = {
+    RunStarted: _run_started,
+    ConfigReloaded: _config_reloaded,
+    ReloadRejected: _reload_rejected,
+    RunStopped: _run_stopped,
+    HealthProbed: _health_probed,
+    ProbeCrashed: _probe_crashed,
+    GpuScraped: _gpu_scraped,
+    ModelsListed: _models_listed,
+    UpstreamFailed: _upstream_failed,
+    UpstreamRecovered: _upstream_recovered,
+}
+
+INITIAL_STATE = ClusterState(nodes=MappingProxyType({}))

@@ -1,0 +1,104 @@
+"""Which nodes may serve a model, and why the others may not (plinth §4.3 steps 4-6).
+
+The data plane and `interlock explain` both decide through these functions, so an explanation
+of a recorded moment is the decision the live gateway made.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from controlplane.state import DEAD, DEGRADED, HEALTHY, ClusterState, NodeState
+
+NOT_IN_RING = "not in ring"
+
+
+def ring_pool(state: ClusterState, model: str) -> list[NodeState]:
+    """plinth's filterByRing: the model's ring, else every ring-less node (status not considered)."""
+    ring = state.config.model_ring(model) if state.config is not None else ""
+    return [node for node in state.nodes.values() if node.ring == ring]
+
+
+def filter_by_model(pool: list[NodeState], model: str) -> tuple[list[NodeState], list[tuple[NodeState, str]]]:
+    """GH-31's model filter: the nodes that may serve `model`, and each dropped node with its reason."""
+    kept: list[NodeState] = []
+    dropped: list[tuple[NodeState, str]] = []
+    for node in pool:
+        reason = node.models.exclusion_reason(model)
+        if reason:
+            dropped.append((node, reason))
+        else:
+            kept.append(node)
+    return kept, dropped
+
+
+def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:
+    """plinth's balancer pool: the healthy candidates, else the degraded ones; dead never."""
+    healthy = [node for node in candidates if node.status == HEALTHY]
+    return healthy or [node for node in candidates if node.status == DEGRADED]
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True):
+    ip: str
+    name: str
+    ring: str
+    status: str
+    model_state: str
+    kept: bool
+    reason: str = ""
+    """Why the node is excluded: not in ring, missing, empty, expired, dead or offline."""
+
+
+class RoutePlan(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    ring: str
+    ring_pool: tuple[str, ...]
+    """IPs in the model's ring pool."""
+    candidates: tuple[str, ...]
+    """IPs that pass the model filter: the pool the attempt loop starts from."""
+    pick_pool: tuple[str, ...]
+    """IPs the balancer would pick from right now (empty: the request gets a 503)."""
+    verdicts: tuple[Verdict, ...]
+
+
+def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
+    """Every node's verdict for `model` at time `now`, in plinth's order of filters."""
+    ring = state.config.model_ring(model) if state.config is not None else ""
+    pool = ring_pool(state, model)
+    candidates, dropped = filter_by_model(pool, model)
+    model_reasons = {node.ip: reason for node, reason in dropped}
+    reachable = [node for node in candidates if not node.is_offline(now)]
+    picks = {node.ip for node in balancer_pool(reachable)}
+    verdicts = []
+    for node in state.nodes.values():
+        if node.ring != ring:
+            reason = NOT_IN_RING
+        elif node.ip in model_reasons:
+            reason = model_reasons[node.ip]
+        elif node.status == DEAD:
+            reason = "dead"
+        elif node.is_offline(now):
+            reason = "offline"
+        elif node.ip not in picks:
+            reason = "degraded (healthy nodes preferred)"
+        else:
+            reason = ""
+        verdicts.append(
+            Verdict(
+                ip=node.ip,
+                name=node.name,
+                ring=node.ring,
+                status=node.status,
+                model_state=node.models.state,
+                kept=not reason,
+                reason=reason,
+            )
+        )
+    return RoutePlan(
+        model=model,
+        ring=ring,
+        ring_pool=tuple(node.ip for node in pool),
+        candidates=tuple(node.ip for node in candidates),
+        pick_pool=tuple(node.ip for node in state.nodes.values() if node.ip in picks),
+        verdicts=tuple(verdicts),
+    )
