@@ -1,0 +1,204 @@
+"""The `interlock` command line.
+
+    interlock check-config PATH
+    interlock replay LOG… [--until-seq N | --at TIME] [--json]
+    interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
+    interlock audit LOG… [--node IP] [--since T] [--until T] [--kind KIND[,KIND]]
+
+A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
+(a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
+0 ok, 2 bad input (arguments, config, log), 3 `explain` found no node to route to. Errors are one
+line on stderr naming the culprit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable
+
+import msgspec
+
+from controlplane.config import ConfigError, describe_config, load_config
+from controlplane.replay import (
+    audit,
+    explain,
+    explanation_to_builtins,
+    parse_kinds,
+    parse_time,
+    render_explanation,
+    render_state,
+    replay,
+    state_to_builtins,
+)
+from events.log import EventLogError
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+EXIT_NO_NODE = 3
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("interlock")
+    except importlib.metadata.PackageNotFoundError:
+        return "dev"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (`interlock replay: error: …`) and exit code 2."""
+
+    def error(self, message: str) -> None:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message}\n")
+
+
+def _argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from a parser raising ValueError, keeping the ValueError's message."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    return convert
+
+
+def _print_json(data: object) -> None:
+    print(msgspec.json.format(msgspec.json.encode(data), indent=2).decode())
+
+
+def _warner(args: argparse.Namespace) -> Callable[[str], None]:
+    """Reports a skipped torn line on stderr; the command carries on."""
+    return lambda message: print(f"{args.prog}: warning: {message}", file=sys.stderr)
+
+
+# --- check-config ----------------------------------------------------------------------------
+
+
+def add_check_config(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("check-config", help="validate a config file and summarize it")
+    parser.add_argument("path", metavar="PATH", help="the gateway's TOML config file")
+    parser.set_defaults(run=run_check_config)
+
+
+def run_check_config(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.path)
+    except ConfigError as err:
+        print(err, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print("ok")
+    print(describe_config(config))
+    return EXIT_OK
+
+
+# --- replay, explain, audit ------------------------------------------------------------------
+
+
+def _add_log_arguments(parser: argparse.ArgumentParser, *, moment: bool) -> None:
+    parser.add_argument(
+        "logs", nargs="+", metavar="LOG", help="event log segments in order, or a log's name for all its segments"
+    )
+    if moment:
+        when = parser.add_mutually_exclusive_group()
+        when.add_argument("--until-seq", type=int, metavar="N", help="stop after the event numbered N")
+        when.add_argument(
+            "--at", type=_argument_type(parse_time), metavar="TIME", help="the moment (RFC 3339 or UNIX seconds)"
+        )
+        parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def add_replay(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("replay", help="rebuild the cluster state recorded in an event log")
+    _add_log_arguments(parser, moment=True)
+    parser.set_defaults(run=run_replay)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
+    now = result.moment(args.at)
+    if args.json:
+        _print_json(state_to_builtins(result, now))
+    else:
+        print(render_state(result, now))
+    return EXIT_OK
+
+
+def add_explain(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("explain", help="show where a request for a model would have gone, and why")
+    _add_log_arguments(parser, moment=True)
+    parser.add_argument("--model", required=True, metavar="M", help="the requested model, exactly as sent")
+    parser.set_defaults(run=run_explain)
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
+    explanation = explain(result, args.model, args.at)
+    if args.json:
+        _print_json(explanation_to_builtins(explanation))
+    else:
+        print(render_explanation(explanation))
+    return EXIT_NO_NODE if explanation.refusal else EXIT_OK
+
+
+def add_audit(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("audit", help="print the transition log lines the live gateway printed")
+    _add_log_arguments(parser, moment=False)
+    parser.add_argument("--node", metavar="IP", help="only transitions of this node")
+    parser.add_argument("--since", type=_argument_type(parse_time), metavar="T", help="only from this time on")
+    parser.add_argument("--until", type=_argument_type(parse_time), metavar="T", help="only up to this time")
+    parser.add_argument(
+        "--kind",
+        dest="kinds",
+        action="extend",
+        type=_argument_type(parse_kinds),
+        metavar="KIND[,KIND]",
+        help="only these kinds: run, reload, health, models, offline",
+    )
+    parser.set_defaults(run=run_audit)
+
+
+def run_audit(args: argparse.Namespace) -> int:
+    result = replay(args.logs, warn=_warner(args))
+    lines = audit(result.transitions, node=args.node, since=args.since, until=args.until, kinds=args.kinds)
+    sys.stdout.write("".join(transition.log_line() + "\n" for transition in lines))
+    return EXIT_OK
+
+
+# --- the program -----------------------------------------------------------------------------
+
+SUBCOMMANDS = [add_check_config, add_replay, add_explain, add_audit]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="interlock", description="An event-sourced gateway for LLM inference clusters.")
+    parser.add_argument("--version", action="version", version=f"interlock {package_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add_subcommand in SUBCOMMANDS:
+        add_subcommand(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # --help, --version, or a usage error already reported
+        return exit.code
+    args.prog = f"interlock {args.command}"
+    try:
+        return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`interlock audit … | head`): stop quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (EventLogError, OSError) as err:
+        print(f"{args.prog}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

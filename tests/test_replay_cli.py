@@ -1,0 +1,473 @@
+"""Replay, explain and audit through the `interlock` CLI, on the recorded scenario log.
+
+The scenario (fixtures/scenarios.py) in short: 10.0.0.1 is offline at 27-33 s and from 117 s on,
+10.0.0.2 goes known_empty at seq 100, 10.0.0.3 dies (degraded seq 159, dead seq 184), 10.0.0.4's
+listing expires (seq 145), 10.0.0.5 is reloaded in at seq 98 and discovered at seq 111.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from controlplane.config import Config, ModelsConfig, NodeConfig, config_from_builtins, config_to_builtins
+from controlplane.replay import audit, parse_time, replay
+from dataplane.cli import main
+from events.log import decode_event, encode_event
+from events.types import EVENT_TYPES, HealthProbed, ProbeCrashed, RunStarted
+from fixtures import scenarios
+
+SCENARIO = scenarios.SCENARIO_PATH
+START = scenarios.START
+MODEL_7B = scenarios.MODEL_7B
+MODEL_32B = scenarios.MODEL_32B
+MODEL_8B = scenarios.MODEL_8B
+
+
+def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
+    code = main([str(arg) for arg in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def parse_table(out: str, first_heading: str = "NODE") -> dict[str, dict[str, str]]:
+    """The table after the heading line starting with `first_heading`, as {ip: {heading: cell}}."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first_heading + " "))
+    headings = lines[start].split()
+    starts = [lines[start].index(heading) for heading in headings]
+    rows = {}
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        cells = [line[begin:end].strip() for begin, end in zip(starts, starts[1:] + [None])]
+        rows[cells[0]] = dict(zip(headings, cells))
+    return rows
+
+
+def one_error_line(err: str) -> str:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# --- the recorded scenario -------------------------------------------------------------------
+
+
+def test_regenerating_the_scenario_gives_the_committed_file():
+    assert b"".join(scenarios.scenario_lines()) == SCENARIO.read_bytes()
+
+
+def test_scenario_is_in_the_event_logs_wire_format():
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    events = [decode_event(line) for line in lines]
+    assert [encode_event(event) for event in events] == lines
+    assert [event.seq for event in events] == list(range(1, len(events) + 1))
+    assert all(earlier.at < later.at for earlier, later in zip(events, events[1:]))
+    assert {type(event) for event in events} == set(EVENT_TYPES) - {ProbeCrashed}
+    run = events[0]
+    assert isinstance(run, RunStarted)
+    assert msgspec.json.encode(config_to_builtins(config_from_builtins(run.config))) == msgspec.json.encode(run.config)
+    assert len(lines) < 400
+
+
+# --- replay ----------------------------------------------------------------------------------
+
+
+def test_replay_table_shows_the_final_state(capsys):
+    code, out, err = run_cli(capsys, "replay", SCENARIO)
+    assert (code, err) == (0, "")
+    assert out.startswith("state after seq 269 (2026-01-02T03:06:06Z), 269 events\n")
+    rows = parse_table(out)
+    assert list(rows) == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]
+    assert {ip: row["STATUS"] for ip, row in rows.items()} == {
+        "10.0.0.1": "healthy",
+        "10.0.0.2": "healthy",
+        "10.0.0.3": "dead",
+        "10.0.0.4": "healthy",
+        "10.0.0.5": "healthy",
+    }
+    assert {ip: row["MODELS"] for ip, row in rows.items()} == {
+        "10.0.0.1": "known",
+        "10.0.0.2": "known_empty",
+        "10.0.0.3": "known",
+        "10.0.0.4": "expired",
+        "10.0.0.5": "known",
+    }
+    assert rows["10.0.0.5"]["NAMES"] == f"{MODEL_7B},{MODEL_8B}"
+    assert rows["10.0.0.2"]["NAMES"] == "-"
+    assert rows["10.0.0.3"]["RING"] == "ring-a"
+    assert rows["10.0.0.1"]["RING"] == "standalone"
+    assert rows["10.0.0.3"]["FAILURES"] == "10"
+    assert rows["10.0.0.1"]["OFFLINE"] == "until 2026-01-02T03:06:12Z (6.0s left)"
+    assert rows["10.0.0.2"]["OFFLINE"] == "-"
+    assert rows["10.0.0.2"]["CHECKED"] == "0.4s ago"
+
+
+def test_until_seq_gives_the_earlier_state(capsys):
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--until-seq", 97)
+    assert code == 0
+    assert out.startswith("state after seq 97 ")
+    rows = parse_table(out)
+    assert list(rows) == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]  # before the reload
+    assert {row["MODELS"] for row in rows.values()} == {"known"}
+    assert {row["STATUS"] for row in rows.values()} == {"healthy"}
+
+
+@pytest.mark.parametrize(
+    "moment",
+    ["2026-01-02T03:04:35Z", "2026-01-02T05:04:35+02:00", "2026-01-02t03:04:35.000z", str(START + 30)],
+)
+def test_at_gives_the_state_at_that_time_in_any_time_form(capsys, moment):
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--at", moment)
+    assert code == 0
+    assert out.startswith("state after seq 59 (2026-01-02T03:04:32Z), 59 events, seen at 2026-01-02T03:04:35Z\n")
+    rows = parse_table(out)
+    assert rows["10.0.0.1"]["OFFLINE"] == "until 2026-01-02T03:04:42Z (7.0s left)"
+
+
+def test_json_matches_the_replayed_state(capsys):
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--until-seq", 150, "--json")
+    assert code == 0
+    data = json.loads(out)
+    result = replay([SCENARIO], until_seq=150)
+    assert (data["seq"], data["at"], data["now"], data["event_count"]) == (150, result.last_at, result.last_at, 150)
+    assert config_from_builtins(data["config"]) == result.state.config
+    assert [node["ip"] for node in data["nodes"]] == list(result.state.nodes)
+    for node in data["nodes"]:
+        state = result.state.nodes[node["ip"]]
+        assert node["status"] == state.status
+        assert node["consecutive_failures"] == state.consecutive_failures
+        assert node["last_check"] == state.last_check
+        assert node["models"]["state"] == state.models.state
+        assert node["models"]["names"] == (list(state.models.names) if state.models.names else None)
+        assert node["offline"] is False
+    assert data["nodes"][3]["models"]["state"] == "expired"
+
+
+def test_empty_log_has_no_state(capsys, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    code, out, _ = run_cli(capsys, "replay", empty)
+    assert code == 0
+    assert "no events" in out
+
+
+# --- explain ---------------------------------------------------------------------------------
+
+
+def verdicts(out: str) -> dict[str, str]:
+    return {ip: row["VERDICT"] for ip, row in parse_table(out).items()}
+
+
+def test_explain_standalone_model(capsys):
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_7B)
+    assert code == 0
+    assert "moment     2026-01-02T03:06:06Z, after event seq 269\n" in out
+    assert "ring       standalone\n" in out
+    assert "ring pool  10.0.0.1, 10.0.0.2, 10.0.0.5\n" in out
+    assert "pick pool  10.0.0.5\n" in out
+    assert verdicts(out) == {
+        "10.0.0.1": "excluded: offline",
+        "10.0.0.2": "excluded: empty",
+        "10.0.0.3": "excluded: not in ring",
+        "10.0.0.4": "excluded: not in ring",
+        "10.0.0.5": "kept",
+    }
+
+
+def test_explain_ring_model_nobody_can_serve_exits_3(capsys):
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_32B)
+    assert code == 3
+    assert "ring       ring-a\n" in out
+    assert "pick pool  none\n" in out
+    assert verdicts(out) == {
+        "10.0.0.1": "excluded: not in ring",
+        "10.0.0.2": "excluded: not in ring",
+        "10.0.0.3": "excluded: dead",
+        "10.0.0.4": "excluded: expired",
+        "10.0.0.5": "excluded: not in ring",
+    }
+    assert out.rstrip().endswith('the gateway answers 503 "no reachable node available"')
+
+
+def test_explain_unconfigured_model_uses_the_standalone_pool(capsys):
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_8B)
+    assert code == 0
+    assert verdicts(out)["10.0.0.1"] == "excluded: missing"
+    assert verdicts(out)["10.0.0.5"] == "kept"
+
+
+def test_explain_model_nobody_serves_exits_3_with_the_503_text(capsys):
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", "nobody/serves-this")
+    assert code == 3
+    assert set(verdicts(out).values()) == {"excluded: missing", "excluded: empty", "excluded: not in ring"}
+    assert out.rstrip().endswith(
+        'no node in the ring pool serves this model: the gateway answers 503 "no healthy node available"'
+    )
+
+
+def test_explain_at_an_earlier_moment(capsys):
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_7B, "--at", "2026-01-02T03:04:36Z")
+    assert code == 0
+    assert verdicts(out) == {
+        "10.0.0.1": "excluded: offline",
+        "10.0.0.2": "kept",
+        "10.0.0.3": "excluded: not in ring",
+        "10.0.0.4": "excluded: not in ring",
+    }
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_32B, "--until-seq", 160)
+    assert code == 0
+    assert verdicts(out)["10.0.0.3"] == "kept"  # degraded, but the only candidate
+    assert verdicts(out)["10.0.0.4"] == "excluded: expired"
+
+
+def test_explain_json(capsys):
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_32B, "--json")
+    assert code == 3
+    data = json.loads(out)
+    assert data["seq"] == 269
+    assert data["ring"] == "ring-a"
+    assert data["ring_pool"] == ["10.0.0.3", "10.0.0.4"]
+    assert data["candidates"] == ["10.0.0.3"]
+    assert data["pick_pool"] == []
+    assert data["refusal"] == "no reachable node available"
+    assert {v["ip"]: v["reason"] for v in data["verdicts"]}["10.0.0.4"] == "expired"
+
+
+# --- audit -----------------------------------------------------------------------------------
+
+
+def test_audit_prints_the_transition_log_lines(capsys):
+    code, out, _ = run_cli(capsys, "audit", SCENARIO)
+    assert code == 0
+    expected = [transition.log_line() for transition in replay([SCENARIO]).transitions]
+    assert out.splitlines() == expected
+    assert len(expected) == 25
+    first = json.loads(expected[0])
+    assert first == {
+        "cluster": "lab-cluster",
+        "level": "info",
+        "msg": "starting gateway",
+        "seq": "1",
+        "timestamp": "2026-01-02T03:04:05Z",
+    }
+
+
+def test_audit_filters_by_node_and_kind(capsys):
+    code, out, _ = run_cli(capsys, "audit", SCENARIO, "--node", "10.0.0.3", "--kind", "health")
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["from"], r["to"], r["seq"]) for r in records] == [
+        ("healthy", "degraded", "159"),
+        ("degraded", "dead", "184"),
+    ]
+
+    code, out, _ = run_cli(capsys, "audit", SCENARIO, "--kind", "offline,reload")
+    messages = [json.loads(line)["msg"] for line in out.splitlines()]
+    assert messages == [
+        "node marked offline",
+        "config reload failed; keeping current config",
+        "node back online",
+        "config reloaded",
+        "node marked offline",
+    ]
+    _, repeated, _ = run_cli(capsys, "audit", SCENARIO, "--kind", "offline", "--kind", "reload")
+    assert repeated == out
+
+
+def test_audit_filters_by_time(capsys):
+    code, out, _ = run_cli(capsys, "audit", SCENARIO, "--since", "2026-01-02T03:05:00Z", "--until", START + 75)
+    assert code == 0
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["seq"] for r in records] == ["111", "111", "120", "145"]
+    transitions = replay([SCENARIO]).transitions
+    expected = audit(transitions, since=START + 55, until=START + 75)
+    assert out.splitlines() == [t.log_line() for t in expected]
+
+
+# --- check-config ----------------------------------------------------------------------------
+
+VALID_CONFIG = """
+[cluster]
+name = "test-cluster"
+
+[[nodes]]
+ip = "10.0.0.1"
+name = "gpu-node-1"
+
+[models]
+default = "m"
+"""
+
+
+def test_check_config_ok(capsys, tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(VALID_CONFIG)
+    code, out, err = run_cli(capsys, "check-config", path)
+    assert (code, err) == (0, "")
+    assert out.startswith("ok\ncluster: test-cluster\n")
+    assert "gpu-node-1  10.0.0.1:8000  standalone" in out
+
+
+def test_check_config_error_exits_2_with_the_message(capsys, tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text('[cluster]\nname = "no nodes"\n')
+    code, out, err = run_cli(capsys, "check-config", path)
+    assert (code, out) == (2, "")
+    assert one_error_line(err) == f"{path}: nodes: at least one node must be configured"
+
+
+# --- bad input -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, culprit",
+    [
+        (["replay", "missing.jsonl"], "missing.jsonl: no such event log or segment"),
+        (["replay", SCENARIO, "--at", "yesterday"], "argument --at: invalid time 'yesterday'"),
+        (["replay", SCENARIO, "--at", "2026-01-02T03:04:05"], "expected RFC 3339"),
+        (["explain", SCENARIO, "--model", "m", "--at", "2026-02-30T00:00:00Z"], "day is out of range"),
+        (["audit", SCENARIO, "--since", "noon"], "argument --since: invalid time 'noon'"),
+        (["audit", SCENARIO, "--kind", "health,bogus"], "unknown kind 'bogus' (kinds: run, reload, health, models,"),
+        (["replay", SCENARIO, "--until-seq", "3", "--at", "1"], "not allowed with argument"),
+        (["replay", SCENARIO, "--until-seq", "many"], "argument --until-seq: invalid int value: 'many'"),
+        (["explain", SCENARIO], "the following arguments are required: --model"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_clear_line(capsys, argv, culprit):
+    code, out, err = run_cli(capsys, *argv)
+    assert (code, out) == (2, "")
+    line = one_error_line(err)
+    assert line.startswith("interlock")
+    assert culprit in line
+
+
+def test_bad_line_in_the_middle_names_file_and_line(capsys, tmp_path):
+    log = tmp_path / "events.jsonl"
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    lines[9] = b'{"type":"no_such_event","at":1.0,"seq":10}\n'
+    log.write_bytes(b"".join(lines))
+    code, out, err = run_cli(capsys, "audit", log)
+    assert (code, out) == (2, "")
+    assert one_error_line(err).startswith(f"interlock audit: error: {log}:10: ")
+
+
+def test_config_that_does_not_fit_the_schema_is_a_clear_error(capsys, tmp_path):
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(encode_event(RunStarted(at=START, seq=1, version="x", config_path="c", config={"nodes": "many"})))
+    code, _, err = run_cli(capsys, "replay", log)
+    assert code == 2
+    assert "event seq 1: its config does not fit the schema" in one_error_line(err)
+
+
+def test_torn_last_line_is_a_warning(capsys, tmp_path):
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(SCENARIO.read_bytes() + b'{"type":"health_probe","node":"10.0')
+    code, out, err = run_cli(capsys, "replay", log)
+    assert code == 0
+    assert one_error_line(err).startswith(f"interlock replay: warning: {log}:270: skipping torn last line")
+    _, intact, _ = run_cli(capsys, "replay", SCENARIO)
+    assert out == intact
+
+
+# --- several segments and runs ---------------------------------------------------------------
+
+
+def write_segments(folder: Path, chunks: list[list[bytes]]) -> list[Path]:
+    paths = []
+    for number, chunk in enumerate(chunks, start=1):
+        path = folder / f"events.{number:06d}.jsonl"
+        path.write_bytes(b"".join(chunk))
+        paths.append(path)
+    return paths
+
+
+def test_segments_are_read_in_order(capsys, tmp_path):
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    segments = write_segments(tmp_path, [lines[:100], lines[100:101], lines[101:]])
+    _, whole, _ = run_cli(capsys, "audit", SCENARIO)
+    code, by_name, _ = run_cli(capsys, "audit", tmp_path / "events.jsonl")
+    assert code == 0
+    assert by_name == whole
+    _, listed, _ = run_cli(capsys, "audit", *segments)
+    assert listed == whole
+    _, table, _ = run_cli(capsys, "replay", tmp_path / "events.jsonl")
+    _, whole_table, _ = run_cli(capsys, "replay", SCENARIO)
+    assert table == whole_table
+
+
+def test_a_new_run_starts_from_a_fresh_state(capsys, tmp_path):
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    config = Config(nodes=(NodeConfig(ip="10.0.0.9", name="fresh"), NodeConfig(ip="10.0.0.3")), models=ModelsConfig())
+    second_run = [
+        RunStarted(at=START + 600, seq=270, version="0.2.0", config_path="new.toml", config=config_to_builtins(config)),
+        HealthProbed(at=START + 601, seq=271, node="10.0.0.9", ok=True, status=200),
+    ]
+    write_segments(tmp_path, [lines, [encode_event(event) for event in second_run]])
+    code, out, _ = run_cli(capsys, "replay", tmp_path / "events.jsonl")
+    assert code == 0
+    assert "run: interlock 0.2.0, config new.toml" in out
+    rows = parse_table(out)
+    assert list(rows) == ["10.0.0.3", "10.0.0.9"]
+    assert rows["10.0.0.3"]["STATUS"] == "healthy"  # dead in the first run; this run starts afresh
+    assert rows["10.0.0.3"]["MODELS"] == "untried"
+    assert rows["10.0.0.3"]["CHECKED"] == "never"
+    assert rows["10.0.0.9"]["CHECKED"] == "0.0s ago"
+
+
+# --- time arguments, version, the installed command ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("2026-01-02T03:04:05Z", START),
+        ("2026-01-02T03:04:05.25Z", START + 0.25),
+        ("2026-01-02T04:34:05+01:30", START),
+        ("2026-01-01T23:04:05-04:00", START),
+        ("2026-01-02 03:04:05z", START),
+        ("1767323045", START),
+        ("1767323045.5", START + 0.5),
+    ],
+)
+def test_parse_time_accepts_rfc3339_and_unix_seconds(text, expected):
+    assert parse_time(text) == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "text", ["", "now", "2026-01-02", "2026-01-02T03:04:05", "2026-01-02T25:00:00Z", "-5", "1e9"]
+)
+def test_parse_time_rejects_anything_else(text):
+    with pytest.raises(ValueError, match="invalid time"):
+        parse_time(text)
+
+
+def test_version(capsys):
+    code, out, _ = run_cli(capsys, "--version")
+    assert code == 0
+    assert out == f"interlock {importlib.metadata.version('interlock')}\n"
+
+
+def interlock_command() -> list[str]:
+    script = Path(sys.executable).parent / "interlock"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dataplane.cli"]
+
+
+def test_the_installed_command(capsys):
+    _, expected, _ = run_cli(capsys, "explain", SCENARIO, "--model", "nobody/serves-this")
+    finished = subprocess.run(
+        interlock_command() + ["explain", str(SCENARIO), "--model", "nobody/serves-this"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (finished.returncode, finished.stdout, finished.stderr) == (3, expected, "")
