@@ -1,0 +1,319 @@
+"""Probes: the effects that turn a node's HTTP answers into events (plinth §2.2, §8.3).
+
+Every probe is one `GET` through `ProbeClient.get`, the single place that talks HTTP: one shared
+client (a connection pool per node), one deadline covering connect and read, and a hard cap on
+the body (plinth follow-up #39), so a hung or hostile node can cost neither time nor memory
+beyond its bounds. Swapping in a leaner client for 1,000-node clusters means replacing that
+one class.
+
+The probe functions never raise (cancellation aside): a transport or parse failure is part of
+the event they return, and `check_node` turns any unexpected exception into a ProbeCrashed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import ssl
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import httpx
+import trio
+
+from controlplane.config import NodeConfig
+from events.types import GpuSample, GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""Largest response body a probe reads (#39); a larger one is a probe error."""
+
+KEEPALIVE_SECONDS = 60.0
+"""How long an idle connection to a node is kept for the next probe (longer than a health interval)."""
+
+Clock = Callable[[], float]
+
+
+class ProbeError(Exception):
+    """A probe that got no usable answer; the text goes into the event."""
+
+
+class ProbeResponse(NamedTuple):
+    status: int
+    body: bytes
+
+
+class ProbeClient:
+    """The probes' HTTP client: `GET url` within a deadline, reading at most `max_body_bytes`.
+
+    One instance (one httpx.AsyncClient, trio backend) serves every probe of every node, over
+    a connection pool per node (see `_PoolPerNode`).
+    """
+
+    def __init__(self, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.max_body_bytes = max_body_bytes
+        self._pools = _PoolPerNode()
+        self._client = httpx.AsyncClient(
+            transport=self._pools,
+            timeout=None,  # `get` bounds the whole exchange with its own deadline
+            headers={"Accept-Encoding": "identity", "User-Agent": "interlock-probe"},
+            trust_env=False,  # a proxy from the environment must never sit between us and the nodes
+        )
+
+    async def __aenter__(self) -> ProbeClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def forget(self, host: str) -> None:
+        """Close the connections to a node that is no longer probed."""
+        await self._pools.drop(host)
+
+    async def get(self, url: str, timeout: float) -> ProbeResponse:
+        """The status and body of `GET url`; raises ProbeError on a transport failure, when
+        connecting and reading take longer than `timeout` seconds, or when the body is too big
+        (then the connection is dropped unread)."""
+        with trio.move_on_after(timeout):
+            try:
+                async with self._client.stream("GET", url) as response:
+                    return ProbeResponse(response.status_code, await self._read_body(response))
+            except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
+                raise ProbeError(f'Get "{url}": {str(exc) or type(exc).__name__}') from None
+        raise ProbeError(f'Get "{url}": timed out after {timeout:g}s')
+
+    async def _read_body(self, response: httpx.Response) -> bytes:
+        too_big = ProbeError(f"response body exceeds {self.max_body_bytes} bytes")
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        return bytes(body)
+
+
+class _PoolPerNode(httpx.AsyncBaseTransport):
+    """A connection pool per node rather than one for the cluster.
+
+    httpcore's pool scans all of its connections and queued requests on every request and
+    response; with one pool for every node that work grows with the square of the cluster
+    (measured: 50 nodes probed every second saturated a core and fell behind). A node's own
+    pool holds at most three connections (health, model listing, GPU exporter).
+    """
+
+    def __init__(self) -> None:
+        self._ssl_context = ssl.create_default_context()  # probes are plain HTTP; built once, shared
+        self._limits = httpx.Limits(max_connections=None, max_keepalive_connections=4, keepalive_expiry=KEEPALIVE_SECONDS)
+        self._pools: dict[str, httpx.AsyncHTTPTransport] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        pool = self._pools.get(host)
+        if pool is None:
+            pool = self._pools[host] = httpx.AsyncHTTPTransport(verify=self._ssl_context, limits=self._limits)
+        return await pool.handle_async_request(request)
+
+    async def drop(self, host: str) -> None:
+        pool = self._pools.pop(host, None)
+        if pool is not None:
+            await pool.aclose()
+
+    async def aclose(self) -> None:
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+
+def node_url(ip: str, port: int, path: str) -> str:
+    host = f"[{ip}]" if ":" in ip else ip
+    return f"http://{host}:{port}{path}"
+
+
+# --- health and GPU metrics (one health check) ----------------------------------------------
+
+
+async def check_node(
+    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock
+) -> tuple[HealthProbed, GpuScraped] | tuple[ProbeCrashed]:
+    """One health check as plinth runs it: `/health`, then the GPU scrape.
+
+    Returns (HealthProbed, GpuScraped), or (ProbeCrashed,) if anything raised unexpectedly:
+    plinth's recovered panic, which leaves the node's health untouched.
+    """
+    try:
+        health = await probe_health(client, node, timeout=timeout, now=now)
+        gpus = await scrape_gpus(client, node, timeout=timeout, now=now)
+    except Exception as exc:
+        return (ProbeCrashed(at=now(), node=node.ip, error=f"{type(exc).__name__}: {exc}"),)
+    return (health, gpus)
+
+
+async def probe_health(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> HealthProbed:
+    """`GET /health` on the vLLM port: healthy iff it answers 200."""
+    started = trio.current_time()
+    try:
+        response = await client.get(node_url(node.ip, node.vllm_port, "/health"), timeout)
+    except ProbeError as exc:
+        return HealthProbed(at=now(), node=node.ip, ok=False, error=str(exc), latency=_since(started))
+    return HealthProbed(
+        at=now(), node=node.ip, ok=response.status == 200, status=response.status, latency=_since(started)
+    )
+
+
+def _since(started: float) -> float:
+    return round(trio.current_time() - started, 6)
+
+
+async def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> GpuScraped:
+    """`GET /metrics` on the gpu-exporter port; `gpus` is empty when the scrape gave no result."""
+    try:
+        response = await client.get(node_url(node.ip, node.metrics_port, "/metrics"), timeout)
+    except ProbeError as exc:
+        return GpuScraped(at=now(), node=node.ip, error=str(exc))
+    if response.status != 200:
+        return GpuScraped(at=now(), node=node.ip, error=f"metrics endpoint returned status {response.status}")
+    return GpuScraped(at=now(), node=node.ip, gpus=parse_gpu_metrics(response.body))
+
+
+_GPU_FIELDS = {
+    "gpu_memory_used_bytes": "memory_used",
+    "gpu_memory_total_bytes": "memory_total",
+    "gpu_utilization_percent": "utilization",
+    "gpu_temperature_celsius": "temperature",
+}
+_INT64_MAX = 2**63 - 1
+
+
+def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
+    """plinth's scrape parser (§2.2): `name{…gpu="UUID"…} value` lines, by GPU in order of
+    first appearance. A line with an unknown metric name still creates its GPU's entry."""
+    gpus: dict[str, dict[str, int]] = {}
+    for line in body.decode("utf-8", "replace").split("\n"):
+        fields = line.split()
+        if len(fields) != 2 or fields[0].startswith("#"):
+            continue
+        token, text = fields
+        value = _parse_go_float(text)
+        uuid = _gpu_label(token)
+        if value is None or not uuid:
+            continue
+        sample = gpus.setdefault(uuid, {})
+        field = _GPU_FIELDS.get(token.partition("{")[0])
+        if field is not None and math.isfinite(value):
+            sample[field] = max(-_INT64_MAX - 1, min(_INT64_MAX, int(value)))  # Go's int64(f) truncates
+    return tuple(GpuSample(uuid=uuid, **values) for uuid, values in gpus.items())
+
+
+def _parse_go_float(text: str) -> float | None:
+    """strconv.ParseFloat for the decimal forms (Go rejects the underscores Python allows)."""
+    if "_" in text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def _gpu_label(token: str) -> str:
+    start = token.find('gpu="')
+    if start < 0:
+        return ""
+    value, closed, _ = token[start + 5 :].partition('"')
+    return value if closed else ""
+
+
+# --- model discovery (GH-31) ----------------------------------------------------------------
+
+
+async def list_models(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> ModelsListed:
+    """`GET /v1/models`: the ids the node serves, in its order, or None and the error (§8.3)."""
+    try:
+        response = await client.get(node_url(node.ip, node.vllm_port, "/v1/models"), timeout)
+        if response.status != 200:
+            raise ProbeError(f"models endpoint returned status {response.status}")
+        models = parse_model_list(response.body)
+    except ProbeError as exc:
+        return ModelsListed(at=now(), node=node.ip, error=str(exc))
+    except Exception as exc:  # a bug must cost one listing, never the discovery loop
+        return ModelsListed(at=now(), node=node.ip, error=f"model listing crashed: {type(exc).__name__}: {exc}")
+    return ModelsListed(at=now(), node=node.ip, models=models)
+
+
+MISSING_DATA = "parse model list: missing data field"
+
+_JSON_WHITESPACE = " \t\n\r"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"invalid character {name[0]!r} looking for beginning of value")
+
+
+_json_decoder = json.JSONDecoder(parse_constant=_reject_constant)
+
+
+def parse_model_list(body: bytes) -> tuple[str, ...]:
+    """The ids of an OpenAI model list, as plinth decodes it with Go's encoding/json.
+
+    Only the first JSON value counts (trailing bytes are ignored); a body without `data` (or
+    with `data: null`) is an error, so an error object on HTTP 200 is never an empty list;
+    an item without `id` gives "". Keys match case-insensitively, the last match winning, as
+    in Go. Raises ProbeError("parse model list: …").
+    """
+    text = body.decode("utf-8", "replace")
+    start = len(text) - len(text.lstrip(_JSON_WHITESPACE))
+    if start == len(text):
+        raise ProbeError("parse model list: EOF")
+    try:
+        document, _ = _json_decoder.raw_decode(text, start)
+    except (ValueError, RecursionError) as exc:
+        raise ProbeError(f"parse model list: {exc}") from None
+    if document is not None and not isinstance(document, dict):
+        raise ProbeError(f"parse model list: cannot decode {_json_kind(document)} into the model list object")
+    data = _field(document, "data") if document is not None else None
+    if data is None:
+        raise ProbeError(MISSING_DATA)
+    if not isinstance(data, list):
+        raise ProbeError(f"parse model list: data is {_json_kind(data)}, not an array")
+    ids = []
+    for index, item in enumerate(data):
+        if item is not None and not isinstance(item, dict):
+            raise ProbeError(f"parse model list: data[{index}] is {_json_kind(item)}, not an object")
+        model_id = _field(item, "id") if item is not None else None
+        if model_id is not None and not isinstance(model_id, str):
+            raise ProbeError(f"parse model list: data[{index}].id is {_json_kind(model_id)}, not a string")
+        ids.append(_without_lone_surrogates(model_id or ""))
+    return tuple(ids)
+
+
+def _field(document: dict[str, Any], name: str) -> Any:
+    """Go's rule: a key matches case-insensitively, and the last match wins."""
+    value = None
+    for key, item in document.items():
+        if key.lower() == name:
+            value = item
+    return value
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """A `\\ud800` escape becomes U+FFFD, as in Go; left in, it could never be encoded as UTF-8
+    (in the event log or a log line)."""
+    if text.isascii():
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a bool"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"

@@ -1,0 +1,450 @@
+"""The live control plane: one reducer task owns the state; probes and the data plane feed it events.
+
+Who owns what (all tasks are children of `ControlPlane.run`):
+
+- the reducer (run's own task) is the only writer of state. It takes events from one memory
+  channel, numbers them, applies `reduce`, publishes the result as `ControlPlane.snapshot` (one
+  attribute, replaced, never mutated), then hands the step on: the encoded event to the event
+  log, the transitions to the JSON log, the metrics, the listeners, and the effects to the prober;
+- the prober (`Prober`) runs one ticker for every node: each tick spawns model discovery (not
+  awaited) and then runs a health round (awaited, so a slow round drops ticks), with separate
+  per-node in-flight guards for health and discovery. Rechecks and nodes added by a reload are
+  probed at once under the same guards. Probe tasks read addresses, timeouts and the interval
+  from the current snapshot and only ever send events;
+- the event-log writer (`EventLogSink`) writes encoded events in batches in a worker thread, so
+  a slow or failing disk never stalls the reducer.
+
+Everyone else (the data plane, replay tools) reads `snapshot` and calls `observe`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+
+import msgspec
+import prometheus_client
+import trio
+
+from controlplane.config import ConfigError, NodeConfig, config_to_builtins, load_config
+from controlplane.logs import JsonLog
+from controlplane.metrics import ControlPlaneMetrics
+from controlplane.probes import ProbeClient, check_node, list_models
+from controlplane.reducer import INITIAL_STATE, Effect, Recheck, Step, StartProbing, StopProbing, reduce
+from controlplane.state import ClusterState
+from events.log import EventLogWriter, encode_event, last_seq
+from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
+
+EVENT_QUEUE_SIZE = 16_384
+"""Events waiting for the reducer. Probes wait for room; data-plane observations are dropped."""
+
+EVENT_LOG_BACKLOG = 100_000
+"""Encoded events waiting for the disk; beyond that the newest are dropped (and counted)."""
+
+STOP_TIMEOUT = 30.0
+"""How long `open_control_plane` waits for a clean stop when its caller is being cancelled."""
+
+Listener = Callable[[ClusterState, Step], None]
+
+
+class ControlPlane:
+    """The running control plane of one gateway (see the module docstring for its tasks)."""
+
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        *,
+        version: str,
+        log: JsonLog | None = None,
+        registry: prometheus_client.CollectorRegistry | None = None,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.config_path = os.fspath(config_path)
+        self.version = version
+        self._clock = now
+        self.log = log if log is not None else JsonLog(clock=now)
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self.metrics = ControlPlaneMetrics(self.registry)
+        self.snapshot: ClusterState = INITIAL_STATE
+        """The current state: read it once per decision; it is replaced, never mutated."""
+        self._queue_in, self._queue_out = trio.open_memory_channel[tuple[Event, trio.Event | None]](EVENT_QUEUE_SIZE)
+        self._listeners: list[Listener] = []
+        self._seq = 0
+        self._event_log: EventLogSink | None = None
+        self._prober: Prober | None = None
+        self._started = False
+        self._stopping = False
+        self._reloading = False
+        self._finished = trio.Event()
+
+    def now(self) -> float:
+        """The clock events are stamped with."""
+        return self._clock()
+
+    def add_listener(self, fn: Listener) -> None:
+        """Call `fn(state, step)` in the reducer task after each publish; it must not block."""
+        self._listeners.append(fn)
+
+    def observe(self, event: Event) -> None:
+        """Hand a data-plane observation to the reducer. Never blocks or raises: when the queue
+        is full the observation is dropped and counted."""
+        try:
+            self._queue_in.send_nowait((event, None))
+        except trio.WouldBlock:
+            self.metrics.observations_dropped.inc()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # stopped: nothing listens any more
+
+    async def emit(self, event: Event) -> None:
+        """Queue an event from a probe, waiting for room (back-pressure on the probes)."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await self._queue_in.send((event, None))
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the config (a ConfigError propagates before `started`), apply RunStarted, start
+        probing, and apply events until `stop()`; returns once the event log is flushed."""
+        if self._started or self._stopping:
+            raise RuntimeError("a ControlPlane runs only once")
+        self._started = True
+        try:
+            config = await trio.to_thread.run_sync(load_config, self.config_path)
+            gateway = config.gateway
+            if gateway.event_log:
+                self._seq = await trio.to_thread.run_sync(_last_seq_or_zero, gateway.event_log)
+                self._event_log = EventLogSink(
+                    gateway.event_log, gateway.event_log_max_bytes, log=self.log, metrics=self.metrics
+                )
+            async with ProbeClient() as client, trio.open_nursery() as nursery:
+                if self._event_log is not None:
+                    nursery.start_soon(self._event_log.run)
+                self._apply(
+                    RunStarted(
+                        at=self.now(),
+                        version=self.version,
+                        config_path=self.config_path,
+                        config=config_to_builtins(config),
+                    )
+                )
+                self._prober = Prober(client, self)
+                await nursery.start(self._prober.run)
+                task_status.started()
+                await self._apply_until_stopped()
+                nursery.cancel_scope.cancel()  # the prober and the event-log writer
+        finally:
+            self._release_waiters()
+            self._queue_out.close()
+            if self._event_log is not None:
+                with trio.CancelScope(shield=True):
+                    await self._event_log.aclose()
+            self._finished.set()
+
+    async def stop(self) -> None:
+        """Stop probing, apply RunStopped, flush and close the event log; idempotent. Probes
+        still in flight are cancelled; events they queued before RunStopped are applied."""
+        if not self._stopping:
+            self._stopping = True
+            if not self._started:
+                self._finished.set()
+            else:
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self._queue_in.send((RunStopped(at=self.now()), None))
+        await self._finished.wait()
+
+    async def reload(self) -> bool:
+        """SIGHUP's work: re-read the config file and apply ConfigReloaded (True) or
+        ReloadRejected (False). A reload while one is running is ignored (plinth's try-lock)."""
+        if self._reloading:
+            self.log.info("config reload already in progress; ignoring SIGHUP")
+            return False
+        if self._stopping or not self._started:
+            return False
+        self._reloading = True
+        try:
+            try:
+                config = await trio.to_thread.run_sync(load_config, self.config_path)
+            except ConfigError as exc:
+                event: Event = ReloadRejected(at=self.now(), config_path=self.config_path, error=str(exc))
+            else:
+                event = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config_to_builtins(config))
+            applied = trio.Event()
+            try:
+                await self._queue_in.send((event, applied))
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return False
+            await applied.wait()
+            return isinstance(event, ConfigReloaded)
+        finally:
+            self._reloading = False
+
+    async def serve_signals(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """SIGHUP → reload(); SIGTERM or SIGINT → log `shutting down`, stop(), and return.
+        (hypercorn installs no signal handlers; this is the gateway's only one.)"""
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
+            async with trio.open_nursery() as reloads:
+                task_status.started()
+                async for signum in signals:
+                    if signum == signal.SIGHUP:
+                        reloads.start_soon(self.reload)
+                    else:
+                        self.log.info("shutting down")
+                        await self.stop()
+                        return
+
+    # --- the reducer task --------------------------------------------------------------------
+
+    async def _apply_until_stopped(self) -> None:
+        async for event, applied in self._queue_out:
+            self._apply(event)
+            if applied is not None:
+                applied.set()
+            if isinstance(event, RunStopped):
+                return
+
+    def _apply(self, event: Event) -> None:
+        self._seq += 1
+        event = msgspec.structs.replace(event, seq=self._seq)
+        state, step = reduce(self.snapshot, event)
+        self.snapshot = state
+        if self._event_log is not None:
+            self._event_log.submit(encode_event(event))
+        for transition in step.transitions:
+            self.log.write_line(transition.log_line())
+        self.metrics.record(event, state, step)
+        for listener in self._listeners:
+            try:
+                listener(state, step)
+            except Exception as exc:
+                self.log.error("control plane listener failed", error=f"{type(exc).__name__}: {exc}")
+        if self._prober is not None:
+            self._prober.run_effects(step.effects)
+
+    def _release_waiters(self) -> None:
+        """Wake reloads whose events will never be applied because the run has ended."""
+        while True:
+            try:
+                _, applied = self._queue_out.receive_nowait()
+            except trio.WouldBlock:
+                return
+            if applied is not None:
+                applied.set()
+
+
+def _last_seq_or_zero(path: str) -> int:
+    try:
+        return last_seq(path)
+    except OSError:
+        return 0  # an unreadable log: writing it will fail too, and say so
+
+
+@asynccontextmanager
+async def open_control_plane(config_path: str | os.PathLike[str], **kwargs) -> AsyncIterator[ControlPlane]:
+    """Run a ControlPlane in its own nursery until the block ends, then stop it cleanly (even
+    when the block is cancelled). A ConfigError at start, or an exception from the block, is
+    raised as it is (not wrapped in an ExceptionGroup)."""
+    control_plane = ControlPlane(config_path, **kwargs)
+    failure: Exception | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            await nursery.start(control_plane.run)
+            try:
+                yield control_plane
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(STOP_TIMEOUT):
+                    await control_plane.stop()
+        except Exception as exc:
+            failure = exc
+    if failure is not None:
+        raise failure
+
+
+# --- probing ---------------------------------------------------------------------------------
+
+
+class Prober:
+    """Runs the probes of every configured node and sends their events to the control plane.
+
+    One ticker task for all nodes (not a sleeping task per node): per tick, discovery for
+    every node is spawned and not awaited (plinth's discoverAll), then a health round runs one
+    task per node and waits for all of them (plinth's blocking round).
+    """
+
+    def __init__(self, client: ProbeClient, control_plane: ControlPlane) -> None:
+        self._client = client
+        self._control_plane = control_plane
+        self._nursery: trio.Nursery | None = None
+        self._health_in_flight: set[str] = set()
+        self._models_in_flight: set[str] = set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await self._tick()
+
+    def run_effects(self, effects: Iterable[Effect]) -> None:
+        """Start the probes a step asks for (called by the reducer task; never blocks)."""
+        for effect in effects:
+            if isinstance(effect, Recheck):
+                self._start_probes(effect.node, discovery=False)
+            elif isinstance(effect, StartProbing):
+                self._start_probes(effect.node, discovery=True)
+            elif isinstance(effect, StopProbing) and self._nursery is not None:
+                # Rounds only probe the nodes of the current snapshot; its connections can go.
+                self._nursery.start_soon(self._client.forget, effect.node)
+
+    def _start_probes(self, ip: str, *, discovery: bool) -> None:
+        if self._nursery is None:
+            return  # not ticking yet: the first round probes every node
+        config = self._control_plane.snapshot.config
+        node = config.node(ip) if config is not None else None
+        if node is None:
+            return
+        if discovery:
+            self._spawn_discovery(self._nursery, node)
+        self._spawn_health_check(self._nursery, node)
+
+    async def _tick(self) -> None:
+        tick = trio.current_time()
+        while True:
+            config = self._control_plane.snapshot.config
+            for node in config.nodes:
+                self._spawn_discovery(self._nursery, node)
+            async with trio.open_nursery() as health_round:
+                for node in config.nodes:
+                    self._spawn_health_check(health_round, node)
+            tick = next_tick(tick, self._control_plane.snapshot.config.gateway.health_interval, trio.current_time())
+            await trio.sleep_until(tick)
+
+    def _spawn_health_check(self, nursery: trio.Nursery, node: NodeConfig) -> None:
+        if node.ip in self._health_in_flight:
+            return  # skipped, not queued
+        self._health_in_flight.add(node.ip)
+        nursery.start_soon(self._check_health, node)
+
+    def _spawn_discovery(self, nursery: trio.Nursery, node: NodeConfig) -> None:
+        if node.ip in self._models_in_flight:
+            return
+        self._models_in_flight.add(node.ip)
+        nursery.start_soon(self._discover, node)
+
+    async def _check_health(self, node: NodeConfig) -> None:
+        try:
+            for event in await check_node(self._client, node, timeout=self._timeout(), now=self._control_plane.now):
+                await self._control_plane.emit(event)
+        finally:
+            self._health_in_flight.discard(node.ip)
+
+    async def _discover(self, node: NodeConfig) -> None:
+        try:
+            event = await list_models(self._client, node, timeout=self._timeout(), now=self._control_plane.now)
+            await self._control_plane.emit(event)
+        finally:
+            self._models_in_flight.discard(node.ip)
+
+    def _timeout(self) -> float:
+        return self._control_plane.snapshot.config.gateway.probe_timeout
+
+
+def next_tick(last_tick: float, interval: float, now: float) -> float:
+    """When the next round starts, given the tick that started the last one.
+
+    As with Go's time.Ticker: ticks fall every `interval`; of the ticks a slow round overran,
+    the latest starts the next round at once and the others are dropped.
+    """
+    due = last_tick + interval
+    if due > now:
+        return due
+    return last_tick + interval * math.floor((now - last_tick) / interval)
+
+
+# --- the event log ---------------------------------------------------------------------------
+
+
+class EventLogSink:
+    """Writes encoded events to the event log in batches, in a worker thread.
+
+    `submit` never blocks. A failed write drops its batch, counts it, and logs `event log write
+    failed` once per streak of failures; the next batch starts a new segment, so a torn line can
+    only be the last of its segment. When the backlog is full the newest events are dropped, so
+    the events before the first gap in `seq` stay a replayable prefix of the run.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        max_segment_bytes: int,
+        *,
+        log: JsonLog,
+        metrics: ControlPlaneMetrics,
+        backlog_limit: int = EVENT_LOG_BACKLOG,
+    ) -> None:
+        self.path = path
+        self._max_segment_bytes = max_segment_bytes
+        self._log = log
+        self._metrics = metrics
+        self._backlog_limit = backlog_limit
+        self._writer: EventLogWriter | None = None  # opened in the worker thread
+        self._pending: list[bytes] = []
+        self._wakeup = trio.Event()
+        self._failing = False
+
+    def submit(self, line: bytes) -> None:
+        if len(self._pending) >= self._backlog_limit:
+            self._metrics.event_log_dropped_events.inc()
+            return
+        self._pending.append(line)
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            await self._write_pending()
+
+    async def aclose(self) -> None:
+        """Write what is pending and close the file (call once `run` has been cancelled)."""
+        await self._write_pending()
+        if self._writer is not None:
+            with contextlib.suppress(OSError):
+                await trio.to_thread.run_sync(self._writer.close)
+
+    async def _write_pending(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            await trio.to_thread.run_sync(self._write, batch)
+        except trio.Cancelled:
+            # Raised only before the thread starts (a started write is never abandoned): the
+            # batch is still unwritten, and `aclose` writes it.
+            self._pending[:0] = batch
+            raise
+        except OSError as exc:
+            self._metrics.event_log_write_errors.inc()
+            self._metrics.event_log_dropped_events.inc(len(batch))
+            if not self._failing:
+                self._failing = True
+                self._log.error("event log write failed", path=self.path, error=str(exc))
+            return
+        if self._failing:
+            self._failing = False
+            self._log.info("event log write recovered", path=self.path)
+
+    def _write(self, lines: list[bytes]) -> None:
+        """Runs in a worker thread."""
+        try:
+            if self._writer is None:
+                self._writer = EventLogWriter(self.path, self._max_segment_bytes)
+            self._writer.write_lines(b"".join(lines))
+        except OSError:
+            if self._writer is not None:
+                with contextlib.suppress(OSError):
+                    self._writer.close()
+            raise
