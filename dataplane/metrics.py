@@ -1,0 +1,93 @@
+"""The data plane's Prometheus metrics (plinth §5) and the listener that serves `/metrics`.
+
+Names, labels and help texts are plinth's (dashboards depend on them); the histogram uses Go's
+DefBuckets. Everything is registered on the registry the control plane shares with us, never
+on prometheus_client's global default registry. Labelled children are cached, so counting on
+the request path is a dict lookup and an increment.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from quart import Response
+from quart_trio import QuartTrio
+
+GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class RequestMetrics:
+    """The per-request metrics of plinth's handler."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Request duration in seconds",
+            buckets=GO_DEFAULT_BUCKETS,
+            registry=registry,
+        )
+        self._requests = Counter(
+            "gateway_requests_total", "Total requests by model and status", ["model", "status"], registry=registry
+        )
+        self._attempts = Counter(
+            "gateway_proxy_attempts_total",
+            "Proxy attempts by model and observed status",
+            ["model", "status"],
+            registry=registry,
+        )
+        self._passthrough = Counter(
+            "gateway_response_passthrough_total",
+            "Responses committed early and passed through to the client",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self._client_write_failures = Counter(
+            "gateway_response_client_write_failures_total",
+            "Committed responses whose write to the client failed",
+            ["model"],
+            registry=registry,
+        )
+        self._exclusions = Counter(
+            "gateway_model_filter_exclusions_total",
+            "Nodes dropped from the candidate pool by the model filter",
+            ["model", "reason"],
+            registry=registry,
+        )
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, metric, *labels: str):
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def request_done(self, model: str, status: int, seconds: float) -> None:
+        """A request's final outcome: its duration and its status, each recorded once."""
+        self._duration.observe(seconds)
+        self._child(self._requests, model, str(status)).inc()
+
+    def attempt(self, model: str, status: int) -> None:
+        """One proxy attempt: the node's status, or 502 for an attempt that failed."""
+        self._child(self._attempts, model, str(status)).inc()
+
+    def passthrough(self, model: str, reason: str) -> None:
+        self._child(self._passthrough, model, reason).inc()
+
+    def client_write_failure(self, model: str) -> None:
+        self._child(self._client_write_failures, model).inc()
+
+    def excluded(self, model: str, reason: str, count: int) -> None:
+        """`count` nodes dropped by the model filter for `reason` (missing, empty or expired)."""
+        self._child(self._exclusions, model, reason).inc(count)
+
+
+def metrics_app(registry: CollectorRegistry) -> QuartTrio:
+    """The second listener's app: `/metrics` only (plinth serves nothing else there)."""
+    app = QuartTrio(__name__)
+    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,549 @@
+"""Forwarding a completion request to a node (plinth §4.3 steps 4-7).
+
+Routing starts from the model's ring pool, drops the nodes whose model list rules the model out
+(both through `controlplane.routing`), then runs the attempt loop: pick a node with the shared
+round-robin balancer among the candidates not yet tried and not offline, forward the request,
+and either answer the client or retry on the next node.
+
+What may be retried is decided by whether anything reached the client yet (the commit gate):
+a non-streaming response is buffered until it is complete (or larger than the buffer limit),
+a stream is committed at its first body byte. Before commit, connection-level failures move on
+to the next node; after commit, a failure only ends the response early (never a 502, never a
+fabricated `[DONE]`). HTTP error statuses from a node are responses: passed through, never
+retried (completions are not idempotent).
+
+Everything a request needs from a control-plane snapshot that does not depend on the request
+(node URLs, each model's ring pool and model filter) is computed once per snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+
+import httpcore
+import msgspec
+import trio
+from quart import Response
+
+from controlplane.config import Config
+from controlplane.logs import JsonLog
+from controlplane.routing import filter_by_model, ring_pool
+from controlplane.runtime import ControlPlane
+from controlplane.state import DEAD, ClusterState, NodeState
+from dataplane.balancer import RoundRobin
+from dataplane.decisions import (
+    CLIENT_GONE,
+    COMPLETED,
+    FAILED,
+    RETRIED,
+    TRUNCATED,
+    AttemptRecord,
+    Decision,
+    DecisionLog,
+    Exclusion,
+)
+from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, error_response
+from dataplane.metrics import RequestMetrics
+from events.types import UpstreamFailed, UpstreamRecovered
+
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+CONNECT_TIMEOUT = 5.0
+RESPONSE_HEADER_TIMEOUT = 60.0
+FIRST_CHUNK_TIMEOUT = 10.0
+IDLE_CONNECTION_SECONDS = 90.0
+
+_HOP_BY_HOP = frozenset(
+    (
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    )
+)
+_NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"x-request-id"}
+"""Request headers that describe the client's connection, or that the gateway sets itself."""
+_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id"}
+"""Response headers that describe the node's connection, or that the gateway sets itself
+(hypercorn writes the Date)."""
+
+
+def new_upstream_pool() -> httpcore.AsyncConnectionPool:
+    """The connections to every node, kept alive 90 s when idle.
+
+    httpcore is httpx's transport layer; used directly it spares every request httpx's request
+    and response models, header merging and redirect handling, and adds no headers of its own.
+    """
+    return httpcore.AsyncConnectionPool(
+        max_connections=None, max_keepalive_connections=256, keepalive_expiry=IDLE_CONNECTION_SECONDS
+    )
+
+
+_TIMEOUTS = {"timeout": {"connect": CONNECT_TIMEOUT, "read": None, "write": None, "pool": None}}
+"""plinth's dial timeout; no read timeout (the attempt's own deadlines cover the waits that end)."""
+
+
+# --- what a snapshot gives every request -------------------------------------------------------
+
+
+class ConfigView:
+    """What requests need from one config: node URLs, limits, the default model."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        gateway = config.gateway
+        self.default_model = config.models.default
+        self.body_limit = gateway.request_body_limit
+        self.buffer_limit = gateway.response_buffer_limit
+        self.decision_log = bool(gateway.decision_log)
+        self.targets = {node.ip: _Target(node.ip, node.vllm_port) for node in config.nodes}
+        listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
+        self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
+        """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
+
+
+class _Target:
+    """A node's completion URLs and its Host header."""
+
+    __slots__ = ("urls", "host")
+
+    def __init__(self, ip: str, port: int) -> None:
+        host = (f"[{ip}]" if ":" in ip else ip).encode()
+        self.host = b"%s:%d" % (host, port)
+        self.urls = {
+            path: httpcore.URL(scheme=b"http", host=ip.encode(), port=port, target=path.encode())
+            for path in COMPLETION_PATHS
+        }
+
+
+class Route:
+    """One model's routing on one snapshot: the ring pool, and the candidates the model filter keeps."""
+
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts")
+
+    def __init__(self, snapshot: ClusterState, model: str) -> None:
+        pool = ring_pool(snapshot, model)
+        candidates, dropped = filter_by_model(pool, model)
+        self.ring = snapshot.config.model_ring(model)
+        self.ring_pool = tuple(node.ip for node in pool)
+        self.candidates = candidates
+        self.excluded = tuple(Exclusion(node.ip, reason) for node, reason in dropped)
+        counts: dict[str, int] = {}
+        for _, reason in dropped:
+            counts[reason] = counts.get(reason, 0) + 1
+        self.exclusion_counts = tuple(counts.items())
+
+
+class SnapshotView:
+    """One snapshot and what is derived from it, computed once and shared by its requests."""
+
+    MAX_ROUTES = 1024
+    """Routes cached per snapshot; requests for ever new model names are routed uncached."""
+
+    def __init__(self, snapshot: ClusterState, config: ConfigView) -> None:
+        self.snapshot = snapshot
+        self.config = config
+        self._routes: dict[str, Route] = {}
+
+    def route(self, model: str) -> Route:
+        route = self._routes.get(model)
+        if route is None:
+            route = Route(self.snapshot, model)
+            if len(self._routes) < self.MAX_ROUTES:
+                self._routes[model] = route
+        return route
+
+
+class SnapshotViews:
+    """The view of the control plane's current snapshot, rebuilt only when the snapshot changes
+    (and its config part only when the config does)."""
+
+    def __init__(self, control_plane: ControlPlane) -> None:
+        self._control_plane = control_plane
+        self._view: SnapshotView | None = None
+
+    def current(self) -> SnapshotView:
+        snapshot = self._control_plane.snapshot
+        view = self._view
+        if view is None or view.snapshot is not snapshot:
+            same_config = view is not None and view.config.config is snapshot.config
+            view = self._view = SnapshotView(snapshot, view.config if same_config else ConfigView(snapshot.config))
+        return view
+
+
+# --- one proxied request -------------------------------------------------------------------------
+
+
+class Exchange:
+    """A completion request on its way through the attempt loop."""
+
+    __slots__ = (
+        "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts"
+    )
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        path: str,
+        model: str,
+        stream: bool,
+        body: bytes,
+        headers: list[tuple[bytes, bytes]],
+        view: SnapshotView,
+        at: float,
+        started: float,
+    ) -> None:
+        self.request_id = request_id
+        self.path = path
+        self.model = model
+        self.stream = stream
+        self.body = body
+        self.headers = headers
+        self.view = view
+        self.route = view.route(model)
+        self.at = at
+        self.started = started
+        self.attempts: list[AttemptRecord] = []
+
+
+def forward_headers(raw: list[tuple[bytes, bytes]], client_ip: str, request_id: str) -> list[tuple[bytes, bytes]]:
+    """The client's headers as a reverse proxy forwards them: hop-by-hop ones (and those the
+    Connection header names) removed, X-Forwarded-For extended, X-Request-Id set."""
+    named = {token.strip().lower() for name, value in raw if name == b"connection" for token in value.split(b",")}
+    headers = [(name, value) for name, value in raw if name not in _NOT_FORWARDED and name not in named]
+    prior = [value for name, value in raw if name == b"x-forwarded-for"]
+    forwarded_for = client_ip.encode()
+    if prior:
+        forwarded_for = b", ".join(prior) + b", " + forwarded_for
+    headers.append((b"x-forwarded-for", forwarded_for))
+    headers.append((b"x-request-id", request_id.encode()))
+    return headers
+
+
+class UpstreamTimeout(Exception):
+    """A deadline of the attempt passed: retried on the next node, like a dial error."""
+
+
+class _Retry(Exception):
+    """This attempt failed before commit in a way that moves on to the next node."""
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error)
+    return text if text else type(error).__name__
+
+
+def _is_retryable(error: Exception) -> bool:
+    """plinth's classification: dial errors and timeouts are retried; other failures are not."""
+    return isinstance(error, (httpcore.ConnectError, httpcore.TimeoutException, UpstreamTimeout))
+
+
+class Proxy:
+    """The attempt loop and the two commit gates."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        pool: httpcore.AsyncConnectionPool,
+        metrics: RequestMetrics,
+        log: JsonLog,
+        decisions: DecisionLog | None = None,
+        *,
+        response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
+        first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
+    ) -> None:
+        self._control_plane = control_plane
+        self._pool = pool
+        self._metrics = metrics
+        self._log = log
+        self._decisions = decisions
+        self._balancer = RoundRobin()
+        self._response_header_timeout = response_header_timeout
+        self._first_chunk_timeout = first_chunk_timeout
+
+    async def forward(self, exchange: Exchange) -> Response:
+        """The response for the client: the node's (complete, or committed and still flowing) or an error."""
+        route = exchange.route
+        model = exchange.model
+        for reason, count in route.exclusion_counts:
+            self._metrics.excluded(model, reason, count)
+        candidates = route.candidates
+        if not candidates:
+            if route.ring_pool:
+                self._log.warn("no node serves requested model", model=model)
+            return self._error(exchange, NO_HEALTHY_NODE)
+        tried: set[str] = set()
+        try:
+            for _ in range(len(candidates)):
+                now = self._control_plane.now()
+                remaining = [node for node in candidates if node.ip not in tried and not node.is_offline(now)]
+                node = self._balancer.select(remaining) if remaining else None
+                if node is None:
+                    break
+                tried.add(node.ip)
+                try:
+                    return await self._attempt(exchange, node)
+                except _Retry:
+                    continue
+        except trio.Cancelled:
+            # The client went away before anything was sent: no answer, no metrics (plinth).
+            self._record(exchange, None)
+            raise
+        return self._error(exchange, NO_REACHABLE_NODE)
+
+    # --- one attempt
+
+    async def _attempt(self, exchange: Exchange, node: NodeState) -> Response:
+        target = exchange.view.config.targets[node.ip]
+        headers = [(b"host", target.host), (b"content-length", b"%d" % len(exchange.body)), *exchange.headers]
+        request = httpcore.Request(
+            b"POST", target.urls[exchange.path], headers=headers, content=exchange.body, extensions=_TIMEOUTS
+        )
+        try:
+            try:
+                with trio.fail_after(self._response_header_timeout):
+                    upstream = await self._pool.handle_async_request(request)
+            except trio.TooSlowError:
+                raise UpstreamTimeout("timeout awaiting response headers") from None
+        except trio.Cancelled:
+            exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE))
+            raise
+        except Exception as error:
+            if exchange.stream or _is_retryable(error):
+                self._retry(exchange, node, error)
+            return self._fail(exchange, node, error)
+        try:
+            if exchange.stream:
+                return await self._stream(exchange, node, upstream)
+            return await self._buffer(exchange, node, upstream)
+        except BaseException:
+            await _close(upstream)
+            raise
+
+    async def _stream(self, exchange: Exchange, node: NodeState, upstream: httpcore.Response) -> Response:
+        """Streaming commit gate: hold the status and headers until the first body byte."""
+        chunks = upstream.aiter_stream()
+        first = b""
+        try:
+            with trio.move_on_after(self._first_chunk_timeout) as deadline:
+                async for first in chunks:
+                    if first:
+                        break
+            if deadline.cancelled_caught:
+                raise UpstreamTimeout("timed out waiting for first stream chunk")
+        except trio.Cancelled:
+            exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE, upstream.status))
+            raise
+        except Exception as error:
+            await _close(upstream)
+            self._retry(exchange, node, error)
+        if not first:
+            # An empty body (a bodiless 201, say) is complete: commit it as it is.
+            await _close(upstream)
+            return self._complete(exchange, node, upstream, b"")
+        return self._commit(exchange, node, upstream, [first], chunks)
+
+    async def _buffer(self, exchange: Exchange, node: NodeState, upstream: httpcore.Response) -> Response:
+        """Buffering commit gate: the whole response, unless it outgrows the buffer limit."""
+        limit = exchange.view.config.buffer_limit
+        declared = next((value for name, value in upstream.headers if name.lower() == b"content-length"), b"")
+        if limit and declared.isdigit() and int(declared) > limit:
+            return self._pass_through(exchange, node, upstream, [], upstream.aiter_stream(), "content_length", limit)
+        chunks = upstream.aiter_stream()
+        buffered: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in chunks:
+                buffered.append(chunk)
+                size += len(chunk)
+                if limit and size > limit:
+                    return self._pass_through(exchange, node, upstream, buffered, chunks, "size_limit", limit)
+        except trio.Cancelled:
+            exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE, upstream.status))
+            raise
+        except Exception as error:
+            await _close(upstream)
+            if _is_retryable(error):
+                self._retry(exchange, node, error)
+            return self._fail(exchange, node, error)
+        await _close(upstream)
+        return self._complete(exchange, node, upstream, b"".join(buffered))
+
+    # --- outcomes of an attempt
+
+    def _retry(self, exchange: Exchange, node: NodeState, error: Exception) -> None:
+        """Log, count, mark the node offline, and move on to the next node (raises _Retry)."""
+        text = _describe(error)
+        if exchange.stream:
+            self._log.info("retrying after streaming failure before first chunk", node=node.ip, error=text)
+        else:
+            self._log.info("retrying after connection failure", node=node.ip, error=text)
+        self._metrics.attempt(exchange.model, 502)
+        exchange.attempts.append(AttemptRecord(node.ip, RETRIED, error=text))
+        self._mark_offline(node.ip, text)
+        raise _Retry
+
+    def _fail(self, exchange: Exchange, node: NodeState, error: Exception) -> Response:
+        text = _describe(error)
+        self._log.error("node response truncated or connection lost", node=node.ip, error=text)
+        self._metrics.attempt(exchange.model, 502)
+        exchange.attempts.append(AttemptRecord(node.ip, FAILED, error=text))
+        if isinstance(error, httpcore.WriteError):
+            self._mark_offline(node.ip, text)  # a stale keep-alive reset while sending
+        return self._error(exchange, UPSTREAM_ERROR)
+
+    def _complete(self, exchange: Exchange, node: NodeState, upstream: httpcore.Response, body: bytes) -> Response:
+        status = upstream.status
+        self._mark_online(node.ip)
+        self._metrics.attempt(exchange.model, status)
+        exchange.attempts.append(AttemptRecord(node.ip, COMPLETED, status))
+        self._finish(exchange, status)
+        headers = _client_headers(upstream, exchange.request_id, with_length=False)
+        return _NodeResponse(body, status=status, headers=headers)
+
+    def _pass_through(
+        self,
+        exchange: Exchange,
+        node: NodeState,
+        upstream: httpcore.Response,
+        buffered: list[bytes],
+        rest: AsyncGenerator[bytes, None],
+        reason: str,
+        limit: int,
+    ) -> Response:
+        self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
+        self._metrics.passthrough(exchange.model, reason)
+        return self._commit(exchange, node, upstream, buffered, rest)
+
+    def _commit(
+        self,
+        exchange: Exchange,
+        node: NodeState,
+        upstream: httpcore.Response,
+        first: list[bytes],
+        rest: AsyncGenerator[bytes, None],
+    ) -> Response:
+        """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
+        self._mark_online(node.ip)
+        headers = _client_headers(upstream, exchange.request_id, with_length=True)
+        body = self._relay(exchange, node, upstream, first, rest)
+        return _NodeResponse(body, status=upstream.status, headers=headers)
+
+    async def _relay(
+        self,
+        exchange: Exchange,
+        node: NodeState,
+        upstream: httpcore.Response,
+        first: list[bytes],
+        rest: AsyncGenerator[bytes, None],
+    ) -> AsyncIterator[bytes]:
+        """The committed body. A node failure ends it early; so does the client going away (the
+        upstream request is then closed at once, which cancels the generation on the node)."""
+        status = upstream.status
+        outcome = COMPLETED
+        error_text = ""
+        try:
+            for chunk in first:
+                yield chunk
+            try:
+                async for chunk in rest:
+                    yield chunk
+            except Exception as error:
+                outcome, error_text = TRUNCATED, _describe(error)
+                if exchange.stream:
+                    self._log.error("stream terminated by upstream failure", node=node.ip, error=error_text)
+                else:
+                    self._log.error("response truncated after commit", node=node.ip, error=error_text)
+        except BaseException:  # trio.Cancelled or GeneratorExit: the client left
+            outcome, error_text = CLIENT_GONE, "client disconnected"
+            self._log.error("client write failed after commit", node=node.ip, error=error_text)
+            self._metrics.client_write_failure(exchange.model)
+            raise
+        finally:
+            with trio.CancelScope(shield=True):
+                await rest.aclose()
+            await _close(upstream)
+            self._metrics.attempt(exchange.model, status)
+            exchange.attempts.append(AttemptRecord(node.ip, outcome, status, error_text))
+            self._finish(exchange, status)
+
+    # --- bookkeeping
+
+    def _error(self, exchange: Exchange, error: ApiError) -> Response:
+        self._finish(exchange, error.status)
+        return error_response(error, headers={"X-Request-Id": exchange.request_id})
+
+    def _finish(self, exchange: Exchange, status: int) -> None:
+        """The request's one duration and status in the metrics, and its decision record."""
+        self._metrics.request_done(exchange.model, status, time.perf_counter() - exchange.started)
+        self._record(exchange, status)
+
+    def _record(self, exchange: Exchange, status: int | None) -> None:
+        if self._decisions is None or not exchange.view.config.decision_log:
+            return
+        route = exchange.route
+        excluded = list(route.excluded)
+        for node in route.candidates:
+            if node.status == DEAD:
+                excluded.append(Exclusion(node.ip, "dead"))
+            elif node.is_offline(exchange.at):
+                excluded.append(Exclusion(node.ip, "offline"))
+        self._decisions.record(
+            Decision(
+                request_id=exchange.request_id,
+                at=exchange.at,
+                path=exchange.path,
+                model=exchange.model,
+                stream=exchange.stream,
+                seq=exchange.view.snapshot.seq,
+                ring=route.ring,
+                ring_pool=route.ring_pool,
+                excluded=tuple(excluded),
+                attempts=tuple(exchange.attempts),
+                status=status,
+                duration=time.perf_counter() - exchange.started,
+            )
+        )
+
+    def _mark_offline(self, ip: str, error: str) -> None:
+        """Tell the control plane, unless the current snapshot already has the node offline."""
+        now = self._control_plane.now()
+        node = self._control_plane.snapshot.nodes.get(ip)
+        if node is not None and not node.is_offline(now):
+            self._control_plane.observe(UpstreamFailed(node=ip, error=error, at=now))
+
+    def _mark_online(self, ip: str) -> None:
+        """Tell the control plane the node answered, only if it is offline (not one event per request)."""
+        now = self._control_plane.now()
+        node = self._control_plane.snapshot.nodes.get(ip)
+        if node is not None and node.is_offline(now):
+            self._control_plane.observe(UpstreamRecovered(node=ip, at=now))
+
+
+class _NodeResponse(Response):
+    """A node's response: its headers as they are (no Content-Type is made up)."""
+
+    default_mimetype = None
+
+
+async def _close(upstream: httpcore.Response) -> None:
+    """Close the node's response (and so its connection, unless fully read), even when cancelled."""
+    with trio.CancelScope(shield=True):
+        await upstream.aclose()
+
+
+def _client_headers(upstream: httpcore.Response, request_id: str, *, with_length: bool) -> list[tuple[str, str]]:
+    headers = [
+        (name.decode("latin-1"), value.decode("latin-1"))
+        for name, value in upstream.headers
+        if name.lower() not in _NOT_RETURNED and (with_length or name.lower() != b"content-length")
+    ]
+    headers.append(("X-Request-Id", request_id))
+    return headers

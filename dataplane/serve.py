@@ -1,0 +1,202 @@
+"""`interlock serve`: the composition root of a running gateway (plinth §7).
+
+One nursery runs the control plane, the API listener (`gateway.listen`), the metrics listener
+(`gateway.metrics_listen`), the decision-log writer, and the signal handler of the control plane
+(SIGHUP reloads; SIGTERM/SIGINT stop). Once the control plane has stopped, both listeners shut
+down gracefully, letting streams in flight finish for up to SHUTDOWN_GRACE_SECONDS.
+
+Exit codes: 0 after a signalled shutdown; 1 when the config cannot be loaded (`fatal: loading
+config: …` on stderr) or a listener cannot bind (`server error`).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import prometheus_client
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+from prometheus_client import CollectorRegistry
+
+from controlplane.config import Config, ConfigError, parse_listen_address
+from controlplane.logs import JsonLog
+from controlplane.runtime import ControlPlane, open_control_plane
+from dataplane.app import create_app
+from dataplane.decisions import DecisionLog
+from dataplane.metrics import RequestMetrics, metrics_app
+from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+
+SHUTDOWN_GRACE_SECONDS = 10.0
+"""plinth's graceful-shutdown timeout (hypercorn's default of 3 s would cut draining streams)."""
+
+KEEP_ALIVE_SECONDS = 90.0
+"""How long an idle client connection stays open (hypercorn's default is 5 s)."""
+
+
+@dataclass(frozen=True)
+class Listening:
+    """What `serve` tells its `ready` callback once both listeners accept connections."""
+
+    api: tuple[str, int]
+    metrics: tuple[str, int]
+    control_plane: ControlPlane
+
+
+async def serve(
+    config_path: str,
+    *,
+    version: str,
+    ready: Callable[[Listening], None] | None = None,
+    log: JsonLog | None = None,
+    response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
+    first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
+) -> int:
+    """Run the gateway until SIGTERM or SIGINT; returns the exit code.
+
+    `ready` is called once both listeners accept connections and signals are handled; `log`
+    replaces the JSON log on stdout, and the two timeouts plinth's, for tests.
+    """
+    log = log if log is not None else JsonLog()
+    registry = CollectorRegistry()
+    try:
+        async with open_control_plane(config_path, version=version, log=log, registry=registry) as control_plane:
+            return await _run(control_plane, registry, log, ready, response_header_timeout, first_chunk_timeout)
+    except (ConfigError, BaseExceptionGroup) as error:
+        config_error = _only(error, ConfigError)
+        if config_error is None:
+            raise
+        print(f"fatal: loading config: {config_error}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+async def _run(
+    control_plane: ControlPlane,
+    registry: CollectorRegistry,
+    log: JsonLog,
+    ready: Callable[[Listening], None] | None,
+    response_header_timeout: float,
+    first_chunk_timeout: float,
+) -> int:
+    config = control_plane.snapshot.config
+    _log_topology(log, config)
+    decisions = DecisionLog(lambda: control_plane.snapshot.config.gateway.decision_log, log)
+    request_metrics = RequestMetrics(registry)
+    stopped = trio.Event()
+    exit_code = EXIT_OK
+    async with new_upstream_pool() as upstream_pool, trio.open_nursery() as nursery:
+        proxy = Proxy(
+            control_plane,
+            upstream_pool,
+            request_metrics,
+            log,
+            decisions,
+            response_header_timeout=response_header_timeout,
+            first_chunk_timeout=first_chunk_timeout,
+        )
+        api_app = create_app(control_plane, proxy, SnapshotViews(control_plane))
+        nursery.start_soon(decisions.run)
+        async with trio.open_nursery() as servers:
+            try:
+                api = await servers.start(_listen, api_app, config.gateway.listen, stopped)
+                log.info("api server listening", addr=config.gateway.listen)
+                metrics = await servers.start(_listen, metrics_app(registry), config.gateway.metrics_listen, stopped)
+                log.info("metrics server listening", addr=config.gateway.metrics_listen)
+            except (OSError, ValueError) as error:
+                log.error("server error", error=str(error))
+                exit_code = EXIT_FAILURE
+                stopped.set()
+            else:
+                await servers.start(_until_signalled, control_plane, stopped)
+                if ready is not None:
+                    ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
+        decisions.close()
+    return exit_code
+
+
+async def _until_signalled(
+    control_plane: ControlPlane, stopped: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """The control plane's signal handling; once SIGTERM/SIGINT has stopped it, the listeners drain."""
+    await control_plane.serve_signals(task_status=task_status)
+    stopped.set()
+
+
+async def _listen(
+    app, address: str, stopped: trio.Event, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve `app` on `address` until `stopped` is set, then drain. Binding errors (OSError, or
+    ValueError for a malformed address) are raised before `started`."""
+    host, port = parse_listen_address(address)
+    config = HypercornConfig()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
+    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    config.include_server_header = False
+    config.accesslog = None
+    config.errorlog = _hypercorn_errors
+    sockets = config.create_sockets()
+    listening = sockets.insecure_sockets[0]
+    listening.listen(config.backlog)
+    bound = listening.getsockname()
+    await worker_serve(
+        wrap_app(app, config.wsgi_max_body_size, None),
+        config,
+        sockets=sockets,
+        shutdown_trigger=stopped.wait,
+        task_status=_Started(task_status, (bound[0], bound[1])),
+    )
+
+
+_hypercorn_errors = logging.getLogger("interlock.hypercorn")
+"""hypercorn's own messages: warnings and errors only (its `Running on …` lines are ours)."""
+_hypercorn_errors.setLevel(logging.WARNING)
+
+
+class _Started:
+    """Reports the bound address, not hypercorn's list of URLs, to `nursery.start`."""
+
+    def __init__(self, task_status: trio.TaskStatus[tuple[str, int]], address: tuple[str, int]) -> None:
+        self._task_status = task_status
+        self._address = address
+
+    def started(self, _binds: object = None) -> None:
+        self._task_status.started(self._address)
+
+
+def _log_topology(log: JsonLog, config: Config) -> None:
+    """plinth's startup lines about rings (after the control plane's `starting gateway` and
+    `config loaded`)."""
+    standalone = [node.name for node in config.nodes if not node.ring]
+    if standalone:
+        log.info("standalone nodes serving non-ring models", nodes=",".join(standalone))
+    rings: dict[str, list[str]] = {}
+    for node in config.nodes:
+        if node.ring:
+            rings.setdefault(node.ring, []).append(node.name)
+    for ring, names in rings.items():
+        log.info("ring nodes", ring=ring, nodes=",".join(names))
+    for model in config.models.available:
+        if model.ring:
+            log.info("model routed to ring", model=model.name, ring=model.ring)
+
+
+def _only(error: BaseException, kind: type[BaseException]):
+    """`error` if it is a `kind`, or the one `kind` inside nested single-exception groups."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error if isinstance(error, kind) else None
+
+
+def run_serve(config_path: str, version: str) -> int:
+    """The `interlock serve` entry point."""
+    prometheus_client.disable_created_metrics()  # plinth exposes no `_created` series
+    return trio.run(partial(serve, config_path, version=version))

@@ -1,0 +1,187 @@
+"""What the data-plane tests share (no tests here): a real gateway (`dataplane.serve.serve`, real
+hypercorn on free ports of 127.0.0.1) in front of simulated nodes on their own loopback
+addresses (127.0.0.2, 127.0.0.3, …, since a node's identity is its IP), with a real config file.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import msgspec
+import trio
+
+from controlplane.logs import JsonLog
+from controlplane.runtime import ControlPlane
+from controlplane.state import UNTRIED, NodeState
+from dataplane.serve import Listening, serve
+from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
+
+MODEL = "test-model"
+
+
+def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) -> list[NodeSpec]:
+    """`count` nodes n1, n2, … on 127.0.0.2, 127.0.0.3, … serving the models `serving`, with
+    the given behaviour (see fixtures.node.Behaviour)."""
+    return [
+        NodeSpec(name=f"n{i}", host=f"127.0.0.{i + 1}", models=list(serving), behaviour=Behaviour(**behaviour))
+        for i in range(1, count + 1)
+    ]
+
+
+def config_text(
+    nodes: Sequence[SimulatedNode],
+    *,
+    rings: dict[str, str] | None = None,
+    models: Sequence[tuple[str, str]] = ((MODEL, ""),),
+    default: str = "",
+    health_interval: str = "30s",
+    **gateway: object,
+) -> str:
+    """A gateway TOML for `nodes` (rings by node name), listening on free ports of 127.0.0.1."""
+    rings = rings or {}
+    lines = ["[gateway]", 'listen = "127.0.0.1:0"', 'metrics_listen = "127.0.0.1:0"']
+    lines.append(f'health_interval = "{health_interval}"')
+    lines += [f"{key} = {msgspec.json.encode(value).decode()}" for key, value in gateway.items()]
+    for node in nodes:
+        lines += [
+            "[[nodes]]",
+            f'ip = "{node.host}"',
+            f'name = "{node.name}"',
+            f"vllm_port = {node.vllm_port}",
+            f"metrics_port = {node.metrics_port}",
+            f'ring = "{rings.get(node.name, "")}"',
+        ]
+    lines += ["[models]", f'default = "{default}"']
+    for name, ring in models:
+        lines += ["[[models.available]]", f'name = "{name}"', f'ring = "{ring}"']
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Gateway:
+    url: str
+    metrics_url: str
+    control_plane: ControlPlane
+    config_path: Path
+    output: io.StringIO
+    http: httpx.AsyncClient
+
+    def log_lines(self) -> list[dict]:
+        return [msgspec.json.decode(line) for line in self.output.getvalue().splitlines()]
+
+    def logged(self, msg: str) -> list[dict]:
+        return [line for line in self.log_lines() if line["msg"] == msg]
+
+    def node(self, ip: str) -> NodeState:
+        return self.control_plane.snapshot.nodes[ip]
+
+    async def wait_for(self, condition, timeout: float = 5.0) -> None:
+        """Poll until `condition()` is true."""
+        with trio.fail_after(timeout):
+            while not condition():
+                await trio.sleep(0.01)
+
+    async def discovered(self) -> None:
+        """Wait until every node's model listing has been applied at least once."""
+        await self.wait_for(lambda: all(node.models.state != UNTRIED for node in self.nodes()))
+
+    def nodes(self) -> list[NodeState]:
+        return self.control_plane.snapshot.node_list()
+
+    async def metrics(self) -> str:
+        response = await self.http.get(self.metrics_url + "/metrics")
+        return response.text
+
+    async def metric(self, sample: str) -> float | None:
+        """The value of one sample line, e.g. `gateway_requests_total{model="m",status="200"}`."""
+        for line in (await self.metrics()).splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == sample:
+                return float(value)
+        return None
+
+
+@asynccontextmanager
+async def running_gateway(
+    tmp_path: Path,
+    nodes: Sequence[SimulatedNode],
+    *,
+    response_header_timeout: float = 60.0,
+    first_chunk_timeout: float = 10.0,
+    **config: object,
+) -> AsyncIterator[Gateway]:
+    """Serve a gateway for `nodes` (see `config_text` for the config keywords) until the block ends."""
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text(config_text(nodes, **config))
+    output = io.StringIO()
+    listening: list[Listening] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(
+            lambda: serve(
+                str(config_path),
+                version="test",
+                ready=listening.append,
+                log=JsonLog(output),
+                response_header_timeout=response_header_timeout,
+                first_chunk_timeout=first_chunk_timeout,
+            )
+        )
+        with trio.fail_after(10):
+            while not listening:
+                await trio.sleep(0.005)
+        ready = listening[0]
+        # A failure in the block is re-raised after the nursery, unwrapped (a plain AssertionError).
+        failure: Exception | None = None
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            try:
+                yield Gateway(
+                    url=f"http://127.0.0.1:{ready.api[1]}",
+                    metrics_url=f"http://127.0.0.1:{ready.metrics[1]}",
+                    control_plane=ready.control_plane,
+                    config_path=config_path,
+                    output=output,
+                    http=http,
+                )
+            except Exception as exc:
+                failure = exc
+        nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise failure
+
+
+@asynccontextmanager
+async def nodes_and_gateway(
+    tmp_path: Path, specs: Sequence[NodeSpec], **config: object
+) -> AsyncIterator[tuple[list[SimulatedNode], Gateway]]:
+    """Simulated nodes from `specs` and a gateway in front of them (see `running_gateway`)."""
+    async with serve_nodes(specs) as nodes, running_gateway(tmp_path, nodes, **config) as gateway:
+        yield nodes, gateway
+
+
+def completions_to(node: SimulatedNode) -> list:
+    """The completion requests `node` received (probes left out)."""
+    return [request for request in node.requests if request.path.startswith("/v1/") and request.method == "POST"]
+
+
+def chat(model: str | None = MODEL, stream: bool = False, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+    if model is not None:
+        body["model"] = model
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def sse_events(text: str) -> list[str]:
+    """The `data:` payloads of an SSE body, in order."""
+    return re.findall(r"^data: (.*)$", text, flags=re.MULTILINE)
+
+
+def error_message(response: httpx.Response) -> str:
+    return response.json()["error"]["message"]

@@ -1,0 +1,349 @@
+"""The completion routes, non-streaming, step by step of plinth §4.3: body limit, parsing, default
+model, ring and model routing, the attempt loop and its retries, the buffering commit gate, and
+the request id with its decision record. Real gateway, real sockets, simulated nodes."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import trio
+
+from test_dataplane_harness import (
+    MODEL,
+    chat,
+    completions_to,
+    error_message,
+    node_specs,
+    nodes_and_gateway,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+async def raw_exchange(url: str, data: bytes) -> bytes:
+    """Send raw bytes to the gateway and read until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(data)
+        received = b""
+        with trio.fail_after(5):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+    return received
+
+
+# --- step 1: the body limit --------------------------------------------------------------------
+
+
+async def test_body_over_the_limit_gets_413_and_the_connection_is_closed(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), max_request_body_bytes=1000) as (nodes, gateway):
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+        # Only part of the declared body is sent: the gateway must answer and close anyway.
+        answer = await raw_exchange(gateway.url, head.encode() + b"x" * 100)
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert b"\r\nconnection: close\r\n" in answer.lower()
+        assert answer.endswith(b'{"error":{"message":"request body too large","type":"invalid_request_error","code":"request_too_large"}}')
+
+        # The same with the whole body sent.
+        response = await gateway.http.post(gateway.url + CHAT, content=b"z" * 5000)
+        assert response.status_code == 413
+        assert response.headers["connection"] == "close"
+
+        # A chunked body without a declared length is cut off at the limit too.
+        async def chunks():
+            for _ in range(20):
+                yield b"y" * 100
+
+        response = await gateway.http.post(gateway.url + CHAT, content=chunks())
+        assert response.status_code == 413
+        assert error_message(response) == "request body too large"
+        assert response.headers["connection"] == "close"
+
+        # Within the limit is fine, and no metrics were recorded for the 413s (plinth).
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 200
+        assert len(completions_to(nodes[0])) == 1
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="413"}') is None
+
+
+# --- step 2: parsing -------------------------------------------------------------------------
+
+
+async def test_bodies_that_are_not_a_completion_request_get_400(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), default=MODEL) as (nodes, gateway):
+        for body in (b"{bad json", b'{"model": 5}', b'{"stream": "yes"}', b"[1, 2]", b'"text"', b""):
+            response = await gateway.http.post(gateway.url + CHAT, content=body)
+            assert response.status_code == 400, body
+            assert response.json() == {
+                "error": {"message": "invalid request body", "type": "invalid_request_error", "code": "invalid_request_body"}
+            }
+            assert "connection" not in response.headers  # the body was read: keep-alive is fine
+        assert completions_to(nodes[0]) == []
+
+
+# --- step 3: the default model -------------------------------------------------------------------
+
+
+async def test_the_default_model_is_injected_keeping_the_rest_of_the_body_exactly(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), default=MODEL) as (nodes, gateway):
+        body = b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 0.70, "seed": 12345678901234567890, "max_tokens": 2}'
+        response = await gateway.http.post(gateway.url + CHAT, content=body)
+        assert response.status_code == 200
+        assert response.json()["model"] == MODEL
+        forwarded = completions_to(nodes[0])[-1]
+        assert forwarded.body == (
+            b'{"messages":[{"role": "user", "content": "hi"}],"temperature":0.70,"seed":12345678901234567890,'
+            b'"max_tokens":2,"model":"test-model"}'
+        )
+        assert forwarded.header("content-length") == str(len(forwarded.body))
+
+        # An empty or null model is replaced where it stands.
+        for given in (b'""', b"null"):
+            await gateway.http.post(gateway.url + CHAT, content=b'{"model": ' + given + b', "n": 1}')
+            assert completions_to(nodes[0])[-1].body == b'{"model":"test-model","n":1}'
+
+        # A named model: the body is forwarded byte for byte.
+        body = b'{ "model" : "test-model",\n  "messages": [],  "temperature": 1.0e0 }'
+        await gateway.http.post(gateway.url + CHAT, content=body)
+        assert completions_to(nodes[0])[-1].body == body
+
+
+async def test_no_model_and_no_default_gets_400(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + "/v1/completions", json={"prompt": "hi"})
+        assert response.status_code == 400
+        assert error_message(response) == "model not specified and no default model is configured"
+        assert completions_to(nodes[0]) == []
+
+
+# --- steps 4 and 5: ring and model routing -------------------------------------------------------
+
+
+async def test_requests_reach_only_the_nodes_of_the_models_ring_in_round_robin(tmp_path):
+    specs = node_specs(4)
+    specs[0].models = specs[1].models = ["small"]
+    specs[2].models = specs[3].models = ["big"]
+    async with nodes_and_gateway(
+        tmp_path, specs, rings={"n3": "r1", "n4": "r1"}, models=[("small", ""), ("big", "r1")]
+    ) as (nodes, gateway):
+        await gateway.discovered()
+        served_by = []
+        for model in ["big", "big", "small", "small", "big", "big"]:
+            response = await gateway.http.post(gateway.url + CHAT, json=chat(model))
+            assert response.status_code == 200
+            served_by.append(response.headers["x-served-by"])
+        assert sorted(served_by[:2]) == ["n3", "n4"] and sorted(served_by[4:]) == ["n3", "n4"]
+        assert sorted(served_by[2:4]) == ["n1", "n2"]
+        assert [len(completions_to(node)) for node in nodes] == [1, 1, 2, 2]
+
+
+async def test_a_model_no_node_serves_gets_503_and_counts_the_exclusions(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2)) as (nodes, gateway):
+        await gateway.discovered()
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("unknown-model"))
+        assert response.status_code == 503
+        assert response.json()["error"] == {
+            "message": "no healthy node available",
+            "type": "server_error",
+            "code": "no_healthy_node",
+        }
+        assert [line["model"] for line in gateway.logged("no node serves requested model")] == ["unknown-model"]
+        assert gateway.logged("no node serves requested model")[0]["level"] == "warn"
+        assert await gateway.metric('gateway_model_filter_exclusions_total{model="unknown-model",reason="missing"}') == 2
+        assert await gateway.metric('gateway_requests_total{model="unknown-model",status="503"}') == 1
+        assert [completions_to(node) for node in nodes] == [[], []]
+
+
+async def test_untried_nodes_pass_the_model_filter(tmp_path):
+    # Model listings hang, so discovery never completes: every node stays untried.
+    async with nodes_and_gateway(tmp_path, node_specs(1, serving=["other"], models="hang")) as (nodes, gateway):
+        # The simulated node answers 404 for a model it does not serve: passed through, unretried.
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("anything"))
+        assert response.status_code == 404
+        assert len(completions_to(nodes[0])) == 1
+
+
+# --- steps 6 and 7: the attempt loop -------------------------------------------------------------
+
+
+async def test_a_refused_connection_is_retried_on_the_next_node_which_is_marked_offline(tmp_path):
+    specs = node_specs(2)
+    async with nodes_and_gateway(tmp_path, specs) as (nodes, gateway):
+        await gateway.discovered()
+        nodes[0].behaviour.refuse = True
+        refused = nodes[0].host
+        for _ in range(4):
+            response = await gateway.http.post(gateway.url + CHAT, json=chat())
+            assert response.status_code == 200
+            assert response.headers["x-served-by"] == "n2"
+        retries = gateway.logged("retrying after connection failure")
+        assert len(retries) == 1  # later requests skip the offline node
+        assert retries[0]["node"] == refused and retries[0]["level"] == "info" and retries[0]["error"]
+        assert gateway.node(refused).is_offline(gateway.control_plane.now())
+        assert [line["node"] for line in gateway.logged("node marked offline")] == [refused]
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') == 1
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="200"}') == 4
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 4
+
+
+async def test_when_every_node_refuses_the_answer_is_no_reachable_node(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2)) as (nodes, gateway):
+        await gateway.discovered()
+        for node in nodes:
+            node.behaviour.refuse = True
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 503
+        assert error_message(response) == "no reachable node available"
+        assert len(gateway.logged("retrying after connection failure")) == 2
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') == 2
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="503"}') == 1
+        # Both are offline now: the next request finds no candidate at all.
+        await gateway.wait_for(lambda: all(gateway.node(node.host).offline_until for node in nodes))
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert error_message(response) == "no reachable node available"
+        assert len(gateway.logged("retrying after connection failure")) == 2
+
+
+async def test_http_errors_from_a_node_are_passed_through_and_never_retried(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2, completion="http_error", error_status=500)) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 500
+        assert response.json()["object"] == "error"  # the node's own body
+        assert sum(len(completions_to(node)) for node in nodes) == 1
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="500"}') == 1
+        assert gateway.logged("retrying after connection failure") == []
+
+
+async def test_a_connection_lost_mid_response_is_a_502_without_retry(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2, completion="close_mid_stream")) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 502
+        assert error_message(response) == "upstream node error"
+        [failure] = gateway.logged("node response truncated or connection lost")
+        assert failure["level"] == "error" and failure["error"]
+        assert sum(len(completions_to(node)) for node in nodes) == 1
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') == 1
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="502"}') == 1
+
+
+async def test_a_node_that_never_answers_is_retried_after_the_header_timeout(tmp_path):
+    specs = node_specs(2)
+    async with nodes_and_gateway(tmp_path, specs, response_header_timeout=0.3) as (nodes, gateway):
+        await gateway.discovered()
+        nodes[0].behaviour.completion = "hang"
+        served_by = set()
+        for _ in range(2):
+            response = await gateway.http.post(gateway.url + CHAT, json=chat())
+            assert response.status_code == 200
+            served_by.add(response.headers["x-served-by"])
+        assert served_by == {"n2"}
+        [retry] = gateway.logged("retrying after connection failure")
+        assert retry["node"] == nodes[0].host and retry["error"] == "timeout awaiting response headers"
+
+
+# --- the buffering commit gate -----------------------------------------------------------------
+
+
+async def test_a_response_larger_than_the_buffer_limit_is_passed_through(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=50), max_buffered_response_bytes=200) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 200
+        assert len(response.content) > 200
+        assert response.json()["usage"]["completion_tokens"] == 50
+        [passing] = gateway.logged("response exceeded buffer limit; passing through")
+        assert passing == passing | {"node": nodes[0].host, "reason": "content_length", "limit": "200", "level": "info"}
+        assert await gateway.metric('gateway_response_passthrough_total{model="test-model",reason="content_length"}') == 1
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+
+
+async def test_a_failure_after_an_early_commit_ends_the_body_and_is_never_a_502(tmp_path):
+    # The node sends a chunked body without a length, and closes the connection halfway.
+    specs = node_specs(1, tokens=200, completion="close_mid_stream")
+    async with nodes_and_gateway(tmp_path, specs, max_buffered_response_bytes=100) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 200
+        assert len(response.content) > 100
+        try:
+            msgspec.json.decode(response.content)
+            raise AssertionError("the body should be cut short")
+        except msgspec.DecodeError:
+            pass
+        assert [line["reason"] for line in gateway.logged("response exceeded buffer limit; passing through")] == ["size_limit"]
+        [truncated] = gateway.logged("response truncated after commit")
+        assert truncated["node"] == nodes[0].host and truncated["level"] == "error"
+        assert gateway.logged("node response truncated or connection lost") == []
+        assert not gateway.node(nodes[0].host).offline_until  # not marked offline
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+        assert await gateway.metric('gateway_response_passthrough_total{model="test-model",reason="size_limit"}') == 1
+
+
+# --- request ids and forwarding --------------------------------------------------------------------
+
+
+async def test_request_ids_are_echoed_and_forwarded_with_proxy_headers(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        response = await gateway.http.post(
+            gateway.url + CHAT + "?dropped=1",
+            json=chat(),
+            headers={"X-Request-Id": "req-123", "X-Forwarded-For": "10.1.1.1", "Connection": "keep-alive, X-Hop", "X-Hop": "1"},
+        )
+        assert response.headers["x-request-id"] == "req-123"
+        forwarded = completions_to(nodes[0])[-1]
+        assert forwarded.path == CHAT  # the query string is dropped
+        assert forwarded.header("x-request-id") == "req-123"
+        assert forwarded.header("x-forwarded-for") == "10.1.1.1, 127.0.0.1"
+        assert forwarded.header("x-hop") is None and forwarded.header("connection") is None
+        assert forwarded.header("host") == f"{nodes[0].host}:{nodes[0].vllm_port}"
+
+        # Without one, the gateway makes one up, the same on both sides.
+        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        made_up = response.headers["x-request-id"]
+        assert len(made_up) == 32
+        assert completions_to(nodes[0])[-1].header("x-request-id") == made_up
+        # Errors carry it too.
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("nope"), headers={"X-Request-Id": "r-9"})
+        assert response.headers["x-request-id"] == "r-9"
+
+
+async def test_each_request_gets_a_decision_record(tmp_path):
+    decision_log = tmp_path / "decisions.jsonl"
+    specs = node_specs(3)
+    specs[2].models = ["other"]
+    async with nodes_and_gateway(tmp_path, specs, decision_log=str(decision_log)) as (nodes, gateway):
+        await gateway.discovered()
+        nodes[0].behaviour.refuse = True
+        await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "first"})
+        await gateway.wait_for(lambda: gateway.node(nodes[0].host).offline_until)
+        await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "second"})
+        await gateway.wait_for(lambda: decision_log.exists() and len(decision_log.read_text().splitlines()) == 2)
+        first, second = (msgspec.json.decode(line) for line in decision_log.read_text().splitlines())
+
+    n1, n2, n3 = (node.host for node in nodes)
+    assert first["request_id"] == "first" and first["model"] == MODEL and first["path"] == CHAT
+    assert first["ring"] == "" and first["ring_pool"] == [n1, n2, n3]
+    assert first["excluded"] == [{"node": n3, "reason": "missing"}]
+    [refused, served] = first["attempts"]
+    assert refused["node"] == n1 and refused["outcome"] == "retried" and refused["error"]
+    assert served == {"node": n2, "outcome": "completed", "status": 200}
+    assert first["status"] == 200 and first["stream"] is False
+    assert first["seq"] > 0 and first["duration"] > 0 and first["at"] > 0
+    # The second request was routed on a later snapshot, where n1 was offline.
+    assert second["request_id"] == "second" and second["status"] == 200
+    assert second["seq"] > first["seq"]
+    assert second["excluded"] == [{"node": n3, "reason": "missing"}, {"node": n1, "reason": "offline"}]
+    assert second["attempts"] == [{"node": n2, "outcome": "completed", "status": 200}]
+
+
+async def test_an_unwritable_decision_log_never_fails_a_request(tmp_path):
+    (tmp_path / "not-a-folder").write_text("")
+    decision_log = tmp_path / "not-a-folder" / "decisions.jsonl"
+    async with nodes_and_gateway(tmp_path, node_specs(1), decision_log=str(decision_log)) as (nodes, gateway):
+        for _ in range(3):
+            assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        await gateway.wait_for(lambda: gateway.logged("decision log write failed"))
+        for _ in range(3):
+            assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        await trio.sleep(0.1)
+        [failure] = gateway.logged("decision log write failed")  # once, not once per record
+        assert failure["level"] == "error" and failure["path"] == str(decision_log)

@@ -1,0 +1,177 @@
+"""`interlock serve`: startup, SIGHUP reload under a running stream, graceful SIGTERM shutdown,
+and the exit codes of a gateway that cannot start. Signals are real (sent to this process, or
+to an `interlock serve` subprocess)."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import msgspec
+import trio
+
+from controlplane.logs import JsonLog
+from dataplane.serve import Listening, serve
+from fixtures.node import serve_nodes
+from test_dataplane_harness import MODEL, chat, completions_to, config_text, node_specs, nodes_and_gateway, sse_events
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+CHAT = "/v1/chat/completions"
+
+
+async def test_sighup_mid_stream_the_stream_finishes_on_the_old_snapshot_and_new_requests_use_the_new(tmp_path):
+    specs = node_specs(2, tokens=20, tpot=0.05)
+    async with nodes_and_gateway(tmp_path, specs[:1]) as (_, gateway), serve_nodes(specs[1:]) as [second]:
+        first = gateway.control_plane.snapshot.nodes
+        async with gateway.http.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as old_stream:
+            assert old_stream.headers["x-served-by"] == "n1"
+            chunks = old_stream.aiter_text()
+            text = await chunks.__anext__()
+
+            # The new config has only the second node, and one more model.
+            gateway.config_path.write_text(config_text([second], models=[(MODEL, ""), ("extra", "")]))
+            os.kill(os.getpid(), signal.SIGHUP)
+            await gateway.wait_for(lambda: gateway.logged("config reloaded"))
+            assert list(gateway.control_plane.snapshot.nodes) == [second.host] != list(first)
+
+            response = await gateway.http.post(gateway.url + CHAT, json=chat())
+            assert response.status_code == 200 and response.headers["x-served-by"] == "n2"
+            models = (await gateway.http.get(gateway.url + "/v1/models")).json()
+            assert [model["id"] for model in models["data"]] == [MODEL, "extra"]
+
+            async for chunk in chunks:
+                text += chunk
+        events = sse_events(text)
+        assert len(events) == 21 and events[-1] == "[DONE]"
+        assert all(msgspec.json.decode(event)["id"] == msgspec.json.decode(events[0])["id"] for event in events[:-1])
+        assert len(completions_to(second)) == 1
+
+
+async def test_sigterm_drains_a_running_stream_then_exits_0(tmp_path):
+    async with serve_nodes(node_specs(1, tokens=10, tpot=0.05)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes))
+        output = io.StringIO()
+        listening: list[Listening] = []
+        exit_codes = []
+
+        async def run_gateway():
+            code = await serve(str(config_path), version="test", ready=listening.append, log=JsonLog(output))
+            exit_codes.append(code)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_gateway)
+            with trio.fail_after(5):
+                while not listening:
+                    await trio.sleep(0.005)
+            url = f"http://127.0.0.1:{listening[0].api[1]}"
+            async with httpx.AsyncClient() as client:
+                async with client.stream("POST", url + CHAT, json=chat(stream=True)) as stream:
+                    chunks = stream.aiter_text()
+                    text = await chunks.__anext__()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    async for chunk in chunks:
+                        text += chunk
+        assert sse_events(text)[-1] == "[DONE]"
+        assert exit_codes == [0]
+        messages = [msgspec.json.decode(line)["msg"] for line in output.getvalue().splitlines()]
+        assert messages.index("shutting down") < messages.index("gateway stopped")
+
+
+async def test_a_listener_that_cannot_bind_is_a_server_error_and_exit_1(tmp_path):
+    async with serve_nodes(node_specs(1)) as nodes:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            config_path = tmp_path / "gateway.toml"
+            text = config_text(nodes).replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{port}"')
+            config_path.write_text(text)
+            output = io.StringIO()
+            with trio.fail_after(10):
+                code = await serve(str(config_path), version="test", log=JsonLog(output))
+    assert code == 1
+    lines = [msgspec.json.decode(line) for line in output.getvalue().splitlines()]
+    [error] = [line for line in lines if line["msg"] == "server error"]
+    assert error["level"] == "error" and "in use" in error["error"].lower()
+    assert [line["addr"] for line in lines if line["msg"] == "api server listening"] == ["127.0.0.1:0"]
+
+
+async def test_an_invalid_config_is_fatal_with_exit_1(tmp_path, capsys):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text("[gateway]\nhealth_fail_threshold = -1\n")
+    assert await serve(str(config_path), version="test", log=JsonLog(io.StringIO())) == 1
+    assert capsys.readouterr().err.startswith(f"fatal: loading config: {config_path}")
+
+
+STARTUP_MESSAGES = {
+    "starting gateway",
+    "config loaded",
+    "standalone nodes serving non-ring models",
+    "ring nodes",
+    "model routed to ring",
+    "api server listening",
+    "metrics server listening",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+async def test_interlock_serve_starts_logs_plinths_lines_and_stops_on_sigterm(tmp_path):
+    async with serve_nodes(node_specs(2)) as nodes:
+        api_port, metrics_port = _free_port(), _free_port()
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(
+            config_text(nodes, rings={"n2": "r1"}, models=[(MODEL, ""), ("big", "r1")])
+            .replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{api_port}"', 1)
+            .replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"')
+        )
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "dataplane.cli", "serve", "--config", str(config_path)],
+            stdout=subprocess.PIPE,
+            cwd=PROJECT_ROOT,
+        )
+        output = b""
+        try:
+            with trio.fail_after(15):
+                while b'"metrics server listening"' not in output:
+                    output += await process.stdout.receive_some()
+                async with httpx.AsyncClient() as client:
+                    assert (await client.get(f"http://127.0.0.1:{api_port}/health")).status_code == 200
+                    metrics = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+                    assert "gateway_requests_total" in metrics and "_created" not in metrics
+                process.send_signal(signal.SIGTERM)
+                while chunk := await process.stdout.receive_some():
+                    output += chunk
+                assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+
+    lines = [msgspec.json.decode(line) for line in output.splitlines()]
+    startup = [
+        (line["msg"], {key: value for key, value in line.items() if key not in ("msg", "level", "timestamp", "seq")})
+        for line in lines
+        if line["msg"] in STARTUP_MESSAGES  # model discovery runs meanwhile, and logs too
+    ]
+    assert startup == [
+        ("starting gateway", {"cluster": ""}),
+        ("config loaded", {"nodes": "2", "models": "2"}),
+        ("standalone nodes serving non-ring models", {"nodes": "n1"}),
+        ("ring nodes", {"ring": "r1", "nodes": "n2"}),
+        ("model routed to ring", {"model": "big", "ring": "r1"}),
+        ("api server listening", {"addr": f"127.0.0.1:{api_port}"}),
+        ("metrics server listening", {"addr": f"127.0.0.1:{metrics_port}"}),
+    ]
+    assert [line["msg"] for line in lines][-2:] == ["shutting down", "gateway stopped"]

@@ -1,0 +1,130 @@
+"""Streaming completions through the gateway: chunks flow as the node sends them, the commit gate
+at the first body byte, the first-chunk deadline, truncated streams, and client disconnects."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from test_dataplane_harness import (
+    chat,
+    completions_to,
+    error_message,
+    node_specs,
+    nodes_and_gateway,
+    sse_events,
+)
+
+CHAT = "/v1/chat/completions"
+
+
+async def test_chunks_reach_the_client_as_the_node_sends_them(tmp_path):
+    tokens, tpot = 6, 0.1
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=tokens, tpot=tpot)) as (nodes, gateway):
+        arrivals = []
+        async with gateway.http.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"] == "text/event-stream"
+            assert "content-length" not in response.headers
+            text = ""
+            async for chunk in response.aiter_text():
+                arrivals.append(trio.current_time())
+                text += chunk
+        events = sse_events(text)
+        assert len(events) == tokens + 1 and events[-1] == "[DONE]"
+        # One arrival per token, spread like the node's token delay (asserted loosely).
+        assert len(arrivals) >= tokens
+        assert arrivals[-1] - arrivals[0] >= (tokens - 1) * tpot * 0.5
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="200"}') == 1
+
+
+async def test_a_stream_without_a_first_chunk_is_retried_on_the_next_node(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2), first_chunk_timeout=0.3) as (nodes, gateway):
+        await gateway.discovered()
+        nodes[0].behaviour.completion = "no_first_chunk"
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+        assert response.status_code == 200
+        assert response.headers["x-served-by"] == "n2"
+        assert sse_events(response.text)[-1] == "[DONE]"
+        [retry] = gateway.logged("retrying after streaming failure before first chunk")
+        assert retry == retry | {"node": nodes[0].host, "error": "timed out waiting for first stream chunk", "level": "info"}
+        await gateway.wait_for(lambda: gateway.node(nodes[0].host).is_offline(gateway.control_plane.now()))
+        # The abandoned request was closed on the node.
+        with trio.fail_after(2):
+            await completions_to(nodes[0])[0].ended.wait()
+        assert completions_to(nodes[0])[0].disconnected
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') == 1
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+
+
+async def test_a_refused_stream_is_retried_before_the_first_chunk(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2)) as (nodes, gateway):
+        await gateway.discovered()
+        nodes[0].behaviour.refuse = True
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+        assert response.status_code == 200 and response.headers["x-served-by"] == "n2"
+        assert [line["node"] for line in gateway.logged("retrying after streaming failure before first chunk")] == [nodes[0].host]
+
+
+async def test_a_stream_cut_after_the_first_chunk_ends_without_done_and_without_502(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2, tokens=8, completion="close_mid_stream")) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+        assert response.status_code == 200
+        events = sse_events(response.text)
+        assert 1 <= len(events) < 8 and "[DONE]" not in events
+        [terminated] = gateway.logged("stream terminated by upstream failure")
+        assert terminated["level"] == "error" and terminated["error"]
+        assert gateway.logged("retrying after streaming failure before first chunk") == []
+        assert sum(len(completions_to(node)) for node in nodes) == 1  # committed: never retried
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="502"}') is None
+
+
+async def test_an_http_error_on_a_stream_request_is_passed_through(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2, completion="http_error", error_status=400)) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+        assert response.status_code == 400
+        assert response.headers["content-type"] == "application/json"
+        assert response.json()["type"] == "BadRequestError"
+        assert sum(len(completions_to(node)) for node in nodes) == 1
+
+
+async def test_a_client_that_disconnects_cancels_the_upstream_request_promptly(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=200, tpot=0.05)) as (nodes, gateway):
+        async with httpx.AsyncClient() as client:
+            async with client.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as response:
+                async for _ in response.aiter_bytes():
+                    break  # the first chunk, then hang up
+        left_at = trio.current_time()
+        [upstream] = completions_to(nodes[0])
+        with trio.fail_after(1):
+            await upstream.ended.wait()
+        assert upstream.disconnected
+        assert trio.current_time() - left_at < 1
+        await gateway.wait_for(lambda: gateway.logged("client write failed after commit"))
+        assert await gateway.metric('gateway_response_client_write_failures_total{model="test-model"}') == 1
+
+
+async def test_a_client_that_leaves_before_anything_was_sent_cancels_the_upstream_request(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1, ttft=5.0)) as (nodes, gateway):
+        for stream in (True, False):
+            with trio.move_on_after(0.3):
+                await gateway.http.post(gateway.url + CHAT, json=chat(stream=stream))
+            upstream = completions_to(nodes[0])[-1]
+            with trio.fail_after(1):
+                await upstream.ended.wait()
+            assert upstream.disconnected
+        # Nothing was answered: no metrics, no retry, no failure logged (plinth's ClientAborted).
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') is None
+        assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') is None
+        assert gateway.logged("retrying after streaming failure before first chunk") == []
+        assert gateway.logged("client write failed after commit") == []
+
+
+async def test_no_healthy_node_for_a_stream_is_a_json_503(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        await gateway.discovered()
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("missing", stream=True))
+        assert response.status_code == 503
+        assert error_message(response) == "no healthy node available"
