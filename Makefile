@@ -12,8 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/interlock explain fixtures/logs/scenario.jsonl --model Qwen/Qwen2.5-7B-Instruct; \
-	  $(VENV)/bin/interlock audit fixtures/logs/scenario.jsonl --kind models,health
+	$(VENV)/bin/interlock demo
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

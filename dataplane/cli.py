@@ -1,5 +1,7 @@
 """The `interlock` command line.
 
+    interlock demo [--config PATH] [--once] [--quiet]
+    interlock serve [--config PATH]
     interlock check-config PATH
     interlock replay LOG… [--until-seq N | --at TIME] [--json]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
@@ -168,9 +170,43 @@ def run_audit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- serve -----------------------------------------------------------------------------------
+
+
+def add_serve(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("serve", help="run the gateway (exit code 1 if it cannot start)")
+    parser.add_argument(
+        "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
+    )
+    parser.set_defaults(run=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from dataplane.serve import run_serve as serve_gateway  # the server stack, imported only to serve
+
+    return serve_gateway(args.config, package_version())
+
+
+# --- demo ------------------------------------------------------------------------------------
+
+
+def add_demo(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("demo", help="simulated nodes and the gateway, with one request through it")
+    parser.add_argument("--config", default=None, metavar="PATH", help="the demo's TOML config (default: config/demo.toml)")
+    parser.add_argument("--once", action="store_true", help="stop after the first request instead of serving on")
+    parser.add_argument("--quiet", action="store_true", help="do not print the gateway's JSON log (on stderr)")
+    parser.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from dataplane.demo import DEMO_CONFIG, run_demo as demo  # the server stack, imported only to serve
+
+    return demo(args.config or str(DEMO_CONFIG), package_version(), once=args.once, quiet=args.quiet)
+
+
 # --- the program -----------------------------------------------------------------------------
 
-SUBCOMMANDS = [add_check_config, add_replay, add_explain, add_audit]
+SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit]
 
 
 def build_parser() -> argparse.ArgumentParser:
