@@ -52,7 +52,7 @@ OFFLINE = "offline"
 TRANSITION_KINDS = (RUN, RELOAD, HEALTH, MODELS, OFFLINE)
 
 
-class Transition(msgspec.Struct, frozen=True, kw_only=True):
+class Transition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One line of the transition log: plinth's message and fields, stamped with the event."""
 
     seq: int
@@ -114,11 +114,18 @@ class _StepBuilder:
 
 
 def reduce(state: ClusterState, event: Event) -> tuple[ClusterState, Step]:
-    """Apply one numbered event; events about unknown nodes change nothing but the seq."""
-    handler = _HANDLERS[type(event)]
+    """Apply one numbered event; events about unknown nodes change nothing but seq and at."""
     out = _StepBuilder(event)
-    new_state = handler(msgspec.structs.replace(state, seq=event.seq, at=event.at), event, out)
-    return new_state, out.step()
+    node_handler = _NODE_HANDLERS.get(type(event))
+    if node_handler is None:
+        state = _CLUSTER_HANDLERS[type(event)](state, event, out)
+        return msgspec.structs.replace(state, seq=event.seq, at=event.at), out.step()
+    node = state.nodes.get(event.node)
+    if node is None or state.config is None:
+        return msgspec.structs.replace(state, seq=event.seq, at=event.at), NOTHING
+    updated = node_handler(node, event, state.config, out)
+    nodes = state.nodes if updated is node else with_node(state.nodes, updated)
+    return msgspec.structs.replace(state, seq=event.seq, at=event.at, nodes=nodes), out.step()
 
 
 # --- run and reload -------------------------------------------------------------------------
@@ -182,12 +189,9 @@ def _run_stopped(state: ClusterState, event: RunStopped, out: _StepBuilder) -> C
 _STATUS_LEVEL = {DEAD: "error", DEGRADED: "warn"}
 
 
-def _health_probed(state: ClusterState, event: HealthProbed, out: _StepBuilder) -> ClusterState:
-    node = state.nodes.get(event.node)
-    if node is None or state.config is None:
-        return state
+def _health_probed(node: NodeState, event: HealthProbed, config: Config, out: _StepBuilder) -> NodeState:
     failures = 0 if event.ok else node.consecutive_failures + 1
-    status = compute_status(failures, state.config.gateway.health_fail_threshold)
+    status = compute_status(failures, config.gateway.health_fail_threshold)
     if status != node.status:
         detail = {} if event.ok else {"error": _probe_error(event)}
         out.log(
@@ -198,39 +202,30 @@ def _health_probed(state: ClusterState, event: HealthProbed, out: _StepBuilder) 
             **{"from": node.status, "to": status, "failures": failures},
             **detail,
         )
-    updated = msgspec.structs.replace(node, status=status, consecutive_failures=failures, last_check=event.at)
-    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+    return msgspec.structs.replace(node, status=status, consecutive_failures=failures, last_check=event.at)
 
 
 def _probe_error(event: HealthProbed) -> str:
     return event.error or f"health endpoint returned status {event.status}"
 
 
-def _probe_crashed(state: ClusterState, event: ProbeCrashed, out: _StepBuilder) -> ClusterState:
-    if event.node not in state.nodes:
-        return state
-    out.log(HEALTH, "error", "health check panicked", node=event.node, panic=event.error)
-    return state
+def _probe_crashed(node: NodeState, event: ProbeCrashed, config: Config, out: _StepBuilder) -> NodeState:
+    out.log(HEALTH, "error", "health check panicked", node=node.ip, panic=event.error)
+    return node
 
 
-def _gpu_scraped(state: ClusterState, event: GpuScraped, out: _StepBuilder) -> ClusterState:
-    node = state.nodes.get(event.node)
-    if node is None or not event.gpus:
-        return state  # plinth keeps the previous GPUs when a scrape gives no result
-    return msgspec.structs.replace(state, nodes=with_node(state.nodes, msgspec.structs.replace(node, gpus=event.gpus)))
+def _gpu_scraped(node: NodeState, event: GpuScraped, config: Config, out: _StepBuilder) -> NodeState:
+    if not event.gpus:
+        return node  # plinth keeps the previous GPUs when a scrape gives no result
+    return msgspec.structs.replace(node, gpus=event.gpus)
 
 
 # --- model discovery (GH-31) ----------------------------------------------------------------
 
 
-def _models_listed(state: ClusterState, event: ModelsListed, out: _StepBuilder) -> ClusterState:
-    node = state.nodes.get(event.node)
-    if node is None or state.config is None:
-        return state
+def _models_listed(node: NodeState, event: ModelsListed, config: Config, out: _StepBuilder) -> NodeState:
     before = node.models
-    after, list_changed = before.apply_result(
-        event.models, event.error, state.config.gateway.health_fail_threshold, event.at
-    )
+    after, list_changed = before.apply_result(event.models, event.error, config.gateway.health_fail_threshold, event.at)
     if after.state != before.state:
         if after.state == KNOWN_EMPTY:
             out.log(MODELS, "warn", "node reports no models", node=node.ip)
@@ -243,11 +238,10 @@ def _models_listed(state: ClusterState, event: ModelsListed, out: _StepBuilder) 
             out.log(MODELS, "info", msg, node=node.ip, models=",".join(after.names or ()))
     if list_changed:
         out.log(MODELS, "info", "node model list changed", node=node.ip, models=",".join(after.names or ()))
-        node_config = state.config.node(node.ip) or NodeConfig(ip=node.ip)
-        for model in configured_models_missing(node_config, after.names or (), state.config):
+        node_config = config.node(node.ip) or NodeConfig(ip=node.ip)
+        for model in configured_models_missing(node_config, after.names or (), config):
             out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
-    updated = msgspec.structs.replace(node, models=after)
-    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+    return msgspec.structs.replace(node, models=after)
 
 
 def configured_models_missing(node: NodeConfig, names: tuple[str, ...], config: Config) -> list[str]:
@@ -267,32 +261,31 @@ def configured_models_missing(node: NodeConfig, names: tuple[str, ...], config: 
 # --- data-plane observations (the offline skip-set) -----------------------------------------
 
 
-def _upstream_failed(state: ClusterState, event: UpstreamFailed, out: _StepBuilder) -> ClusterState:
-    node = state.nodes.get(event.node)
-    if node is None or node.is_offline(event.at):
-        return state  # plinth's mark() returns false when already offline: no second recheck
+def _upstream_failed(node: NodeState, event: UpstreamFailed, config: Config, out: _StepBuilder) -> NodeState:
+    if node.is_offline(event.at):
+        return node  # plinth's mark() returns false when already offline: no second recheck
     until = event.at + OFFLINE_SECONDS
     out.log(OFFLINE, "warn", "node marked offline", node=node.ip, error=event.error, seconds=f"{OFFLINE_SECONDS:g}")
     out.effects.append(Recheck(node.ip))
-    updated = msgspec.structs.replace(node, offline_until=until)
-    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+    return msgspec.structs.replace(node, offline_until=until)
 
 
-def _upstream_recovered(state: ClusterState, event: UpstreamRecovered, out: _StepBuilder) -> ClusterState:
-    node = state.nodes.get(event.node)
-    if node is None or node.offline_until is None:
-        return state
+def _upstream_recovered(node: NodeState, event: UpstreamRecovered, config: Config, out: _StepBuilder) -> NodeState:
+    if node.offline_until is None:
+        return node
     if node.is_offline(event.at):
         out.log(OFFLINE, "info", "node back online", node=node.ip)
-    updated = msgspec.structs.replace(node, offline_until=None)
-    return msgspec.structs.replace(state, nodes=with_node(state.nodes, updated))
+    return msgspec.structs.replace(node, offline_until=None)
 
 
-_HANDLERS: dict[type, Callable[[ClusterState, Event, _StepBuilder], ClusterState]] = {
+_CLUSTER_HANDLERS: dict[type, Callable[[ClusterState, Event, _StepBuilder], ClusterState]] = {
     RunStarted: _run_started,
     ConfigReloaded: _config_reloaded,
     ReloadRejected: _reload_rejected,
     RunStopped: _run_stopped,
+}
+
+_NODE_HANDLERS: dict[type, Callable[[NodeState, Event, Config, _StepBuilder], NodeState]] = {
     HealthProbed: _health_probed,
     ProbeCrashed: _probe_crashed,
     GpuScraped: _gpu_scraped,
@@ -300,5 +293,6 @@ _HANDLERS: dict[type, Callable[[ClusterState, Event, _StepBuilder], ClusterState
     UpstreamFailed: _upstream_failed,
     UpstreamRecovered: _upstream_recovered,
 }
+"""Events about one node (`event.node`): the handler gets that node and returns it, changed or not."""
 
 INITIAL_STATE = ClusterState(nodes=MappingProxyType({}))

@@ -12,7 +12,7 @@ from typing import Any, Union
 import msgspec
 
 
-class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
     at: float
     seq: int = 0
 
@@ -56,7 +56,7 @@ class ProbeCrashed(EventBase, frozen=True, tag="probe_crashed"):
     error: str
 
 
-class GpuSample(msgspec.Struct, frozen=True, kw_only=True):
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     uuid: str
     memory_used: int = 0
     memory_total: int = 0
