@@ -19,14 +19,9 @@ import msgspec
 from controlplane.config import config_to_builtins
 from controlplane.logs import format_timestamp
 from controlplane.reducer import INITIAL_STATE, TRANSITION_KINDS, Transition, reduce
-from controlplane.routing import RoutePlan, plan_route
+from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
 from controlplane.state import ClusterState, NodeState
 from events.log import EventLogError, read_events
-
-# plinth's 503 texts (§4.3): an empty pool after the model filter, and a pool the attempt loop
-# cannot use (every candidate dead or offline).
-NO_HEALTHY_NODE = "no healthy node available"
-NO_REACHABLE_NODE = "no reachable node available"
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,6 +12,11 @@ from controlplane.state import DEAD, DEGRADED, HEALTHY, ClusterState, NodeState
 
 NOT_IN_RING = "not in ring"
 
+# plinth's two 503 texts (§4.3), the client's answer when routing finds no node: no node in the
+# ring pool serves the model, or none of those that do could be used (dead, offline, or failed).
+NO_HEALTHY_NODE = "no healthy node available"
+NO_REACHABLE_NODE = "no reachable node available"
+
 
 def ring_pool(state: ClusterState, model: str) -> list[NodeState]:
     """plinth's filterByRing: the model's ring, else every ring-less node (status not considered)."""

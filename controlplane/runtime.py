@@ -24,7 +24,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -183,8 +183,15 @@ class ControlPlane:
         finally:
             self._reloading = False
 
-    async def serve_signals(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """SIGHUP → reload(); SIGTERM or SIGINT → log `shutting down`, stop(), and return.
+    async def serve_signals(
+        self,
+        *,
+        before_stop: Callable[[], Awaitable[None]] | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """SIGHUP → reload(); SIGTERM or SIGINT → log `shutting down`, await `before_stop()`,
+        stop(), and return. `before_stop` is the gateway draining its listeners: the requests
+        in flight still have a running control plane to report to.
         (hypercorn installs no signal handlers; this is the gateway's only one.)"""
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as reloads:
@@ -194,6 +201,8 @@ class ControlPlane:
                         reloads.start_soon(self.reload)
                     else:
                         self.log.info("shutting down")
+                        if before_stop is not None:
+                            await before_stop()
                         await self.stop()
                         return
 

@@ -5,12 +5,13 @@
     interlock check-config PATH
     interlock replay LOG… [--until-seq N | --at TIME] [--json]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
+    interlock explain [LOG…] --request-id ID --decisions FILE [--json]
     interlock audit LOG… [--node IP] [--since T] [--until T] [--kind KIND[,KIND]]
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
-0 ok, 2 bad input (arguments, config, log), 3 `explain` found no node to route to. Errors are one
-line on stderr naming the culprit, never a traceback.
+0 ok, 2 bad input (arguments, config, log, a request id not in the decision log), 3 `explain`
+found no node to route to. Errors are one line on stderr naming the culprit, never a traceback.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from controlplane.replay import (
     replay,
     state_to_builtins,
 )
+from dataplane.decisions import DecisionLogError, find_decisions
+from dataplane.explain_request import render_causes, render_request, request_to_builtins
 from events.log import EventLogError
 
 EXIT_OK = 0
@@ -72,6 +75,12 @@ def _print_json(data: object) -> None:
     print(msgspec.json.format(msgspec.json.encode(data), indent=2).decode())
 
 
+def _error(args: argparse.Namespace, message: str) -> int:
+    """Report bad input found after parsing as argparse reports its own (one line, exit code 2)."""
+    print(f"{args.prog}: error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
 def _warner(args: argparse.Namespace) -> Callable[[str], None]:
     """Reports a skipped torn line on stderr; the command carries on."""
     return lambda message: print(f"{args.prog}: warning: {message}", file=sys.stderr)
@@ -100,10 +109,11 @@ def run_check_config(args: argparse.Namespace) -> int:
 # --- replay, explain, audit ------------------------------------------------------------------
 
 
-def _add_log_arguments(parser: argparse.ArgumentParser, *, moment: bool) -> None:
-    parser.add_argument(
-        "logs", nargs="+", metavar="LOG", help="event log segments in order, or a log's name for all its segments"
-    )
+_LOGS_HELP = "event log segments in order, or a log's name for all its segments"
+
+
+def _add_log_arguments(parser: argparse.ArgumentParser, *, moment: bool, optional: bool = False) -> None:
+    parser.add_argument("logs", nargs="*" if optional else "+", metavar="LOG", help=_LOGS_HELP)
     if moment:
         when = parser.add_mutually_exclusive_group()
         when.add_argument("--until-seq", type=int, metavar="N", help="stop after the event numbered N")
@@ -130,13 +140,26 @@ def run_replay(args: argparse.Namespace) -> int:
 
 
 def add_explain(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("explain", help="show where a request for a model would have gone, and why")
-    _add_log_arguments(parser, moment=True)
-    parser.add_argument("--model", required=True, metavar="M", help="the requested model, exactly as sent")
+    parser = commands.add_parser(
+        "explain",
+        help="show where a request for a model would have gone, or where a recorded request went, and why",
+    )
+    _add_log_arguments(parser, moment=True, optional=True)
+    parser.add_argument("--model", metavar="M", help="the requested model, exactly as sent (unless --request-id)")
+    parser.add_argument("--request-id", metavar="ID", help="explain this recorded request instead")
+    parser.add_argument("--decisions", metavar="FILE", help="the decision log (gateway.decision_log) to find it in")
     parser.set_defaults(run=run_explain)
 
 
 def run_explain(args: argparse.Namespace) -> int:
+    if args.request_id is not None:
+        return _explain_request(args)
+    if args.decisions is not None:
+        return _error(args, "argument --decisions: only allowed with --request-id")
+    if args.model is None:
+        return _error(args, "the following arguments are required: --model")
+    if not args.logs:
+        return _error(args, "the following arguments are required: LOG")
     result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
     explanation = explain(result, args.model, args.at)
     if args.json:
@@ -144,6 +167,28 @@ def run_explain(args: argparse.Namespace) -> int:
     else:
         print(render_explanation(explanation))
     return EXIT_NO_NODE if explanation.refusal else EXIT_OK
+
+
+def _explain_request(args: argparse.Namespace) -> int:
+    """One recorded request; with event logs, the events behind its exclusions too."""
+    if args.decisions is None:
+        return _error(args, "the following arguments are required: --decisions (with --request-id)")
+    for given, name in ((args.model, "--model"), (args.until_seq, "--until-seq"), (args.at, "--at")):
+        if given is not None:
+            return _error(args, f"argument {name}: not allowed with --request-id (the record has its model and seq)")
+    records = find_decisions(args.decisions, args.request_id, warn=_warner(args))
+    if not records:
+        return _error(args, f"no request with id {args.request_id!r} in the decision log {args.decisions}")
+    *earlier, decision = records
+    # The control plane as the request saw it: the log replayed up to the snapshot it was routed on.
+    result = replay(args.logs, until_seq=decision.seq, warn=_warner(args)) if args.logs else None
+    if args.json:
+        _print_json(request_to_builtins(decision, result))
+    elif result is None:
+        print(render_request(decision, earlier))
+    else:
+        print(render_request(decision, earlier) + "\n\n" + render_causes(decision, result))
+    return EXIT_OK
 
 
 def add_audit(commands: argparse._SubParsersAction) -> None:
@@ -231,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`interlock audit … | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (EventLogError, OSError) as err:
+    except (EventLogError, DecisionLogError, OSError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -6,12 +6,14 @@ shows the same cluster), the ring pool, the nodes excluded and why, every attemp
 status and the duration. Recording never waits: records go into a bounded buffer that a
 background task drains in batches, writing from a worker thread; when the buffer is full a
 record is dropped and counted rather than stalling a request.
+
+`find_decisions` reads a log back, for `interlock explain --request-id`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 import msgspec
@@ -130,3 +132,38 @@ class DecisionLog:
         except OSError as err:
             return str(err)
         return ""
+
+
+# --- reading a decision log back -------------------------------------------------------------
+
+
+class DecisionLogError(Exception):
+    """A decision log line that is not a record; the message names the file and line."""
+
+
+_decode_decision = msgspec.json.Decoder(Decision)
+
+
+def read_decisions(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Iterator[Decision]:
+    """The records of a decision log, oldest first.
+
+    A last line without its newline that does not decode is a write cut short (a crash): it
+    is skipped and reported through `warn`. Any other bad line raises DecisionLogError.
+    """
+    with open(path, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            try:
+                yield _decode_decision.decode(line)
+            except msgspec.DecodeError as err:
+                if line.endswith(b"\n"):
+                    raise DecisionLogError(f"{os.fspath(path)}:{number}: {err}") from None
+                if warn is not None:
+                    warn(f"{os.fspath(path)}:{number}: skipping torn last line ({err})")
+
+
+def find_decisions(
+    path: str | os.PathLike[str], request_id: str, warn: Callable[[str], None] | None = None
+) -> list[Decision]:
+    """Every record of `request_id`, oldest first: clients choose their X-Request-Id, and may
+    send one twice."""
+    return [decision for decision in read_decisions(path, warn) if decision.request_id == request_id]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import msgspec
 from quart import Response
 
+from controlplane import routing
+
 
 class ApiError:
     """One kind of error answer: status, plinth's message, and a stable OpenAI-style code."""
@@ -29,8 +31,8 @@ METHOD_NOT_ALLOWED = ApiError(405, "Method Not Allowed", "method_not_allowed")
 REQUEST_TOO_LARGE = ApiError(413, "request body too large", "request_too_large")
 INVALID_BODY = ApiError(400, "invalid request body", "invalid_request_body")
 NO_MODEL = ApiError(400, "model not specified and no default model is configured", "model_not_specified")
-NO_HEALTHY_NODE = ApiError(503, "no healthy node available", "no_healthy_node")
-NO_REACHABLE_NODE = ApiError(503, "no reachable node available", "no_reachable_node")
+NO_HEALTHY_NODE = ApiError(503, routing.NO_HEALTHY_NODE, "no_healthy_node")
+NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node")
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
 
 

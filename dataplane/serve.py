@@ -1,9 +1,11 @@
 """`interlock serve`: the composition root of a running gateway (plinth §7).
 
-One nursery runs the control plane, the API listener (`gateway.listen`), the metrics listener
-(`gateway.metrics_listen`), the decision-log writer, and the signal handler of the control plane
-(SIGHUP reloads; SIGTERM/SIGINT stop). Once the control plane has stopped, both listeners shut
-down gracefully, letting streams in flight finish for up to SHUTDOWN_GRACE_SECONDS.
+The control plane runs around everything else: the API listener (`gateway.listen`), the metrics
+listener (`gateway.metrics_listen`), the decision-log writer, and the control plane's signal
+handler (SIGHUP reloads). SIGTERM/SIGINT shut down in plinth's order: log `shutting down`, drain
+both listeners (streams in flight finish, for up to SHUTDOWN_GRACE_SECONDS) and the decision
+log, then stop the control plane (`gateway stopped`), so requests finishing during the drain
+still report to a running control plane.
 
 Exit codes: 0 after a signalled shutdown; 1 when the config cannot be loaded (`fatal: loading
 config: …` on stderr) or a listener cannot bind (`server error`).
@@ -70,11 +72,8 @@ async def serve(
     try:
         async with open_control_plane(config_path, version=version, log=log, registry=registry) as control_plane:
             return await _run(control_plane, registry, log, ready, response_header_timeout, first_chunk_timeout)
-    except (ConfigError, BaseExceptionGroup) as error:
-        config_error = _only(error, ConfigError)
-        if config_error is None:
-            raise
-        print(f"fatal: loading config: {config_error}", file=sys.stderr)
+    except ConfigError as error:
+        print(f"fatal: loading config: {error}", file=sys.stderr)
         return EXIT_FAILURE
 
 
@@ -90,7 +89,15 @@ async def _run(
     _log_topology(log, config)
     decisions = DecisionLog(lambda: control_plane.snapshot.config.gateway.decision_log, log)
     request_metrics = RequestMetrics(registry)
-    stopped = trio.Event()
+    stop_listening = trio.Event()
+    drained = trio.Event()
+
+    async def drain() -> None:
+        """SIGTERM's step before the control plane stops: both listeners stop accepting and
+        finish what is in flight, then the decision log writes what is left."""
+        stop_listening.set()
+        await drained.wait()
+
     exit_code = EXIT_OK
     async with new_upstream_pool() as upstream_pool, trio.open_nursery() as nursery:
         proxy = Proxy(
@@ -103,31 +110,27 @@ async def _run(
             first_chunk_timeout=first_chunk_timeout,
         )
         api_app = create_app(control_plane, proxy, SnapshotViews(control_plane))
-        nursery.start_soon(decisions.run)
-        async with trio.open_nursery() as servers:
-            try:
-                api = await servers.start(_listen, api_app, config.gateway.listen, stopped)
-                log.info("api server listening", addr=config.gateway.listen)
-                metrics = await servers.start(_listen, metrics_app(registry), config.gateway.metrics_listen, stopped)
-                log.info("metrics server listening", addr=config.gateway.metrics_listen)
-            except (OSError, ValueError) as error:
-                log.error("server error", error=str(error))
-                exit_code = EXIT_FAILURE
-                stopped.set()
-            else:
-                await servers.start(_until_signalled, control_plane, stopped)
-                if ready is not None:
-                    ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
-        decisions.close()
+        async with trio.open_nursery() as serving:
+            serving.start_soon(decisions.run)
+            async with trio.open_nursery() as listeners:
+                try:
+                    api = await listeners.start(_listen, api_app, config.gateway.listen, stop_listening)
+                    log.info("api server listening", addr=config.gateway.listen)
+                    metrics = await listeners.start(
+                        _listen, metrics_app(registry), config.gateway.metrics_listen, stop_listening
+                    )
+                    log.info("metrics server listening", addr=config.gateway.metrics_listen)
+                except (OSError, ValueError) as error:
+                    log.error("server error", error=str(error))
+                    exit_code = EXIT_FAILURE
+                    stop_listening.set()
+                else:
+                    await nursery.start(partial(control_plane.serve_signals, before_stop=drain))
+                    if ready is not None:
+                        ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
+            decisions.close()  # the listeners are done: no request records any more
+        drained.set()
     return exit_code
-
-
-async def _until_signalled(
-    control_plane: ControlPlane, stopped: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """The control plane's signal handling; once SIGTERM/SIGINT has stopped it, the listeners drain."""
-    await control_plane.serve_signals(task_status=task_status)
-    stopped.set()
 
 
 async def _listen(
@@ -187,13 +190,6 @@ def _log_topology(log: JsonLog, config: Config) -> None:
     for model in config.models.available:
         if model.ring:
             log.info("model routed to ring", model=model.name, ring=model.ring)
-
-
-def _only(error: BaseException, kind: type[BaseException]):
-    """`error` if it is a `kind`, or the one `kind` inside nested single-exception groups."""
-    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
-        error = error.exceptions[0]
-    return error if isinstance(error, kind) else None
 
 
 def run_serve(config_path: str, version: str) -> int:

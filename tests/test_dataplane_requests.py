@@ -8,7 +8,7 @@ import httpx
 import msgspec
 import trio
 
-from test_dataplane_harness import (
+from harness import (
     MODEL,
     chat,
     completions_to,

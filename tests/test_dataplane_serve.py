@@ -4,7 +4,6 @@ to an `interlock serve` subprocess)."""
 
 from __future__ import annotations
 
-import io
 import os
 import signal
 import socket
@@ -16,10 +15,18 @@ import httpx
 import msgspec
 import trio
 
-from controlplane.logs import JsonLog
-from dataplane.serve import Listening, serve
+from dataplane.serve import serve
 from fixtures.node import serve_nodes
-from test_dataplane_harness import MODEL, chat, completions_to, config_text, node_specs, nodes_and_gateway, sse_events
+from harness import (
+    MODEL,
+    CapturedLog,
+    chat,
+    completions_to,
+    config_text,
+    node_specs,
+    nodes_and_gateway,
+    sse_events,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -53,35 +60,47 @@ async def test_sighup_mid_stream_the_stream_finishes_on_the_old_snapshot_and_new
         assert len(completions_to(second)) == 1
 
 
-async def test_sigterm_drains_a_running_stream_then_exits_0(tmp_path):
-    async with serve_nodes(node_specs(1, tokens=10, tpot=0.05)) as nodes:
-        config_path = tmp_path / "gateway.toml"
-        config_path.write_text(config_text(nodes))
-        output = io.StringIO()
-        listening: list[Listening] = []
-        exit_codes = []
+async def test_sigterm_drains_a_running_stream_then_stops_the_control_plane_and_exits_0(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=10, tpot=0.05)) as (_, gateway):
+        async with gateway.http.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as stream:
+            chunks = stream.aiter_text()
+            text = await chunks.__anext__()
+            os.kill(os.getpid(), signal.SIGTERM)
+            async for chunk in chunks:
+                text += chunk
+        assert await gateway.exited() == 0
+    assert sse_events(text)[-1] == "[DONE]"
+    messages = gateway.log.messages()
+    assert messages.index("shutting down") < messages.index("gateway stopped") == len(messages) - 1
 
-        async def run_gateway():
-            code = await serve(str(config_path), version="test", ready=listening.append, log=JsonLog(output))
-            exit_codes.append(code)
+
+async def test_a_request_in_flight_at_sigterm_still_reports_to_the_control_plane(tmp_path):
+    # n1 sends its headers and no first chunk: the request is still waiting on n1 when SIGTERM
+    # comes, and is retried on n2 while the listeners drain. Marking n1 offline then needs a
+    # control plane that has not stopped yet.
+    specs = node_specs(2, tokens=5, tpot=0.02)
+    specs[0].behaviour.completion = "no_first_chunk"
+    async with nodes_and_gateway(tmp_path, specs, first_chunk_timeout=1.0) as (nodes, gateway):
+        answers = []
+
+        async def stream() -> None:
+            async with gateway.http.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as response:
+                answers.append((response.headers["x-served-by"], await response.aread()))
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run_gateway)
-            with trio.fail_after(5):
-                while not listening:
-                    await trio.sleep(0.005)
-            url = f"http://127.0.0.1:{listening[0].api[1]}"
-            async with httpx.AsyncClient() as client:
-                async with client.stream("POST", url + CHAT, json=chat(stream=True)) as stream:
-                    chunks = stream.aiter_text()
-                    text = await chunks.__anext__()
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    async for chunk in chunks:
-                        text += chunk
-        assert sse_events(text)[-1] == "[DONE]"
-        assert exit_codes == [0]
-        messages = [msgspec.json.decode(line)["msg"] for line in output.getvalue().splitlines()]
-        assert messages.index("shutting down") < messages.index("gateway stopped")
+            nursery.start_soon(stream)
+            await gateway.wait_for(lambda: completions_to(nodes[0]))
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert await gateway.exited() == 0
+    [(served_by, body)] = answers
+    assert served_by == "n2" and sse_events(body.decode())[-1] == "[DONE]"
+    messages = gateway.log.messages()
+    assert (
+        messages.index("shutting down")
+        < messages.index("node marked offline")
+        < messages.index("gateway stopped")
+        == len(messages) - 1
+    )
 
 
 async def test_a_listener_that_cannot_bind_is_a_server_error_and_exit_1(tmp_path):
@@ -93,11 +112,11 @@ async def test_a_listener_that_cannot_bind_is_a_server_error_and_exit_1(tmp_path
             config_path = tmp_path / "gateway.toml"
             text = config_text(nodes).replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{port}"')
             config_path.write_text(text)
-            output = io.StringIO()
+            log = CapturedLog()
             with trio.fail_after(10):
-                code = await serve(str(config_path), version="test", log=JsonLog(output))
+                code = await serve(str(config_path), version="test", log=log)
     assert code == 1
-    lines = [msgspec.json.decode(line) for line in output.getvalue().splitlines()]
+    lines = log.records()
     [error] = [line for line in lines if line["msg"] == "server error"]
     assert error["level"] == "error" and "in use" in error["error"].lower()
     assert [line["addr"] for line in lines if line["msg"] == "api server listening"] == ["127.0.0.1:0"]
@@ -106,7 +125,7 @@ async def test_a_listener_that_cannot_bind_is_a_server_error_and_exit_1(tmp_path
 async def test_an_invalid_config_is_fatal_with_exit_1(tmp_path, capsys):
     config_path = tmp_path / "gateway.toml"
     config_path.write_text("[gateway]\nhealth_fail_threshold = -1\n")
-    assert await serve(str(config_path), version="test", log=JsonLog(io.StringIO())) == 1
+    assert await serve(str(config_path), version="test", log=CapturedLog()) == 1
     assert capsys.readouterr().err.startswith(f"fatal: loading config: {config_path}")
 
 

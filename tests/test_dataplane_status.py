@@ -3,7 +3,7 @@ after scripted sequences on simulated nodes (plinth §4.1, §4.2, §5)."""
 
 from __future__ import annotations
 
-from test_dataplane_harness import MODEL, chat, error_message, node_specs, nodes_and_gateway
+from harness import MODEL, chat, error_message, node_specs, nodes_and_gateway
 
 CHAT = "/v1/chat/completions"
 

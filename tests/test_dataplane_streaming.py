@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import trio
 
-from test_dataplane_harness import (
+from harness import (
     chat,
     completions_to,
     error_message,

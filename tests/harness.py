@@ -1,15 +1,19 @@
-"""What the data-plane tests share (no tests here): a real gateway (`dataplane.serve.serve`, real
-hypercorn on free ports of 127.0.0.1) in front of simulated nodes on their own loopback
-addresses (127.0.0.2, 127.0.0.3, …, since a node's identity is its IP), with a real config file.
+"""What the integration tests share (no tests here; the pytest fixtures are in conftest.py).
+
+Simulated nodes on their own loopback addresses (127.0.0.2, 127.0.0.3, …, since a node's identity
+is its IP), gateway config files for them, a JSON log captured in memory, and a real gateway
+(`dataplane.serve.serve`, real hypercorn on free ports of 127.0.0.1) in front of the nodes.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import re
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -34,6 +38,9 @@ def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) ->
     ]
 
 
+# --- config files ------------------------------------------------------------------------------
+
+
 def config_text(
     nodes: Sequence[SimulatedNode],
     *,
@@ -43,24 +50,72 @@ def config_text(
     health_interval: str = "30s",
     **gateway: object,
 ) -> str:
-    """A gateway TOML for `nodes` (rings by node name), listening on free ports of 127.0.0.1."""
+    """A gateway TOML with one [[nodes]] per simulated node (ip = its host, its name and both
+    ports; rings by node name), listening on free ports of 127.0.0.1. `models` are (name, ring)
+    pairs for [[models.available]]; `gateway` adds [gateway] keys (durations as strings: "1s")."""
     rings = rings or {}
     lines = ["[gateway]", 'listen = "127.0.0.1:0"', 'metrics_listen = "127.0.0.1:0"']
-    lines.append(f'health_interval = "{health_interval}"')
-    lines += [f"{key} = {msgspec.json.encode(value).decode()}" for key, value in gateway.items()]
+    lines.append(f"health_interval = {_toml(health_interval)}")
+    lines += [f"{key} = {_toml(value)}" for key, value in gateway.items()]
     for node in nodes:
         lines += [
             "[[nodes]]",
-            f'ip = "{node.host}"',
-            f'name = "{node.name}"',
+            f"ip = {_toml(node.host)}",
+            f"name = {_toml(node.name)}",
             f"vllm_port = {node.vllm_port}",
-            f"metrics_port = {node.metrics_port}",
-            f'ring = "{rings.get(node.name, "")}"',
+            f"metrics_port = {node.metrics_port or 0}",
+            f"ring = {_toml(rings.get(node.name, ''))}",
         ]
-    lines += ["[models]", f'default = "{default}"']
+    lines += ["[models]", f"default = {_toml(default)}"]
     for name, ring in models:
-        lines += ["[[models.available]]", f'name = "{name}"', f'ring = "{ring}"']
+        lines += ["[[models.available]]", f"name = {_toml(name)}", f"ring = {_toml(ring)}"]
     return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    """A TOML value for a string, number or bool (JSON spells them the same way)."""
+    return msgspec.json.encode(value).decode()
+
+
+def write_config(directory: Path, nodes: Sequence[SimulatedNode], **keywords: object) -> Path:
+    """Write (or rewrite) `directory/gateway.toml` (see `config_text` for the keywords)."""
+    path = directory / "gateway.toml"
+    path.write_text(config_text(nodes, **keywords))
+    return path
+
+
+# --- the JSON log ------------------------------------------------------------------------------
+
+
+class CapturedLog(JsonLog):
+    """A JsonLog writing to memory; `records()` parses what was written so far."""
+
+    def __init__(self) -> None:
+        super().__init__(io.StringIO())
+
+    def lines(self) -> list[str]:
+        return self.stream.getvalue().splitlines()
+
+    def records(self) -> list[dict[str, str]]:
+        return [json.loads(line) for line in self.lines()]
+
+    def messages(self, node: str | None = None) -> list[str]:
+        return [record["msg"] for record in self.records() if node is None or record.get("node") == node]
+
+
+# --- a running gateway -------------------------------------------------------------------------
+
+
+class _Serving:
+    """`serve` running in the background: its exit code once it has returned."""
+
+    def __init__(self) -> None:
+        self.returned = trio.Event()
+        self.exit_code: int | None = None
+
+    async def run(self, config_path: Path, log: JsonLog, ready, **timeouts: float) -> None:
+        self.exit_code = await serve(str(config_path), version="test", ready=ready, log=log, **timeouts)
+        self.returned.set()
 
 
 @dataclass
@@ -69,14 +124,12 @@ class Gateway:
     metrics_url: str
     control_plane: ControlPlane
     config_path: Path
-    output: io.StringIO
+    log: CapturedLog
     http: httpx.AsyncClient
-
-    def log_lines(self) -> list[dict]:
-        return [msgspec.json.decode(line) for line in self.output.getvalue().splitlines()]
+    serving: _Serving
 
     def logged(self, msg: str) -> list[dict]:
-        return [line for line in self.log_lines() if line["msg"] == msg]
+        return [record for record in self.log.records() if record["msg"] == msg]
 
     def node(self, ip: str) -> NodeState:
         return self.control_plane.snapshot.nodes[ip]
@@ -90,6 +143,12 @@ class Gateway:
     async def discovered(self) -> None:
         """Wait until every node's model listing has been applied at least once."""
         await self.wait_for(lambda: all(node.models.state != UNTRIED for node in self.nodes()))
+
+    async def exited(self, timeout: float = 15.0) -> int:
+        """Wait until `serve` has returned; its exit code."""
+        with trio.fail_after(timeout):
+            await self.serving.returned.wait()
+        return self.serving.exit_code
 
     def nodes(self) -> list[NodeState]:
         return self.control_plane.snapshot.node_list()
@@ -116,18 +175,19 @@ async def running_gateway(
     first_chunk_timeout: float = 10.0,
     **config: object,
 ) -> AsyncIterator[Gateway]:
-    """Serve a gateway for `nodes` (see `config_text` for the config keywords) until the block ends."""
-    config_path = tmp_path / "gateway.toml"
-    config_path.write_text(config_text(nodes, **config))
-    output = io.StringIO()
+    """Serve a gateway for `nodes` (see `config_text` for the config keywords) until the block
+    ends (or it stops by itself, see `Gateway.exited`)."""
+    config_path = write_config(tmp_path, nodes, **config)
+    log = CapturedLog()
     listening: list[Listening] = []
+    serving = _Serving()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(
-            lambda: serve(
-                str(config_path),
-                version="test",
-                ready=listening.append,
-                log=JsonLog(output),
+            partial(
+                serving.run,
+                config_path,
+                log,
+                listening.append,
                 response_header_timeout=response_header_timeout,
                 first_chunk_timeout=first_chunk_timeout,
             )
@@ -138,15 +198,16 @@ async def running_gateway(
         ready = listening[0]
         # A failure in the block is re-raised after the nursery, unwrapped (a plain AssertionError).
         failure: Exception | None = None
-        async with httpx.AsyncClient(timeout=10.0) as http:
+        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
             try:
                 yield Gateway(
                     url=f"http://127.0.0.1:{ready.api[1]}",
                     metrics_url=f"http://127.0.0.1:{ready.metrics[1]}",
                     control_plane=ready.control_plane,
                     config_path=config_path,
-                    output=output,
+                    log=log,
                     http=http,
+                    serving=serving,
                 )
             except Exception as exc:
                 failure = exc
@@ -162,6 +223,9 @@ async def nodes_and_gateway(
     """Simulated nodes from `specs` and a gateway in front of them (see `running_gateway`)."""
     async with serve_nodes(specs) as nodes, running_gateway(tmp_path, nodes, **config) as gateway:
         yield nodes, gateway
+
+
+# --- requests and answers ----------------------------------------------------------------------
 
 
 def completions_to(node: SimulatedNode) -> list:

@@ -1,0 +1,164 @@
+"""`interlock explain --request-id`: one recorded request, told from its decision record.
+
+With the event log as well, the exclusions are traced to their events: the log is replayed up
+to the snapshot the request was routed on, and for each excluded node the transition that last
+changed the part of its state behind the exclusion is shown (its health for `dead`, the offline
+skip-set for `offline`, model discovery for the model filter's `missing`, `empty`, `expired`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from controlplane.logs import format_timestamp
+from controlplane.reducer import HEALTH, MODELS, OFFLINE, Transition
+from controlplane.replay import ReplayResult, audit, format_ring, format_table
+from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
+from controlplane.state import NodeState
+from dataplane.decisions import RETRIED, Decision
+
+_KIND_BEHIND = {"dead": HEALTH, "offline": OFFLINE}
+"""The transition kind behind each exclusion reason that is not the model filter's (MODELS)."""
+
+
+class Cause(msgspec.Struct, frozen=True, kw_only=True):
+    """One exclusion of a request, traced in the replayed event log."""
+
+    node: str
+    reason: str
+    state: NodeState | None
+    """The node in the replayed state (None: the log does not know it)."""
+    last_change: Transition | None
+    """The last transition of the kind behind `reason` (None: there is none in the log)."""
+
+
+def trace_exclusions(decision: Decision, result: ReplayResult) -> list[Cause]:
+    """Each exclusion of `decision`, with the node's replayed state and the transition behind it.
+    `result` is the event log replayed up to the decision's seq."""
+    causes = []
+    for exclusion in decision.excluded:
+        kind = _KIND_BEHIND.get(exclusion.reason, MODELS)
+        changes = audit(result.transitions, node=exclusion.node, kinds=[kind])
+        causes.append(
+            Cause(
+                node=exclusion.node,
+                reason=exclusion.reason,
+                state=result.state.nodes.get(exclusion.node),
+                last_change=changes[-1] if changes else None,
+            )
+        )
+    return causes
+
+
+def final_status(decision: Decision) -> str:
+    """The status the client got, with the gateway's own 503 text when no node answered."""
+    if decision.status is None:
+        return "none: the client went away"
+    if decision.status == 503 and all(attempt.outcome == RETRIED for attempt in decision.attempts):
+        # plinth's two refusals: no candidate at all after the model filter, or none usable.
+        filtered = {exclusion.node for exclusion in decision.excluded if exclusion.reason not in _KIND_BEHIND}
+        candidates = [ip for ip in decision.ring_pool if ip not in filtered]
+        return f'503 "{NO_REACHABLE_NODE if candidates else NO_HEALTHY_NODE}"'
+    return str(decision.status)
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
+    """The record for a terminal: the request, its exclusions, its attempts. `earlier` are
+    older records with the same request id, mentioned at the end."""
+    lines = format_table(
+        ["request", decision.request_id],
+        [
+            ["time", format_timestamp(decision.at)],
+            ["path", decision.path],
+            ["model", decision.model],
+            ["stream", "yes" if decision.stream else "no"],
+            ["snapshot", f"seq {decision.seq}"],
+            ["ring", format_ring(decision.ring)],
+            ["ring pool", ", ".join(decision.ring_pool) or "none"],
+            ["status", final_status(decision)],
+            ["duration", f"{decision.duration * 1000:.1f} ms"],
+        ],
+    )
+    lines.append("")
+    if decision.excluded:
+        rows = [[exclusion.node, exclusion.reason] for exclusion in decision.excluded]
+        lines += format_table(["EXCLUDED", "REASON"], rows)
+    else:
+        lines.append("no node excluded")
+    lines.append("")
+    if decision.attempts:
+        rows = [
+            [str(number), attempt.node, attempt.outcome, _or_dash(attempt.status), attempt.error or "-"]
+            for number, attempt in enumerate(decision.attempts, start=1)
+        ]
+        lines += format_table(["ATTEMPT", "NODE", "OUTCOME", "STATUS", "ERROR"], rows)
+    else:
+        lines.append("no attempt: no node could be picked")
+    if earlier:
+        times = ", ".join(f"{format_timestamp(record.at)} (status {_or_dash(record.status)})" for record in earlier)
+        lines += ["", f"{len(earlier)} earlier request(s) with this id, not shown: {times}"]
+    return "\n".join(lines)
+
+
+def render_causes(decision: Decision, result: ReplayResult) -> str:
+    """The replayed control plane behind the exclusions: each excluded node's state, and the
+    transition that put it there. `result` is the event log replayed up to the decision's seq."""
+    causes = trace_exclusions(decision, result)
+    state = result.state
+    lines = [f"control plane at seq {state.seq} ({format_timestamp(state.at)}), replayed from the event log"]
+    if state.seq != decision.seq:
+        lines.append(f"warning: the event log ends at seq {state.seq}, before the request's seq {decision.seq}")
+    if not causes:
+        return "\n".join(lines + ["no node excluded"])
+    rows = []
+    for cause in causes:
+        node = cause.state
+        rows.append(
+            [
+                cause.node,
+                (node.name or "-") if node else "?",
+                cause.reason,
+                node.status if node else "?",
+                node.models.state if node else "?",
+                _describe(cause.last_change),
+            ]
+        )
+    return "\n".join(lines + format_table(["NODE", "NAME", "EXCLUDED", "STATUS", "MODELS", "LAST CHANGE"], rows))
+
+
+def _describe(transition: Transition | None) -> str:
+    """`seq 7 2026-01-02T03:04:05Z model discovery expired (error=…)`."""
+    if transition is None:
+        return "none in the event log"
+    fields = ", ".join(f"{key}={value}" for key, value in transition.fields if key != "node")
+    text = f"seq {transition.seq} {format_timestamp(transition.at)} {transition.msg}"
+    return f"{text} ({fields})" if fields else text
+
+
+def _or_dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+# --- JSON ------------------------------------------------------------------------------------
+
+
+def request_to_builtins(decision: Decision, result: ReplayResult | None = None) -> dict[str, Any]:
+    """The record as logged; with the replayed event log, each exclusion's last change too (as
+    the JSON log line the gateway printed for it)."""
+    data = msgspec.to_builtins(decision)
+    if result is not None:
+        data["causes"] = [
+            {
+                "node": cause.node,
+                "reason": cause.reason,
+                "last_change": msgspec.json.decode(cause.last_change.log_line()) if cause.last_change else None,
+            }
+            for cause in trace_exclusions(decision, result)
+        ]
+    return data

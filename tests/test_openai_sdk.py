@@ -1,0 +1,83 @@
+"""The official `openai` Python SDK against the gateway: what OpenAI-compatible clients rely on
+(answers, streamed deltas, the model list, typed errors) works through it unchanged. Real
+gateway, real sockets, simulated nodes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import openai
+import pytest
+
+from fixtures.node import NodeSpec, token_texts
+from harness import MODEL, Gateway, node_specs, nodes_and_gateway
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@asynccontextmanager
+async def gateway_and_sdk(
+    tmp_path: Path, specs: list[NodeSpec], **config: object
+) -> AsyncIterator[tuple[Gateway, openai.AsyncOpenAI]]:
+    """Simulated nodes, the gateway in front of them, and an SDK client for the gateway (no
+    retries, no proxy from the environment)."""
+    async with nodes_and_gateway(tmp_path, specs, **config) as (_, gateway):
+        http_client = openai.DefaultAsyncHttpxClient(trust_env=False)
+        base_url = gateway.url + "/v1"
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, http_client=http_client) as client:
+            yield gateway, client
+
+
+async def test_chat_completion_says_which_node_answered(tmp_path):
+    async with gateway_and_sdk(tmp_path, node_specs(1)) as (_, client):
+        completion = await client.chat.completions.create(model=MODEL, messages=HI)
+    assert completion.choices[0].message.content == "".join(token_texts("n1", 8))
+    assert completion.choices[0].message.content.startswith("Hello from n1.")
+    assert completion.model == MODEL and completion.choices[0].finish_reason == "stop"
+
+
+async def test_streamed_chat_deltas_add_up_to_the_whole_answer(tmp_path):
+    async with gateway_and_sdk(tmp_path, node_specs(1, tokens=6, tpot=0.01)) as (_, client):
+        stream = await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
+        chunks = [chunk async for chunk in stream]
+    deltas = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
+    assert len(chunks) > 1
+    assert "".join(deltas) == "".join(token_texts("n1", 6))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_legacy_completion(tmp_path):
+    async with gateway_and_sdk(tmp_path, node_specs(1)) as (_, client):
+        completion = await client.completions.create(model=MODEL, prompt="hi", max_tokens=4)
+    assert completion.choices[0].text == "Hello from n1."
+    assert completion.choices[0].finish_reason == "length"
+
+
+async def test_model_list_is_the_configured_models_in_config_order(tmp_path):
+    models = [("zeta", ""), (MODEL, ""), ("alpha", "")]
+    async with gateway_and_sdk(tmp_path, node_specs(1), models=models) as (_, client):
+        page = await client.models.list()
+    assert [model.id for model in page.data] == ["zeta", MODEL, "alpha"]
+
+
+async def test_a_model_no_node_serves_is_the_sdks_internal_server_error(tmp_path):
+    async with gateway_and_sdk(tmp_path, node_specs(1)) as (gateway, client):
+        await gateway.discovered()
+        with pytest.raises(openai.InternalServerError) as caught:
+            await client.chat.completions.create(model="nobody-serves-this", messages=HI)
+    failure = caught.value
+    assert failure.status_code == 503
+    assert failure.body["message"] == "no healthy node available"
+    assert "no healthy node available" in failure.message
+    assert failure.code == "no_healthy_node"
+
+
+async def test_a_request_over_the_body_limit_is_an_api_status_error_413(tmp_path):
+    async with gateway_and_sdk(tmp_path, node_specs(1), max_request_body_bytes=200) as (_, client):
+        with pytest.raises(openai.APIStatusError) as caught:
+            await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 500}])
+    failure = caught.value
+    assert failure.status_code == 413
+    assert failure.body["message"] == "request body too large"
