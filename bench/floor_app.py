@@ -1,0 +1,67 @@
+"""The floor: a minimal quart-trio app on hypercorn that answers like the bench upstream.
+
+    python -m bench.floor_app --port PORT [--host 127.0.0.1]
+
+What the gateway's stack costs before it does any gateway work: the same hypercorn settings as
+`interlock serve`, one route that reads the body, decodes it like the upstream does, and answers
+with the upstream's canned completion or canned SSE stream (paced with `bench_interval`, like
+the upstream). No proxying, no routing, no metrics. Runs until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from quart import Response, request
+from quart_trio import QuartTrio
+
+from bench.upstream import COMPLETION, decode_completion_request, sse_events
+from dataplane.serve import KEEP_ALIVE_SECONDS, SHUTDOWN_GRACE_SECONDS
+
+
+def create_floor_app() -> QuartTrio:
+    app = QuartTrio("bench-floor")
+    app.config.update(RESPONSE_TIMEOUT=None, BODY_TIMEOUT=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(b"", content_type="text/plain")
+
+    @app.post("/v1/chat/completions")
+    async def completions() -> Response:
+        completion = decode_completion_request.decode(await request.get_data())
+        if not completion.stream:
+            return Response(COMPLETION, content_type="application/json")
+        events = sse_events(max(1, completion.bench_chunks))
+        return Response(_paced(events, completion.bench_interval), content_type="text/event-stream")
+
+    return app
+
+
+async def _paced(events: tuple[bytes, ...], interval: float):
+    started = trio.current_time()
+    for index, event in enumerate(events):
+        if interval > 0:
+            await trio.sleep_until(started + index * interval)
+        yield event
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.floor_app", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args()
+    config = HypercornConfig()
+    config.bind = [f"{args.host}:{args.port}"]
+    config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
+    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
+    config.include_server_header = False
+    config.accesslog = None
+    trio.run(serve, create_floor_app(), config)
+
+
+if __name__ == "__main__":
+    main()

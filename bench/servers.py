@@ -1,0 +1,160 @@
+"""The servers the benchmark compares, each started as its own process group on 127.0.0.1.
+
+- the upstream (`bench.upstream`): what every other row proxies to, and the `direct` row itself;
+- the floor (`bench.floor_app`): quart-trio on hypercorn answering with the same canned bytes;
+- nginx as a plain reverse proxy to the upstream (foreground, one worker, keep-alive upstream
+  connections, no response buffering so SSE flows chunk by chunk), from a generated config;
+- interlock: `interlock serve` with one standalone node, the upstream, probed every second, with
+  its metrics listener and its event log on.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from bench.processes import NamedProcess, Processes, free_port, group_pids, wait_until_healthy
+from bench.upstream import MODEL
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+COMPLETIONS_PATH = "/v1/chat/completions"
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    process: NamedProcess
+
+    @property
+    def url(self) -> str:
+        """The chat-completions URL."""
+        return f"http://{HOST}:{self.port}{COMPLETIONS_PATH}"
+
+    def pids(self) -> list[int]:
+        """Its live processes (nginx: the master and the worker)."""
+        return group_pids(self.process.pid)
+
+
+def _launch(
+    processes: Processes, name: str, argv: list[str], port: int, cores: frozenset[int] | None, accept=None
+) -> Server:
+    """Start a server and wait until `GET /health` on `port` is accepted; stop it if it never is."""
+    process = processes.start(name, argv, cores=cores, cwd=PROJECT_ROOT)
+    try:
+        wait_until_healthy(HOST, port, process, **({"accept": accept} if accept else {}))
+    except BaseException:
+        processes.stop(process)
+        raise
+    return Server(name, port, process)
+
+
+def start_upstream(processes: Processes, cores: frozenset[int] | None) -> Server:
+    port = free_port()
+    return _launch(processes, "upstream", [sys.executable, "-m", "bench.upstream", "--host", HOST, "--port", str(port)], port, cores)
+
+
+def start_floor(processes: Processes, cores: frozenset[int] | None) -> Server:
+    port = free_port()
+    return _launch(processes, "floor", [sys.executable, "-m", "bench.floor_app", "--host", HOST, "--port", str(port)], port, cores)
+
+
+def nginx_config(prefix: Path, port: int, upstream: Server) -> str:
+    temp = {name: prefix / f"{name}_temp" for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")}
+    return textwrap.dedent(
+        f"""\
+        worker_processes 1;
+        pid {prefix / 'nginx.pid'};
+        error_log {prefix / 'error.log'} warn;
+        events {{
+            worker_connections 4096;
+        }}
+        http {{
+            access_log off;
+            client_body_temp_path {temp['client_body']};
+            proxy_temp_path {temp['proxy']};
+            fastcgi_temp_path {temp['fastcgi']};
+            uwsgi_temp_path {temp['uwsgi']};
+            scgi_temp_path {temp['scgi']};
+            keepalive_requests 1000000;
+            upstream bench_upstream {{
+                server {HOST}:{upstream.port};
+                keepalive 256;
+                keepalive_requests 1000000;
+            }}
+            server {{
+                listen {HOST}:{port};
+                location / {{
+                    proxy_pass http://bench_upstream;
+                    proxy_http_version 1.1;
+                    proxy_set_header Connection "";
+                    proxy_buffering off;
+                }}
+            }}
+        }}
+        """
+    )
+
+
+def start_nginx(processes: Processes, folder: Path, cores: frozenset[int] | None, upstream: Server) -> Server:
+    prefix = folder / "nginx"
+    prefix.mkdir()
+    prefix.chmod(0o755)  # a worker running as an unprivileged user reads and writes here too
+    port = free_port()
+    config = prefix / "nginx.conf"
+    config.write_text(nginx_config(prefix, port, upstream))
+    argv = [nginx_path(), "-p", str(prefix), "-c", str(config), "-e", str(prefix / "error.log"), "-g", "daemon off;"]
+    return _launch(processes, "nginx", argv, port, cores)
+
+
+def nginx_path() -> str | None:
+    """nginx is often in /usr/sbin, which a user's PATH may not include."""
+    return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin:/usr/local/nginx/sbin")
+
+
+def interlock_config(folder: Path, port: int, metrics_port: int, upstream: Server) -> str:
+    quoted = lambda value: msgspec.json.encode(value).decode()  # a TOML basic string
+    return textwrap.dedent(
+        f"""\
+        [gateway]
+        listen = {quoted(f"{HOST}:{port}")}
+        metrics_listen = {quoted(f"{HOST}:{metrics_port}")}
+        health_interval = "1s"
+        event_log = {quoted(str(folder / "events.jsonl"))}
+
+        [[nodes]]
+        ip = {quoted(HOST)}
+        name = "bench-upstream"
+        vllm_port = {upstream.port}
+        metrics_port = {upstream.port}
+
+        [models]
+        default = {quoted(MODEL)}
+
+        [[models.available]]
+        name = {quoted(MODEL)}
+        """
+    )
+
+
+def start_interlock(processes: Processes, folder: Path, cores: frozenset[int] | None, upstream: Server) -> Server:
+    """`interlock serve`, ready once its /health says the node is healthy and its models listed."""
+    port = free_port()
+    config = folder / "interlock.toml"
+    config.write_text(interlock_config(folder, port, free_port(), upstream))
+    argv = [sys.executable, "-m", "dataplane.cli", "serve", "--config", str(config)]
+
+    def node_ready(status: int, body: bytes) -> bool:
+        if status != 200:
+            return False
+        health = json.loads(body)
+        return health["status"] == "ok" and health["models_ok"] == health["nodes"]
+
+    return _launch(processes, "interlock", argv, port, cores, accept=node_ready)

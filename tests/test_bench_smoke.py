@@ -1,0 +1,143 @@
+"""The benchmark harness's building blocks, each run briefly for real: the bench upstream answers,
+the stream client measures gaps against it, wrk and nginx (when installed) drive and proxy it,
+and the results are judged, rendered and written as JSON. No speed is asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.processes import Processes
+from bench.report import evaluate_targets, render, write_results
+from bench.servers import Server, interlock_config, nginx_path, start_nginx, start_upstream
+from bench.upstream import MODEL, STREAM_CHUNKS
+from bench.wrk import run_wrk, wrk_path
+from controlplane.config import load_config
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def processes(tmp_path):
+    """Processes started through the harness; afterwards, not one process of theirs is left."""
+    with Processes(tmp_path) as processes:
+        yield processes
+    assert processes.leftovers() == []
+
+
+@pytest.fixture
+def upstream(processes) -> Server:
+    return start_upstream(processes, cores=None)
+
+
+def sse_data(text: str) -> list[str]:
+    return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def test_the_upstream_answers_probes_completions_and_streams(upstream):
+    base = f"http://127.0.0.1:{upstream.port}"
+    with httpx.Client(timeout=5) as client:
+        assert client.get(base + "/health").status_code == 200
+        assert [model["id"] for model in client.get(base + "/v1/models").json()["data"]] == [MODEL]
+        assert 'gpu="GPU-bench-0"' in client.get(base + "/metrics").text
+
+        completion = client.post(upstream.url, json={"model": MODEL, "messages": []})
+        assert completion.status_code == 200 and completion.json()["choices"][0]["message"]["role"] == "assistant"
+
+        stream = client.post(upstream.url, json={"model": MODEL, "stream": True})
+        events = sse_data(stream.text)
+        assert stream.headers["content-type"] == "text/event-stream"
+        assert len(events) == STREAM_CHUNKS and events[-1] == "[DONE]"
+        assert json.loads(events[0])["object"] == "chat.completion.chunk"
+
+        paced = client.post(upstream.url, json={"stream": True, "bench_chunks": 3, "bench_interval": 0.01})
+        assert len(sse_data(paced.text)) == 3
+        assert client.get(base + "/nowhere").status_code == 404
+
+
+def test_the_stream_client_measures_gaps_and_cpu_against_the_upstream(upstream):
+    completed = subprocess.run(
+        [
+            sys.executable, "-m", "bench.stream_client", upstream.url, "--concurrency", "3", "--duration", "1",
+            "--warm-up", "0.3", "--chunks", "10", "--interval", "0.02", "--pid", str(upstream.process.pid),
+        ],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(completed.stdout)
+    assert report["errors"] == 0, report["first_errors"]
+    assert report["events"] > 0 and report["streams"] > 0 and report["gaps"] > 0
+    assert report["added_delay_p99_ms"] is not None and report["added_delay_p99_ms"] >= report["added_delay_p50_ms"]
+    assert report["cpu_seconds"] is not None
+
+
+@pytest.mark.skipif(wrk_path() is None, reason="wrk is not installed")
+def test_wrk_drives_the_upstream(upstream, tmp_path):
+    body = json.dumps({"model": MODEL, "messages": []}).encode()
+    result = run_wrk(upstream.url, body, connections=2, seconds=1, cores=None, folder=tmp_path)
+    assert result.requests > 0 and result.errors == 0
+    assert 0 < result.p50_ms <= result.p99_ms
+
+
+@pytest.mark.skipif(nginx_path() is None, reason="nginx is not installed")
+def test_nginx_proxies_to_the_upstream_and_stops_with_its_worker(processes, upstream, tmp_path):
+    nginx = start_nginx(processes, tmp_path, None, upstream)
+    assert len(nginx.pids()) == 2  # the master and one worker
+    with httpx.Client(timeout=5) as client:
+        stream = client.post(nginx.url, json={"model": MODEL, "stream": True})
+    assert sse_data(stream.text)[-1] == "[DONE]"
+    processes.stop(nginx.process)
+    assert nginx.pids() == []
+
+
+def test_the_generated_interlock_config_loads(upstream, tmp_path):
+    path = tmp_path / "interlock.toml"
+    path.write_text(interlock_config(tmp_path, 18000, 19000, upstream))
+    config = load_config(path)
+    assert [(node.ip, node.vllm_port, node.metrics_port) for node in config.nodes] == [
+        ("127.0.0.1", upstream.port, upstream.port)
+    ]
+    assert config.models.default == MODEL and config.gateway.event_log and config.gateway.health_interval == 1.0
+
+
+def test_results_are_judged_rendered_and_written_as_json(tmp_path):
+    paced = [
+        {"concurrency": 8, "added_delay_p99_ms": 3.0, "errors": 0, "cpu_per_chunk_us": 300.0},
+        {"concurrency": 16, "added_delay_p99_ms": 25.0, "errors": 0, "cpu_per_chunk_us": 250.0},
+    ]
+    requests = {"requests_per_second": 300.0, "p50_ms": 40.0, "p99_ms": 90.0, "errors": 0}
+    results = {
+        "started_at": "2026-01-02 03:04:05 UTC",
+        "machine": {"cpu_model": "test CPU", "cores_available": 2, "kernel": "6.1", "python": "3.11.7", "load_average_at_start": "0.01 0.02 0.03"},
+        "settings": {
+            "cores": "server on core 0, load on core 1", "duration": 1.0, "warm_up": 0.5, "connections": 16,
+            "sse_chunks": 64, "paced_concurrency": [8, 16, 32], "paced_interval": 0.02, "paced_chunks": 100,
+        },
+        "notes": [],
+        "rows": {
+            "floor": {"requests": {**requests, "cpu_per_request_us": 1000.0}},
+            "interlock": {"requests": {**requests, "cpu_per_request_us": 2500.0}, "paced": paced, "peak_rss_bytes": 50 << 20},
+        },
+        "replay": {"events": 1000, "seconds": [0.004], "median_seconds": 0.004, "events_per_second": 250_000.0},
+    }
+    results["targets"] = evaluate_targets(results)
+    verdicts = {target["target"].split(" ")[0]: target["verdict"] for target in results["targets"]}
+    assert verdicts["non-streaming"] == "MISS"  # 2.5x the floor
+    assert verdicts[">="] == "MISS"  # held 8 streams
+    assert verdicts["replay"] == "PASS"
+    assert verdicts["control"] == "n/a"
+
+    table = render(results)
+    assert "2.50x" in table and "held 8, passed at 16" in table
+
+    first, second = write_results(results, tmp_path), write_results(results, tmp_path)
+    assert first != second and first.suffix == ".json"
+    assert json.loads(first.read_text()) == json.loads(second.read_text()) == results
