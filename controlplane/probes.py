@@ -1,10 +1,9 @@
 """Probes: the effects that turn a node's HTTP answers into events (plinth §2.2, §8.3).
 
 Every probe is one `GET` through `ProbeClient.get`, the single place that talks HTTP: one shared
-client (a connection pool per node), one deadline covering connect and read, and a hard cap on
-the body (plinth follow-up #39), so a hung or hostile node can cost neither time nor memory
-beyond its bounds. Swapping in a leaner client for 1,000-node clusters means replacing that
-one class.
+client (`controlplane.http11`, keep-alive connections per node and port), one deadline covering
+connect and read, and a hard cap on the body (plinth follow-up #39), so a hung or hostile node
+can cost neither time nor memory beyond its bounds.
 
 The probe functions never raise (cancellation aside): a transport or parse failure is part of
 the event they return, and `check_node` turns any unexpected exception into a ProbeCrashed.
@@ -14,14 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import ssl
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import httpx
 import trio
 
 from controlplane.config import NodeConfig
+from controlplane.http11 import BodyTooLarge, HttpClient, HttpError
 from events.types import GpuSample, GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -29,6 +27,11 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 
 KEEPALIVE_SECONDS = 60.0
 """How long an idle connection to a node is kept for the next probe (longer than a health interval)."""
+
+MAX_IDLE_PER_PORT = 2
+"""Idle connections kept per node and port: `/health` and `/v1/models` may overlap on the vLLM port."""
+
+_HEADERS = ((b"user-agent", b"interlock-probe"), (b"accept-encoding", b"identity"))
 
 Clock = Callable[[], float]
 
@@ -43,21 +46,14 @@ class ProbeResponse(NamedTuple):
 
 
 class ProbeClient:
-    """The probes' HTTP client: `GET url` within a deadline, reading at most `max_body_bytes`.
+    """The probes' HTTP client: `GET` within a deadline, reading at most `max_body_bytes`.
 
-    One instance (one httpx.AsyncClient, trio backend) serves every probe of every node, over
-    a connection pool per node (see `_PoolPerNode`).
+    One instance serves every probe of every node, keeping connections alive per node and port.
     """
 
     def __init__(self, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.max_body_bytes = max_body_bytes
-        self._pools = _PoolPerNode()
-        self._client = httpx.AsyncClient(
-            transport=self._pools,
-            timeout=None,  # `get` bounds the whole exchange with its own deadline
-            headers={"Accept-Encoding": "identity", "User-Agent": "interlock-probe"},
-            trust_env=False,  # a proxy from the environment must never sit between us and the nodes
-        )
+        self._http = HttpClient(max_idle_per_host=MAX_IDLE_PER_PORT, idle_seconds=KEEPALIVE_SECONDS)
 
     async def __aenter__(self) -> ProbeClient:
         return self
@@ -66,72 +62,30 @@ class ProbeClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        self._http.close()
 
     async def forget(self, host: str) -> None:
         """Close the connections to a node that is no longer probed."""
-        await self._pools.drop(host)
+        self._http.forget(host)
 
-    async def get(self, url: str, timeout: float) -> ProbeResponse:
-        """The status and body of `GET url`; raises ProbeError on a transport failure, when
-        connecting and reading take longer than `timeout` seconds, or when the body is too big
-        (then the connection is dropped unread)."""
+    async def get(self, host: str, port: int, path: bytes, timeout: float) -> ProbeResponse:
+        """The status and body of `GET path` on host:port; raises ProbeError on a transport
+        failure, when connecting and reading take longer than `timeout` seconds, or when the
+        body is too big (then the connection is dropped unread)."""
         with trio.move_on_after(timeout):
             try:
-                async with self._client.stream("GET", url) as response:
-                    return ProbeResponse(response.status_code, await self._read_body(response))
-            except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
-                raise ProbeError(f'Get "{url}": {str(exc) or type(exc).__name__}') from None
-        raise ProbeError(f'Get "{url}": timed out after {timeout:g}s')
-
-    async def _read_body(self, response: httpx.Response) -> bytes:
-        too_big = ProbeError(f"response body exceeds {self.max_body_bytes} bytes")
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise too_big
-        body = bytearray()
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise too_big
-        return bytes(body)
+                response = await self._http.request(b"GET", host, port, path, _HEADERS)
+                return ProbeResponse(response.status, await response.read_body(self.max_body_bytes))
+            except BodyTooLarge as exc:
+                raise ProbeError(str(exc)) from None
+            except HttpError as exc:
+                raise ProbeError(f'Get "{node_url(host, port, path)}": {exc}') from None
+        raise ProbeError(f'Get "{node_url(host, port, path)}": timed out after {timeout:g}s')
 
 
-class _PoolPerNode(httpx.AsyncBaseTransport):
-    """A connection pool per node rather than one for the cluster.
-
-    httpcore's pool scans all of its connections and queued requests on every request and
-    response; with one pool for every node that work grows with the square of the cluster
-    (measured: 50 nodes probed every second saturated a core and fell behind). A node's own
-    pool holds at most three connections (health, model listing, GPU exporter).
-    """
-
-    def __init__(self) -> None:
-        self._ssl_context = ssl.create_default_context()  # probes are plain HTTP; built once, shared
-        self._limits = httpx.Limits(max_connections=None, max_keepalive_connections=4, keepalive_expiry=KEEPALIVE_SECONDS)
-        self._pools: dict[str, httpx.AsyncHTTPTransport] = {}
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
-        pool = self._pools.get(host)
-        if pool is None:
-            pool = self._pools[host] = httpx.AsyncHTTPTransport(verify=self._ssl_context, limits=self._limits)
-        return await pool.handle_async_request(request)
-
-    async def drop(self, host: str) -> None:
-        pool = self._pools.pop(host, None)
-        if pool is not None:
-            await pool.aclose()
-
-    async def aclose(self) -> None:
-        pools, self._pools = list(self._pools.values()), {}
-        for pool in pools:
-            await pool.aclose()
-
-
-def node_url(ip: str, port: int, path: str) -> str:
+def node_url(ip: str, port: int, path: bytes) -> str:
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}{path}"
+    return f"http://{host}:{port}{path.decode()}"
 
 
 # --- health and GPU metrics (one health check) ----------------------------------------------
@@ -157,7 +111,7 @@ async def probe_health(client: ProbeClient, node: NodeConfig, *, timeout: float,
     """`GET /health` on the vLLM port: healthy iff it answers 200."""
     started = trio.current_time()
     try:
-        response = await client.get(node_url(node.ip, node.vllm_port, "/health"), timeout)
+        response = await client.get(node.ip, node.vllm_port, b"/health", timeout)
     except ProbeError as exc:
         return HealthProbed(at=now(), node=node.ip, ok=False, error=str(exc), latency=_since(started))
     return HealthProbed(
@@ -172,7 +126,7 @@ def _since(started: float) -> float:
 async def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> GpuScraped:
     """`GET /metrics` on the gpu-exporter port; `gpus` is empty when the scrape gave no result."""
     try:
-        response = await client.get(node_url(node.ip, node.metrics_port, "/metrics"), timeout)
+        response = await client.get(node.ip, node.metrics_port, b"/metrics", timeout)
     except ProbeError as exc:
         return GpuScraped(at=now(), node=node.ip, error=str(exc))
     if response.status != 200:
@@ -194,6 +148,8 @@ def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
     first appearance. A line with an unknown metric name still creates its GPU's entry."""
     gpus: dict[str, dict[str, int]] = {}
     for line in body.decode("utf-8", "replace").split("\n"):
+        if line.startswith("#"):
+            continue  # most lines are HELP and TYPE comments: skip them before splitting
         fields = line.split()
         if len(fields) != 2 or fields[0].startswith("#"):
             continue
@@ -233,7 +189,7 @@ def _gpu_label(token: str) -> str:
 async def list_models(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> ModelsListed:
     """`GET /v1/models`: the ids the node serves, in its order, or None and the error (§8.3)."""
     try:
-        response = await client.get(node_url(node.ip, node.vllm_port, "/v1/models"), timeout)
+        response = await client.get(node.ip, node.vllm_port, b"/v1/models", timeout)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
         models = parse_model_list(response.body)

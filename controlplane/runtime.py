@@ -43,8 +43,16 @@ from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunS
 EVENT_QUEUE_SIZE = 16_384
 """Events waiting for the reducer. Probes wait for room; data-plane observations are dropped."""
 
+REDUCER_BATCH = 64
+"""Queued events the reducer applies in a row before it lets other tasks run."""
+
 EVENT_LOG_BACKLOG = 100_000
 """Encoded events waiting for the disk; beyond that the newest are dropped (and counted)."""
+
+EVENT_LOG_BATCH_SECONDS = 0.1
+"""How long the event-log writer gathers events before a write: a trip to the worker thread
+costs far more than the write itself (measured: about 40 µs per event at 3,000 events/s when
+every few events made the trip)."""
 
 STOP_TIMEOUT = 30.0
 """How long `open_control_plane` waits for a clean stop when its caller is being cancelled."""
@@ -101,9 +109,13 @@ class ControlPlane:
             pass  # stopped: nothing listens any more
 
     async def emit(self, event: Event) -> None:
-        """Queue an event from a probe, waiting for room (back-pressure on the probes)."""
+        """Queue an event from a probe, waiting for room (back-pressure on the probes). With
+        room in the queue it returns at once, without a trip through the scheduler."""
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await self._queue_in.send((event, None))
+            try:
+                self._queue_in.send_nowait((event, None))
+            except trio.WouldBlock:
+                await self._queue_in.send((event, None))
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -209,12 +221,28 @@ class ControlPlane:
     # --- the reducer task --------------------------------------------------------------------
 
     async def _apply_until_stopped(self) -> None:
-        async for event, applied in self._queue_out:
-            self._apply(event)
-            if applied is not None:
-                applied.set()
-            if isinstance(event, RunStopped):
+        """Apply events until RunStopped. The events already waiting are taken without a
+        checkpoint each (at most REDUCER_BATCH in a row): at thousands of events a second the
+        scheduler round trips cost more than the reducer."""
+        queue = self._queue_out
+        while True:
+            if self._apply_queued(await queue.receive()):
                 return
+            for _ in range(REDUCER_BATCH - 1):
+                try:
+                    item = queue.receive_nowait()
+                except trio.WouldBlock:
+                    break
+                if self._apply_queued(item):
+                    return
+
+    def _apply_queued(self, item: tuple[Event, trio.Event | None]) -> bool:
+        """Apply one event from the queue and wake whoever waits for it; True after RunStopped."""
+        event, applied = item
+        self._apply(event)
+        if applied is not None:
+            applied.set()
+        return isinstance(event, RunStopped)
 
     def _apply(self, event: Event) -> None:
         self._seq += 1
@@ -414,6 +442,7 @@ class EventLogSink:
     async def run(self) -> None:
         while True:
             await self._wakeup.wait()
+            await trio.sleep(EVENT_LOG_BATCH_SECONDS)
             self._wakeup = trio.Event()
             await self._write_pending()
 
