@@ -1,15 +1,12 @@
-"""The API listener's Quart-trio app: plinth's four routes (§4).
+"""The API listener's Quart-trio app: plinth's routes (§4) other than the completion POSTs.
 
-`GET /health` and `GET /v1/models` describe the current snapshot. The two completion routes do
-steps 1-3 of plinth's pipeline here (read the body within the limit, parse only `model` and
-`stream`, inject the default model) and hand the request to the proxy for routing and the
-attempt loop. Each request reads the control plane's snapshot once and keeps it throughout.
+`GET /health` and `GET /v1/models` describe the current snapshot; unknown paths and methods get
+plinth's 404 and 405. `POST` to the two completion routes never gets here: the API listener's
+ASGI application (`dataplane.asgi`) answers those itself, and hands everything else to this app.
+The completion routes are declared here all the same, so that other methods on them get 405.
 """
 
 from __future__ import annotations
-
-import time
-import uuid
 
 import msgspec
 import trio
@@ -20,29 +17,10 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from controlplane.runtime import ControlPlane
 from controlplane.state import HEALTHY
-from dataplane.errors import INVALID_BODY, METHOD_NOT_ALLOWED, NO_MODEL, NOT_FOUND, REQUEST_TOO_LARGE, error_response
-from dataplane.proxy import COMPLETION_PATHS, Exchange, Proxy, SnapshotViews, forward_headers
+from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply
+from dataplane.proxy import COMPLETION_PATHS, SnapshotViews
 
-
-class CompletionFields(msgspec.Struct):
-    """The only fields routing reads; the rest of the body is forwarded untouched. null is
-    accepted where Go's encoding/json accepts it (as absent)."""
-
-    model: str | None = None
-    stream: bool | None = None
-
-
-_decode_fields = msgspec.json.Decoder(CompletionFields | None)
-_decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw] | None)
 _encode = msgspec.json.Encoder()
-
-
-def with_model(body: bytes, model: str) -> bytes:
-    """The JSON object `body` with `"model": model` set; every other member keeps its exact bytes
-    (numbers included) and its place. Only called on a body that decoded as an object (or null)."""
-    members = _decode_members.decode(body) or {}
-    members["model"] = msgspec.Raw(_encode.encode(model))
-    return _encode.encode(members)
 
 
 class _HttpConnection(TrioASGIHTTPConnection):
@@ -64,14 +42,11 @@ class _HttpConnection(TrioASGIHTTPConnection):
         await super().__call__(receive, send_end_shielded)
 
 
-def create_app(control_plane: ControlPlane, proxy: Proxy, views: SnapshotViews) -> QuartTrio:
+def create_app(control_plane: ControlPlane, views: SnapshotViews) -> QuartTrio:
     app = QuartTrio("interlock")
     app.asgi_http_class = _HttpConnection
     app.config.update(
-        # Streams last as long as generation does: neither Quart timeout may cut them.
-        RESPONSE_TIMEOUT=None,
-        BODY_TIMEOUT=None,
-        # The body limit is the snapshot's, applied below (a reload may change it).
+        # No request body is read here (the 404 and 405 answers leave it unread): no limit.
         MAX_CONTENT_LENGTH=None,
         # Like plinth's mux: OPTIONS is a method like any other (405).
         PROVIDE_AUTOMATIC_OPTIONS=False,
@@ -118,71 +93,26 @@ def create_app(control_plane: ControlPlane, proxy: Proxy, views: SnapshotViews) 
     async def models() -> Response:
         return Response(views.current().config.models_body, content_type="application/json")
 
-    async def completions() -> Response:
-        started = time.perf_counter()
-        view = views.current()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        id_header = {"X-Request-Id": request_id}
-
-        body = await _read_body(view.config.body_limit)
-        if body is None:
-            return error_response(REQUEST_TOO_LARGE, close=True, headers=id_header)
-        try:
-            fields = _decode_fields.decode(body)
-        except msgspec.DecodeError:
-            return error_response(INVALID_BODY, headers=id_header)
-        model = fields.model if fields is not None else None
-        stream = bool(fields.stream) if fields is not None else False
-        if not model:
-            model = view.config.default_model
-            if not model:
-                return error_response(NO_MODEL, headers=id_header)
-            body = with_model(body, model)
-
-        scope = request.scope
-        client = scope.get("client")
-        exchange = Exchange(
-            request_id=request_id,
-            path=request.path,
-            model=model,
-            stream=stream,
-            body=body,
-            headers=forward_headers(scope["headers"], client[0] if client else "", request_id),
-            view=view,
-            at=control_plane.now(),
-            started=started,
-        )
-        return await proxy.forward(exchange)
-
     for path in COMPLETION_PATHS:
-        app.add_url_rule(path, f"completions {path}", completions, methods=["POST"])
+        # POSTs are answered by dataplane.asgi: the rule only makes other methods a 405.
+        app.add_url_rule(path, f"completions {path}", methods=["POST"])
 
     @app.errorhandler(NotFound)
     async def not_found(error: NotFound) -> Response:
-        return error_response(NOT_FOUND, close=_has_body())
+        return _response(error_reply(NOT_FOUND, close=_has_body()))
 
     @app.errorhandler(MethodNotAllowed)
     async def method_not_allowed(error: MethodNotAllowed) -> Response:
-        allow = ", ".join(sorted(error.valid_methods or ()))
-        return error_response(METHOD_NOT_ALLOWED, close=_has_body(), headers={"Allow": allow})
+        allow = ", ".join(sorted(error.valid_methods or ())).encode()
+        return _response(error_reply(METHOD_NOT_ALLOWED, (b"allow", allow), close=_has_body()))
 
     return app
 
 
-async def _read_body(limit: int) -> bytes | None:
-    """The request body, or None when it is larger than `limit` (then left unread)."""
-    length = request.content_length
-    if length is not None:
-        # hypercorn delivers exactly the declared length, no more.
-        return None if length > limit else await request.body
-    chunks = []
-    size = 0
-    async for chunk in request.body:
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _response(reply: Reply) -> Response:
+    """A complete Reply as a Quart response."""
+    headers = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in reply.headers]
+    return Response(reply.body, status=reply.status, headers=headers)
 
 
 def _has_body() -> bool:

@@ -1,22 +1,42 @@
-"""The gateway's error responses: OpenAI-style JSON whose message is plinth's exact text.
+"""What the gateway answers a completion request with, and its error answers.
 
-`{"error": {"message": …, "type": …, "code": …}}` keeps the OpenAI SDKs' error handling working,
-and the message is the text plinth answered with (`no healthy node available`, …), so alerts that
-match on it keep working too. Each error is a constant with its body encoded once.
+A `Reply` is a response as the ASGI fast path (dataplane.asgi) sends it: the proxy returns one
+for a node's answer, and `error_reply` for the gateway's own errors.
+
+Errors are OpenAI-style JSON, `{"error": {"message": …, "type": …, "code": …}}`, which keeps the
+OpenAI SDKs' error handling working, and the message is the text plinth answered with (`no
+healthy node available`, …), so alerts that match on it keep working too. Each error is a
+constant with its body and headers built once.
 """
 
 from __future__ import annotations
 
+from collections.abc import AsyncGenerator
+
 import msgspec
-from quart import Response
 
 from controlplane import routing
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class Reply:
+    """A response: status, headers as (name, value) bytes, and the body, either complete (sent
+    with its Content-Length) or flowing (sent piece by piece as the generator yields, and
+    closed early if the client leaves)."""
+
+    __slots__ = ("status", "headers", "body")
+
+    def __init__(self, status: int, headers: Headers, body: bytes | AsyncGenerator[bytes, None]) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
 
 
 class ApiError:
     """One kind of error answer: status, plinth's message, and a stable OpenAI-style code."""
 
-    __slots__ = ("status", "message", "code", "body")
+    __slots__ = ("status", "message", "code", "body", "headers")
 
     def __init__(self, status: int, message: str, code: str) -> None:
         self.status = status
@@ -24,6 +44,7 @@ class ApiError:
         self.code = code
         error_type = "invalid_request_error" if status < 500 else "server_error"
         self.body = msgspec.json.encode({"error": {"message": message, "type": error_type, "code": code}})
+        self.headers: Headers = [(b"content-type", b"application/json"), (b"x-content-type-options", b"nosniff")]
 
 
 NOT_FOUND = ApiError(404, "404 page not found", "not_found")
@@ -36,13 +57,11 @@ NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node"
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
 
 
-def error_response(error: ApiError, *, close: bool = False, headers: dict[str, str] | None = None) -> Response:
-    """The JSON error response; `close` adds `Connection: close`, for errors answered before the
-    request body was fully read (hypercorn wedges a keep-alive connection otherwise)."""
-    response = Response(error.body, status=error.status, content_type="application/json")
-    response.headers["X-Content-Type-Options"] = "nosniff"
+def error_reply(error: ApiError, *extra: tuple[bytes, bytes], close: bool = False) -> Reply:
+    """The JSON error reply, with the `extra` headers; `close` adds `Connection: close`, for
+    errors answered before the request body was fully read (hypercorn wedges a keep-alive
+    connection otherwise)."""
+    headers = [*error.headers, *extra]
     if close:
-        response.headers["Connection"] = "close"
-    if headers:
-        response.headers.update(headers)
-    return response
+        headers.append((b"connection", b"close"))
+    return Reply(error.status, headers, error.body)

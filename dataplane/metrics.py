@@ -2,13 +2,14 @@
 
 Names, labels and help texts are plinth's (dashboards depend on them); the histogram uses Go's
 DefBuckets. Everything is registered on the registry the control plane shares with us, never
-on prometheus_client's global default registry. Labelled children are cached, so counting on
-the request path is a dict lookup and an increment.
+on prometheus_client's global default registry. Labelled children are cached by their label
+values as the caller has them, so counting on the request path is a dict lookup and an increment.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 from quart import Response
 from quart_trio import QuartTrio
 
@@ -19,66 +20,72 @@ class RequestMetrics:
     """The per-request metrics of plinth's handler."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
+        def counter(name: str, help_text: str, *labels: str) -> _Children:
+            return _Children(Counter(name, help_text, labels, registry=registry))
+
         self._duration = Histogram(
             "gateway_request_duration_seconds",
             "Request duration in seconds",
             buckets=GO_DEFAULT_BUCKETS,
             registry=registry,
         )
-        self._requests = Counter(
-            "gateway_requests_total", "Total requests by model and status", ["model", "status"], registry=registry
+        self._requests = counter("gateway_requests_total", "Total requests by model and status", "model", "status")
+        self._attempts = counter(
+            "gateway_proxy_attempts_total", "Proxy attempts by model and observed status", "model", "status"
         )
-        self._attempts = Counter(
-            "gateway_proxy_attempts_total",
-            "Proxy attempts by model and observed status",
-            ["model", "status"],
-            registry=registry,
-        )
-        self._passthrough = Counter(
+        self._passthrough = counter(
             "gateway_response_passthrough_total",
             "Responses committed early and passed through to the client",
-            ["model", "reason"],
-            registry=registry,
+            "model",
+            "reason",
         )
-        self._client_write_failures = Counter(
+        self._client_write_failures = counter(
             "gateway_response_client_write_failures_total",
             "Committed responses whose write to the client failed",
-            ["model"],
-            registry=registry,
+            "model",
         )
-        self._exclusions = Counter(
+        self._exclusions = counter(
             "gateway_model_filter_exclusions_total",
             "Nodes dropped from the candidate pool by the model filter",
-            ["model", "reason"],
-            registry=registry,
+            "model",
+            "reason",
         )
-        self._children: dict[tuple, object] = {}
-
-    def _child(self, metric, *labels: str):
-        key = (metric, labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
 
     def request_done(self, model: str, status: int, seconds: float) -> None:
         """A request's final outcome: its duration and its status, each recorded once."""
         self._duration.observe(seconds)
-        self._child(self._requests, model, str(status)).inc()
+        self._requests(model, status).inc()
 
     def attempt(self, model: str, status: int) -> None:
         """One proxy attempt: the node's status, or 502 for an attempt that failed."""
-        self._child(self._attempts, model, str(status)).inc()
+        self._attempts(model, status).inc()
 
     def passthrough(self, model: str, reason: str) -> None:
-        self._child(self._passthrough, model, reason).inc()
+        self._passthrough(model, reason).inc()
 
     def client_write_failure(self, model: str) -> None:
-        self._child(self._client_write_failures, model).inc()
+        self._client_write_failures(model).inc()
 
     def excluded(self, model: str, reason: str, count: int) -> None:
         """`count` nodes dropped by the model filter for `reason` (missing, empty or expired)."""
-        self._child(self._exclusions, model, reason).inc(count)
+        self._exclusions(model, reason).inc(count)
+
+
+class _Children:
+    """A labelled metric's children by their label values as the caller has them (a status as
+    an int): prometheus_client's own `.labels()` lookup validates and converts on every call."""
+
+    __slots__ = ("_metric", "_children")
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        self._metric = metric
+        self._children: dict[tuple, MetricWrapperBase] = {}
+
+    def __call__(self, *labels: str | int) -> MetricWrapperBase:
+        child = self._children.get(labels)
+        if child is None:
+            child = self._children[labels] = self._metric.labels(*(str(label) for label in labels))
+        return child
 
 
 def metrics_app(registry: CollectorRegistry) -> QuartTrio:

@@ -13,20 +13,20 @@ fabricated `[DONE]`). HTTP error statuses from a node are responses: passed thro
 retried (completions are not idempotent).
 
 Everything a request needs from a control-plane snapshot that does not depend on the request
-(node URLs, each model's ring pool and model filter) is computed once per snapshot.
+(node ports, each model's ring pool and model filter) is computed once per snapshot.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 
-import httpcore
 import msgspec
 import trio
-from quart import Response
 
 from controlplane.config import Config
+from controlplane.http11 import ConnectFailed, HttpClient, WriteFailed
+from controlplane.http11 import Response as UpstreamResponse
 from controlplane.logs import JsonLog
 from controlplane.routing import filter_by_model, ring_pool
 from controlplane.runtime import ControlPlane
@@ -43,16 +43,20 @@ from dataplane.decisions import (
     DecisionLog,
     Exclusion,
 )
-from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, error_response
+from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, Headers, Reply, error_reply
 from dataplane.metrics import RequestMetrics
 from events.types import UpstreamFailed, UpstreamRecovered
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_TARGETS = {path: path.encode() for path in COMPLETION_PATHS}
 
 CONNECT_TIMEOUT = 5.0
 RESPONSE_HEADER_TIMEOUT = 60.0
 FIRST_CHUNK_TIMEOUT = 10.0
 IDLE_CONNECTION_SECONDS = 90.0
+MAX_IDLE_CONNECTIONS_PER_NODE = 64
+"""plinth keeps 4: with more requests in flight to a node than that, connections would be closed
+and dialled again all the time."""
 
 _HOP_BY_HOP = frozenset(
     (
@@ -68,32 +72,24 @@ _HOP_BY_HOP = frozenset(
     )
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"x-request-id"}
-"""Request headers that describe the client's connection, or that the gateway sets itself."""
+"""Request headers that describe the client's connection, or that the gateway (or its HTTP
+client: Host and Content-Length) sets itself."""
 _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id"}
 """Response headers that describe the node's connection, or that the gateway sets itself
 (hypercorn writes the Date)."""
+_NOT_RETURNED_WITH_BODY = _NOT_RETURNED | {b"content-length"}
 
 
-def new_upstream_pool() -> httpcore.AsyncConnectionPool:
-    """The connections to every node, kept alive 90 s when idle.
-
-    httpcore is httpx's transport layer; used directly it spares every request httpx's request
-    and response models, header merging and redirect handling, and adds no headers of its own.
-    """
-    return httpcore.AsyncConnectionPool(
-        max_connections=None, max_keepalive_connections=256, keepalive_expiry=IDLE_CONNECTION_SECONDS
-    )
-
-
-_TIMEOUTS = {"timeout": {"connect": CONNECT_TIMEOUT, "read": None, "write": None, "pool": None}}
-"""plinth's dial timeout; no read timeout (the attempt's own deadlines cover the waits that end)."""
+def new_upstream_pool() -> HttpClient:
+    """The connections to every node (`controlplane.http11`), kept alive 90 s when idle."""
+    return HttpClient(max_idle_per_host=MAX_IDLE_CONNECTIONS_PER_NODE, idle_seconds=IDLE_CONNECTION_SECONDS)
 
 
 # --- what a snapshot gives every request -------------------------------------------------------
 
 
 class ConfigView:
-    """What requests need from one config: node URLs, limits, the default model."""
+    """What requests need from one config: node ports, limits, the default model."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
@@ -102,24 +98,10 @@ class ConfigView:
         self.body_limit = gateway.request_body_limit
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
-        self.targets = {node.ip: _Target(node.ip, node.vllm_port) for node in config.nodes}
+        self.ports = {node.ip: node.vllm_port for node in config.nodes}
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
         self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
         """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
-
-
-class _Target:
-    """A node's completion URLs and its Host header."""
-
-    __slots__ = ("urls", "host")
-
-    def __init__(self, ip: str, port: int) -> None:
-        host = (f"[{ip}]" if ":" in ip else ip).encode()
-        self.host = b"%s:%d" % (host, port)
-        self.urls = {
-            path: httpcore.URL(scheme=b"http", host=ip.encode(), port=port, target=path.encode())
-            for path in COMPLETION_PATHS
-        }
 
 
 class Route:
@@ -242,7 +224,7 @@ def _describe(error: BaseException) -> str:
 
 def _is_retryable(error: Exception) -> bool:
     """plinth's classification: dial errors and timeouts are retried; other failures are not."""
-    return isinstance(error, (httpcore.ConnectError, httpcore.TimeoutException, UpstreamTimeout))
+    return isinstance(error, (ConnectFailed, UpstreamTimeout))
 
 
 class Proxy:
@@ -251,7 +233,7 @@ class Proxy:
     def __init__(
         self,
         control_plane: ControlPlane,
-        pool: httpcore.AsyncConnectionPool,
+        pool: HttpClient,
         metrics: RequestMetrics,
         log: JsonLog,
         decisions: DecisionLog | None = None,
@@ -268,7 +250,7 @@ class Proxy:
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
 
-    async def forward(self, exchange: Exchange) -> Response:
+    async def forward(self, exchange: Exchange) -> Reply:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
         route = exchange.route
         model = exchange.model
@@ -300,16 +282,15 @@ class Proxy:
 
     # --- one attempt
 
-    async def _attempt(self, exchange: Exchange, node: NodeState) -> Response:
-        target = exchange.view.config.targets[node.ip]
-        headers = [(b"host", target.host), (b"content-length", b"%d" % len(exchange.body)), *exchange.headers]
-        request = httpcore.Request(
-            b"POST", target.urls[exchange.path], headers=headers, content=exchange.body, extensions=_TIMEOUTS
-        )
+    async def _attempt(self, exchange: Exchange, node: NodeState) -> Reply:
+        port = exchange.view.config.ports[node.ip]
+        target = _TARGETS[exchange.path]
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
-                    upstream = await self._pool.handle_async_request(request)
+                    upstream = await self._pool.request(
+                        b"POST", node.ip, port, target, exchange.headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
+                    )
             except trio.TooSlowError:
                 raise UpstreamTimeout("timeout awaiting response headers") from None
         except trio.Cancelled:
@@ -324,57 +305,52 @@ class Proxy:
                 return await self._stream(exchange, node, upstream)
             return await self._buffer(exchange, node, upstream)
         except BaseException:
-            await _close(upstream)
+            upstream.close()
             raise
 
-    async def _stream(self, exchange: Exchange, node: NodeState, upstream: httpcore.Response) -> Response:
+    async def _stream(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Reply:
         """Streaming commit gate: hold the status and headers until the first body byte."""
-        chunks = upstream.aiter_stream()
         first = b""
         try:
             with trio.move_on_after(self._first_chunk_timeout) as deadline:
-                async for first in chunks:
-                    if first:
-                        break
+                first = await upstream.next_chunk()
             if deadline.cancelled_caught:
                 raise UpstreamTimeout("timed out waiting for first stream chunk")
         except trio.Cancelled:
             exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE, upstream.status))
             raise
         except Exception as error:
-            await _close(upstream)
+            upstream.close()
             self._retry(exchange, node, error)
         if not first:
             # An empty body (a bodiless 201, say) is complete: commit it as it is.
-            await _close(upstream)
             return self._complete(exchange, node, upstream, b"")
-        return self._commit(exchange, node, upstream, [first], chunks)
+        return self._commit(exchange, node, upstream, [first])
 
-    async def _buffer(self, exchange: Exchange, node: NodeState, upstream: httpcore.Response) -> Response:
+    async def _buffer(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Reply:
         """Buffering commit gate: the whole response, unless it outgrows the buffer limit."""
         limit = exchange.view.config.buffer_limit
-        declared = next((value for name, value in upstream.headers if name.lower() == b"content-length"), b"")
-        if limit and declared.isdigit() and int(declared) > limit:
-            return self._pass_through(exchange, node, upstream, [], upstream.aiter_stream(), "content_length", limit)
-        chunks = upstream.aiter_stream()
+        declared = upstream.content_length
+        if limit and declared is not None and declared > limit:
+            return self._pass_through(exchange, node, upstream, [], "content_length", limit)
         buffered: list[bytes] = []
         size = 0
         try:
-            async for chunk in chunks:
+            while chunk := await upstream.next_chunk():
                 buffered.append(chunk)
                 size += len(chunk)
                 if limit and size > limit:
-                    return self._pass_through(exchange, node, upstream, buffered, chunks, "size_limit", limit)
+                    return self._pass_through(exchange, node, upstream, buffered, "size_limit", limit)
         except trio.Cancelled:
             exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE, upstream.status))
             raise
         except Exception as error:
-            await _close(upstream)
+            upstream.close()
             if _is_retryable(error):
                 self._retry(exchange, node, error)
             return self._fail(exchange, node, error)
-        await _close(upstream)
-        return self._complete(exchange, node, upstream, b"".join(buffered))
+        body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
+        return self._complete(exchange, node, upstream, body)
 
     # --- outcomes of an attempt
 
@@ -390,62 +366,48 @@ class Proxy:
         self._mark_offline(node.ip, text)
         raise _Retry
 
-    def _fail(self, exchange: Exchange, node: NodeState, error: Exception) -> Response:
+    def _fail(self, exchange: Exchange, node: NodeState, error: Exception) -> Reply:
         text = _describe(error)
         self._log.error("node response truncated or connection lost", node=node.ip, error=text)
         self._metrics.attempt(exchange.model, 502)
         exchange.attempts.append(AttemptRecord(node.ip, FAILED, error=text))
-        if isinstance(error, httpcore.WriteError):
+        if isinstance(error, WriteFailed):
             self._mark_offline(node.ip, text)  # a stale keep-alive reset while sending
         return self._error(exchange, UPSTREAM_ERROR)
 
-    def _complete(self, exchange: Exchange, node: NodeState, upstream: httpcore.Response, body: bytes) -> Response:
+    def _complete(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, body: bytes) -> Reply:
         status = upstream.status
         self._mark_online(node.ip)
         self._metrics.attempt(exchange.model, status)
         exchange.attempts.append(AttemptRecord(node.ip, COMPLETED, status))
         self._finish(exchange, status)
-        headers = _client_headers(upstream, exchange.request_id, with_length=False)
-        return _NodeResponse(body, status=status, headers=headers)
+        return Reply(status, _client_headers(upstream, exchange.request_id, with_length=False), body)
 
     def _pass_through(
         self,
         exchange: Exchange,
         node: NodeState,
-        upstream: httpcore.Response,
+        upstream: UpstreamResponse,
         buffered: list[bytes],
-        rest: AsyncGenerator[bytes, None],
         reason: str,
         limit: int,
-    ) -> Response:
+    ) -> Reply:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
         self._metrics.passthrough(exchange.model, reason)
-        return self._commit(exchange, node, upstream, buffered, rest)
+        return self._commit(exchange, node, upstream, buffered)
 
-    def _commit(
-        self,
-        exchange: Exchange,
-        node: NodeState,
-        upstream: httpcore.Response,
-        first: list[bytes],
-        rest: AsyncGenerator[bytes, None],
-    ) -> Response:
+    def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Reply:
         """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
         self._mark_online(node.ip)
         headers = _client_headers(upstream, exchange.request_id, with_length=True)
-        body = self._relay(exchange, node, upstream, first, rest)
-        return _NodeResponse(body, status=upstream.status, headers=headers)
+        return Reply(upstream.status, headers, self._relay(exchange, node, upstream, first))
 
     async def _relay(
-        self,
-        exchange: Exchange,
-        node: NodeState,
-        upstream: httpcore.Response,
-        first: list[bytes],
-        rest: AsyncGenerator[bytes, None],
+        self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]
     ) -> AsyncIterator[bytes]:
-        """The committed body. A node failure ends it early; so does the client going away (the
-        upstream request is then closed at once, which cancels the generation on the node)."""
+        """The committed body: `first`, then the rest as the node sends it. A node failure ends
+        it early; so does the client going away (the upstream connection is then closed at once,
+        which cancels the generation on the node)."""
         status = upstream.status
         outcome = COMPLETED
         error_text = ""
@@ -453,7 +415,7 @@ class Proxy:
             for chunk in first:
                 yield chunk
             try:
-                async for chunk in rest:
+                while chunk := await upstream.next_chunk():
                     yield chunk
             except Exception as error:
                 outcome, error_text = TRUNCATED, _describe(error)
@@ -467,18 +429,16 @@ class Proxy:
             self._metrics.client_write_failure(exchange.model)
             raise
         finally:
-            with trio.CancelScope(shield=True):
-                await rest.aclose()
-            await _close(upstream)
+            upstream.close()
             self._metrics.attempt(exchange.model, status)
             exchange.attempts.append(AttemptRecord(node.ip, outcome, status, error_text))
             self._finish(exchange, status)
 
     # --- bookkeeping
 
-    def _error(self, exchange: Exchange, error: ApiError) -> Response:
+    def _error(self, exchange: Exchange, error: ApiError) -> Reply:
         self._finish(exchange, error.status)
-        return error_response(error, headers={"X-Request-Id": exchange.request_id})
+        return error_reply(error, (b"x-request-id", exchange.request_id.encode("latin-1")))
 
     def _finish(self, exchange: Exchange, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
@@ -527,23 +487,10 @@ class Proxy:
             self._control_plane.observe(UpstreamRecovered(node=ip, at=now))
 
 
-class _NodeResponse(Response):
-    """A node's response: its headers as they are (no Content-Type is made up)."""
-
-    default_mimetype = None
-
-
-async def _close(upstream: httpcore.Response) -> None:
-    """Close the node's response (and so its connection, unless fully read), even when cancelled."""
-    with trio.CancelScope(shield=True):
-        await upstream.aclose()
-
-
-def _client_headers(upstream: httpcore.Response, request_id: str, *, with_length: bool) -> list[tuple[str, str]]:
-    headers = [
-        (name.decode("latin-1"), value.decode("latin-1"))
-        for name, value in upstream.headers
-        if name.lower() not in _NOT_RETURNED and (with_length or name.lower() != b"content-length")
-    ]
-    headers.append(("X-Request-Id", request_id))
+def _client_headers(upstream: UpstreamResponse, request_id: str, *, with_length: bool) -> Headers:
+    """The node's headers (names lower-case) for the client; a complete body is sent with its
+    own Content-Length."""
+    dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
+    headers = [(name, value) for name, value in upstream.headers if name not in dropped]
+    headers.append((b"x-request-id", request_id.encode("latin-1")))
     return headers

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 from controlplane.config import Config, ConfigError, parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane, open_control_plane
-from dataplane.app import create_app
+from dataplane.asgi import ApiApp
 from dataplane.decisions import DecisionLog
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
@@ -109,7 +109,7 @@ async def _run(
             response_header_timeout=response_header_timeout,
             first_chunk_timeout=first_chunk_timeout,
         )
-        api_app = create_app(control_plane, proxy, SnapshotViews(control_plane))
+        api_app = ApiApp(control_plane, proxy, SnapshotViews(control_plane))
         async with trio.open_nursery() as serving:
             serving.start_soon(decisions.run)
             async with trio.open_nursery() as listeners:
