@@ -11,6 +11,9 @@ import msgspec
 from controlplane.state import DEAD, DEGRADED, HEALTHY, ClusterState, NodeState
 
 NOT_IN_RING = "not in ring"
+EXCLUDED_DEAD = "dead"
+EXCLUDED_OFFLINE = "offline"
+"""Exclusion reasons beyond the model filter's (`missing`, `empty`, `expired`)."""
 
 # plinth's two 503 texts (§4.3), the client's answer when routing finds no node: no node in the
 # ring pool serves the model, or none of those that do could be used (dead, offline, or failed).
@@ -81,9 +84,9 @@ def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
         elif node.ip in model_reasons:
             reason = model_reasons[node.ip]
         elif node.status == DEAD:
-            reason = "dead"
+            reason = EXCLUDED_DEAD
         elif node.is_offline(now):
-            reason = "offline"
+            reason = EXCLUDED_OFFLINE
         elif node.ip not in picks:
             reason = "degraded (healthy nodes preferred)"
         else:

@@ -28,7 +28,7 @@ from controlplane.config import Config
 from controlplane.http11 import ConnectFailed, HttpClient, WriteFailed
 from controlplane.http11 import Response as UpstreamResponse
 from controlplane.logs import JsonLog
-from controlplane.routing import filter_by_model, ring_pool
+from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, filter_by_model, ring_pool
 from controlplane.runtime import ControlPlane
 from controlplane.state import DEAD, ClusterState, NodeState
 from dataplane.balancer import RoundRobin
@@ -205,7 +205,7 @@ def forward_headers(raw: list[tuple[bytes, bytes]], client_ip: str, request_id: 
     if prior:
         forwarded_for = b", ".join(prior) + b", " + forwarded_for
     headers.append((b"x-forwarded-for", forwarded_for))
-    headers.append((b"x-request-id", request_id.encode()))
+    headers.append((b"x-request-id", request_id.encode("latin-1")))
     return headers
 
 
@@ -452,9 +452,9 @@ class Proxy:
         excluded = list(route.excluded)
         for node in route.candidates:
             if node.status == DEAD:
-                excluded.append(Exclusion(node.ip, "dead"))
+                excluded.append(Exclusion(node.ip, EXCLUDED_DEAD))
             elif node.is_offline(exchange.at):
-                excluded.append(Exclusion(node.ip, "offline"))
+                excluded.append(Exclusion(node.ip, EXCLUDED_OFFLINE))
         self._decisions.record(
             Decision(
                 request_id=exchange.request_id,
