@@ -8,6 +8,7 @@ keeps serving until Ctrl-C (or stops at once with `--once`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -37,11 +38,11 @@ def run_demo(config_path: str, version: str, *, once: bool, quiet: bool) -> int:
         print(f"fatal: loading config: {error}", file=sys.stderr)
         return 1
     prometheus_client.disable_created_metrics()
-    return trio.run(partial(_demo, config_path, version, once=once, quiet=quiet))
+    with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stderr) as log_stream:
+        return trio.run(partial(_demo, config_path, version, once=once, log=JsonLog(stream=log_stream)))
 
 
-async def _demo(config_path: str, version: str, *, once: bool, quiet: bool) -> int:
-    log = JsonLog(stream=open(os.devnull, "w")) if quiet else JsonLog(stream=sys.stderr)
+async def _demo(config_path: str, version: str, *, once: bool, log: JsonLog) -> int:
     try:
         specs = specs_from_config(config_path)
     except (OSError, ValueError) as error:

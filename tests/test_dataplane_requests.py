@@ -4,7 +4,6 @@ the request id with its decision record. Real gateway, real sockets, simulated n
 
 from __future__ import annotations
 
-import httpx
 import msgspec
 import trio
 
