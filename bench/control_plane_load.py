@@ -10,7 +10,8 @@ plane measures its own CPU time (all threads) over `--seconds`, and the events i
 each node should bring three a second (health, GPU scrape, model listing); fewer means the
 probe rounds fell behind. Its RSS is its peak (VmHWM) at the end.
 
-`python -m bench` runs this for 100 and 1,000 nodes, the control plane pinned away from the nodes.
+`python -m bench` runs this for 100 and 1,000 nodes, the control plane pinned away from the nodes;
+`--nodes 1` gives what one idle node costs.
 """
 
 from __future__ import annotations

@@ -56,18 +56,38 @@ class ControlPlaneMetrics:
         self.snapshot_seq = Gauge(
             "interlock_snapshot_seq", "Sequence number of the last event applied to the published state", registry=registry
         )
+        # At thousands of events a second `.labels()` and a locked `set` per event are a good
+        # part of the reducer task's time: the labelled children are looked up once, the
+        # sequence number is read when scraped, and a gauge is set only when its value changes.
+        self._seq = 0
+        self.snapshot_seq.set_function(lambda: self._seq)
+        self._events_by_type: dict[str, Counter] = {}
+        self._discovery_results: dict[tuple[str, str], Counter] = {}
+        self._models_ok: dict[str, int] = {}
 
     def record(self, event: Event, state: ClusterState, step: Step) -> None:
         """Account for one applied event; `state` is the snapshot it produced."""
-        self.events.labels(type=type(event).__struct_config__.tag).inc()
-        self.snapshot_seq.set(state.seq)
+        event_type = type(event).__struct_config__.tag
+        events = self._events_by_type.get(event_type)
+        if events is None:
+            events = self._events_by_type[event_type] = self.events.labels(type=event_type)
+        events.inc()
+        self._seq = state.seq
         if isinstance(event, ProbeCrashed):
             self.health_check_panics.inc()
         elif isinstance(event, ModelsListed) and (node := state.nodes.get(event.node)) is not None:
-            # plinth §8.4: counted and set on every listing, changed or not.
+            # plinth §8.4: counted on every listing, and the gauge holds the latest answer.
             result = "error" if event.models is None else "success" if event.models else "empty"
-            self.model_discovery.labels(node=event.node, result=result).inc()
-            self.node_models_ok.labels(node=event.node).set(1 if node.models.settled() else 0)
+            results = self._discovery_results.get((event.node, result))
+            if results is None:
+                results = self._discovery_results[(event.node, result)] = self.model_discovery.labels(
+                    node=event.node, result=result
+                )
+            results.inc()
+            models_ok = 1 if node.models.settled() else 0
+            if self._models_ok.get(event.node) != models_ok:
+                self._models_ok[event.node] = models_ok
+                self.node_models_ok.labels(node=event.node).set(models_ok)
         if any(transition.kind in _RECOUNT_KINDS for transition in step.transitions):
             self._count_statuses(state)
         for effect in step.effects:
@@ -84,6 +104,7 @@ class ControlPlaneMetrics:
 
     def _forget_node(self, ip: str) -> None:
         """A node removed by a reload no longer reports whether its models are settled."""
+        self._models_ok.pop(ip, None)
         try:
             self.node_models_ok.remove(ip)
         except KeyError:
