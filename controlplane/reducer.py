@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import msgspec
 
-from controlplane.config import Config, NodeConfig, config_from_builtins
+from controlplane.config import Config, config_from_builtins
 from controlplane.logs import log_line
 from controlplane.state import (
     DEAD,
@@ -238,19 +238,19 @@ def _models_listed(node: NodeState, event: ModelsListed, config: Config, out: _S
             out.log(MODELS, "info", msg, node=node.ip, models=",".join(after.names or ()))
     if list_changed:
         out.log(MODELS, "info", "node model list changed", node=node.ip, models=",".join(after.names or ()))
-        node_config = config.node(node.ip) or NodeConfig(ip=node.ip)
-        for model in configured_models_missing(node_config, after.names or (), config):
+        for model in configured_models_missing(node.ring, after.names or (), config):
             out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
     return msgspec.structs.replace(node, models=after)
 
 
-def configured_models_missing(node: NodeConfig, names: tuple[str, ...], config: Config) -> list[str]:
-    """plinth's warnConfigModelsMissing (§8.5): configured models this node should serve but does not."""
+def configured_models_missing(ring: str, names: tuple[str, ...], config: Config) -> list[str]:
+    """plinth's warnConfigModelsMissing (§8.5): configured models a node of `ring` ("" for a
+    standalone node) should serve but does not (`names`)."""
     missing = []
     available_names = set()
     for entry in config.models.available:
         available_names.add(entry.name)
-        if entry.ring == node.ring and entry.name and entry.name not in names:
+        if entry.ring == ring and entry.name and entry.name not in names:
             missing.append(entry.name)
     default = config.models.default
     if default and default not in available_names and default not in names:

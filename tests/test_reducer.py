@@ -468,7 +468,7 @@ def test_configured_model_not_served_rules(default, node, served, expected):
     _, transitions, _ = apply([listing(served, node=node_ip(node))], started(config))
     assert not_served(transitions) == expected
     assert all(fields(t)["node"] == node_ip(node) for t in transitions)
-    assert configured_models_missing(config.nodes[node - 1], tuple(served), config) == expected
+    assert configured_models_missing(config.nodes[node - 1].ring, tuple(served), config) == expected
 
 
 def test_configured_model_warnings_once_per_list_change():
