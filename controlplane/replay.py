@@ -50,7 +50,9 @@ def replay(
     """Apply the events of the given segments (or logs) in order, as the live reducer did.
 
     Stops before the first event numbered above `until_seq` or observed after `until_at`. A
-    torn last line is reported through `warn`; other bad lines raise EventLogError.
+    torn last line, and a gap or a step back in the numbering (events the live run could not
+    write: the state from there on may differ from the live one), are reported through `warn`;
+    other bad lines raise EventLogError.
     """
     state = INITIAL_STATE
     transitions: list[Transition] = []
@@ -59,6 +61,8 @@ def replay(
     for event in read_events(paths, warn):
         if (until_seq is not None and event.seq > until_seq) or (until_at is not None and event.at > until_at):
             break
+        if warn is not None and state.seq and event.seq != state.seq + 1:
+            warn(_numbering_warning(state.seq, event.seq))
         try:
             state, step = reduce(state, event)
         except msgspec.ValidationError as err:
@@ -68,6 +72,14 @@ def replay(
         event_count += 1
         last_at = event.at
     return ReplayResult(state=state, transitions=tuple(transitions), event_count=event_count, last_at=last_at)
+
+
+def _numbering_warning(previous: int, seq: int) -> str:
+    if seq == previous + 2:
+        return f"event {previous + 1} is missing from the log (seq {seq} follows {previous})"
+    if seq > previous:
+        return f"events {previous + 1}-{seq - 1} are missing from the log (seq {seq} follows {previous})"
+    return f"seq {seq} follows {previous}: the log's segments are out of order or from different gateways"
 
 
 # --- explain ---------------------------------------------------------------------------------

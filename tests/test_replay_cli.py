@@ -405,6 +405,29 @@ def test_segments_are_read_in_order(capsys, tmp_path):
     assert table == whole_table
 
 
+def test_a_gap_in_the_numbering_is_a_warning_and_replay_goes_on(capsys, tmp_path):
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)  # line i holds seq i + 1
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(b"".join(lines[:100] + lines[103:]))
+    code, out, err = run_cli(capsys, "replay", log)
+    assert code == 0
+    assert one_error_line(err) == "interlock replay: warning: events 101-103 are missing from the log (seq 104 follows 100)"
+    assert "state after seq 269" in out
+    log.write_bytes(b"".join(lines[:100] + lines[101:]))
+    _, _, err = run_cli(capsys, "replay", log)
+    assert one_error_line(err) == "interlock replay: warning: event 101 is missing from the log (seq 102 follows 100)"
+
+
+def test_segments_out_of_order_are_a_warning(capsys, tmp_path):
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    first, second = write_segments(tmp_path, [lines[:100], lines[100:]])
+    code, _, err = run_cli(capsys, "audit", second, first)
+    assert code == 0
+    assert one_error_line(err) == (
+        "interlock audit: warning: seq 1 follows 269: the log's segments are out of order or from different gateways"
+    )
+
+
 def test_a_new_run_starts_from_a_fresh_state(capsys, tmp_path):
     lines = SCENARIO.read_bytes().splitlines(keepends=True)
     config = Config(nodes=(NodeConfig(ip="10.0.0.9", name="fresh"), NodeConfig(ip="10.0.0.3")), models=ModelsConfig())
