@@ -142,10 +142,14 @@ def _run_started(state: ClusterState, event: RunStarted, out: _StepBuilder) -> C
     )
 
 
+_RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes")
+"""Gateway settings a running gateway keeps until it restarts (plinth warns for the listen addresses)."""
+
+
 def _config_reloaded(state: ClusterState, event: ConfigReloaded, out: _StepBuilder) -> ClusterState:
     config = config_from_builtins(event.config)
     if state.config is not None:
-        for key in ("listen", "metrics_listen"):
+        for key in _RESTART_KEYS:
             old, new = getattr(state.config.gateway, key), getattr(config.gateway, key)
             if old != new:
                 out.log(RELOAD, "warn", f"gateway.{key} changed; requires restart", old=old, new=new)

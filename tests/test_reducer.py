@@ -657,13 +657,17 @@ def test_reload_carries_health_discovery_and_offline_for_kept_ips():
     ]
 
 
-def test_reload_warns_about_listen_addresses_that_need_a_restart():
+def test_reload_warns_about_settings_that_need_a_restart():
     before = started()
-    changed = make_config(listen=":8001", metrics_listen="127.0.0.1:9191")
+    changed = make_config(
+        listen=":8001", metrics_listen="127.0.0.1:9191", event_log="var/events.jsonl", event_log_max_bytes=1024
+    )
     _, transitions, effects = apply([reload(changed)], before)
     assert [(t.level, t.msg, fields(t)) for t in transitions] == [
         ("warn", "gateway.listen changed; requires restart", {"old": ":8000", "new": ":8001"}),
         ("warn", "gateway.metrics_listen changed; requires restart", {"old": ":9090", "new": "127.0.0.1:9191"}),
+        ("warn", "gateway.event_log changed; requires restart", {"old": "", "new": "var/events.jsonl"}),
+        ("warn", "gateway.event_log_max_bytes changed; requires restart", {"old": "67108864", "new": "1024"}),
         ("info", "config reloaded", {"nodes": "3", "models": "0"}),
     ]
     assert effects == []
