@@ -46,6 +46,15 @@ def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:
     return healthy or [node for node in candidates if node.status == DEGRADED]
 
 
+def unavailable_reason(node: NodeState, now: float) -> str:
+    """Why the attempt loop skips a node the model filter kept (`dead` or `offline`), else ""."""
+    if node.status == DEAD:
+        return EXCLUDED_DEAD
+    if node.is_offline(now):
+        return EXCLUDED_OFFLINE
+    return ""
+
+
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     ip: str
     name: str
@@ -83,10 +92,8 @@ def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
             reason = NOT_IN_RING
         elif node.ip in model_reasons:
             reason = model_reasons[node.ip]
-        elif node.status == DEAD:
-            reason = EXCLUDED_DEAD
-        elif node.is_offline(now):
-            reason = EXCLUDED_OFFLINE
+        elif unavailable := unavailable_reason(node, now):
+            reason = unavailable
         elif node.ip not in picks:
             reason = "degraded (healthy nodes preferred)"
         else:

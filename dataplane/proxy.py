@@ -28,9 +28,9 @@ from controlplane.config import Config
 from controlplane.http11 import ConnectFailed, HttpClient, WriteFailed
 from controlplane.http11 import Response as UpstreamResponse
 from controlplane.logs import JsonLog
-from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, filter_by_model, ring_pool
+from controlplane.routing import filter_by_model, ring_pool, unavailable_reason
 from controlplane.runtime import ControlPlane
-from controlplane.state import DEAD, ClusterState, NodeState
+from controlplane.state import ClusterState, NodeState
 from dataplane.balancer import RoundRobin
 from dataplane.decisions import (
     CLIENT_GONE,
@@ -451,10 +451,8 @@ class Proxy:
         route = exchange.route
         excluded = list(route.excluded)
         for node in route.candidates:
-            if node.status == DEAD:
-                excluded.append(Exclusion(node.ip, EXCLUDED_DEAD))
-            elif node.is_offline(exchange.at):
-                excluded.append(Exclusion(node.ip, EXCLUDED_OFFLINE))
+            if reason := unavailable_reason(node, exchange.at):
+                excluded.append(Exclusion(node.ip, reason))
         self._decisions.record(
             Decision(
                 request_id=exchange.request_id,
