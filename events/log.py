@@ -113,18 +113,16 @@ def _is_torn(line: bytes) -> bool:
 def last_seq(log_path: str | os.PathLike) -> int:
     """The highest seq recorded in a log (0 if none), so a new run continues the numbering.
 
-    Lines that do not decode are passed over: the seqs of a damaged segment's good lines are
-    still taken, so a new run never reuses them.
+    Seqs only grow within a log, so this is the seq of the last line that decodes, read from
+    the end (a start-up need not decode a whole 64 MiB segment). Lines that do not decode are
+    passed over: a damaged segment's good lines still count, so a new run never reuses them.
     """
     for segment in reversed(list_segments(log_path)):
-        seq = 0
-        for line in _segment_lines(segment):
+        for line in reversed(_segment_lines(segment)):
             try:
-                seq = max(seq, _decoder.decode(line).seq)
+                return _decoder.decode(line).seq
             except msgspec.DecodeError:
                 continue
-        if seq:
-            return seq
     return 0
 
 
