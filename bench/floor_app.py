@@ -19,7 +19,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from bench.upstream import COMPLETION, decode_completion_request, sse_events
-from dataplane.serve import KEEP_ALIVE_SECONDS, SHUTDOWN_GRACE_SECONDS
+from interlock.serve import KEEP_ALIVE_SECONDS, SHUTDOWN_GRACE_SECONDS
 
 
 def create_floor_app() -> QuartTrio:

@@ -19,15 +19,8 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.config import (
-    DEFAULT_EVENT_LOG_MAX_BYTES,
-    Config,
-    ModelEntry,
-    ModelsConfig,
-    NodeConfig,
-    config_to_builtins,
-)
 from controlplane.replay import replay
+from events.config import DEFAULT_EVENT_LOG_MAX_BYTES, Config, ModelEntry, ModelsConfig, NodeConfig
 from events.log import EventLogWriter, encode_event, list_segments
 from events.types import (
     ConfigReloaded,
@@ -82,11 +75,11 @@ class ClusterSimulation:
         return self.at
 
     def run_started(self) -> RunStarted:
-        return RunStarted(at=self.at, version="bench", config_path="bench.toml", config=config_to_builtins(self.config))
+        return RunStarted(at=self.at, version="bench", config_path="bench.toml", config=self.config)
 
     def reload(self) -> ConfigReloaded:
         self.nodes = self.config.nodes[:-1] if self.nodes == self.config.nodes else self.config.nodes
-        config = config_to_builtins(Config(nodes=self.nodes, models=self.config.models))
+        config = Config(nodes=self.nodes, models=self.config.models)
         return ConfigReloaded(at=self.tick(0.01), config_path="bench.toml", config=config)
 
     def round(self) -> list[Event]:

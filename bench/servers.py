@@ -149,7 +149,7 @@ def start_interlock(processes: Processes, folder: Path, cores: frozenset[int] | 
     port = free_port()
     config = folder / "interlock.toml"
     config.write_text(interlock_config(folder, port, free_port(), upstream))
-    argv = [sys.executable, "-m", "dataplane.cli", "serve", "--config", str(config)]
+    argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
 
     def node_ready(status: int, body: bytes) -> bool:
         if status != 200:

@@ -1,7 +1,7 @@
 """Probes: the effects that turn a node's HTTP answers into events (plinth §2.2, §8.3).
 
 Every probe is one `GET` through `ProbeClient.get`, the single place that talks HTTP: one shared
-client (`controlplane.http11`, keep-alive connections per node and port), one deadline covering
+client (`transport.http11`, keep-alive connections per node and port), one deadline covering
 connect and read, and a hard cap on the body (plinth follow-up #39), so a hung or hostile node
 can cost neither time nor memory beyond its bounds.
 
@@ -18,9 +18,9 @@ from typing import Any, NamedTuple
 
 import trio
 
-from controlplane.config import NodeConfig
-from controlplane.http11 import BodyTooLarge, HttpClient, HttpError
+from events.config import NodeConfig
 from events.types import GpuSample, GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
+from transport.http11 import BodyTooLarge, HttpClient, HttpError
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""

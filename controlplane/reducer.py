@@ -12,7 +12,6 @@ from types import MappingProxyType
 
 import msgspec
 
-from controlplane.config import Config, config_from_builtins
 from controlplane.logs import log_line
 from controlplane.state import (
     DEAD,
@@ -29,6 +28,7 @@ from controlplane.state import (
     node_mapping,
     with_node,
 )
+from events.config import Config
 from events.types import (
     ConfigReloaded,
     Event,
@@ -132,7 +132,7 @@ def reduce(state: ClusterState, event: Event) -> tuple[ClusterState, Step]:
 
 
 def _run_started(state: ClusterState, event: RunStarted, out: _StepBuilder) -> ClusterState:
-    config = config_from_builtins(event.config)
+    config = event.config
     out.log(RUN, "info", "starting gateway", cluster=config.cluster.name)
     out.log(RUN, "info", "config loaded", nodes=len(config.nodes), models=len(config.models.available))
     out.effects.extend(StartProbing(node.ip) for node in config.nodes)
@@ -147,7 +147,7 @@ _RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes")
 
 
 def _config_reloaded(state: ClusterState, event: ConfigReloaded, out: _StepBuilder) -> ClusterState:
-    config = config_from_builtins(event.config)
+    config = event.config
     if state.config is not None:
         for key in _RESTART_KEYS:
             old, new = getattr(state.config.gateway, key), getattr(config.gateway, key)

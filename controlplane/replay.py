@@ -16,12 +16,11 @@ from typing import Any
 
 import msgspec
 
-from controlplane.config import config_to_builtins
 from controlplane.logs import format_timestamp
 from controlplane.reducer import INITIAL_STATE, TRANSITION_KINDS, Transition, reduce
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
 from controlplane.state import ClusterState, NodeState
-from events.log import EventLogError, read_events
+from events.log import read_events
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,11 +62,7 @@ def replay(
             break
         if warn is not None and state.seq and event.seq != state.seq + 1:
             warn(_numbering_warning(state.seq, event.seq))
-        try:
-            state, step = reduce(state, event)
-        except msgspec.ValidationError as err:
-            # Only a run's or a reload's config can fail to decode.
-            raise EventLogError(f"event seq {event.seq}: its config does not fit the schema: {err}") from None
+        state, step = reduce(state, event)
         transitions.extend(step.transitions)
         event_count += 1
         last_at = event.at
@@ -245,7 +240,7 @@ def state_to_builtins(result: ReplayResult, now: float) -> dict[str, Any]:
         "event_count": result.event_count,
         "version": state.version,
         "config_path": state.config_path,
-        "config": config_to_builtins(state.config) if state.config is not None else None,
+        "config": msgspec.to_builtins(state.config) if state.config is not None else None,
         "nodes": [
             {**msgspec.to_builtins(node), "offline": node.is_offline(now)} for node in state.nodes.values()
         ],

@@ -31,12 +31,13 @@ import msgspec
 import prometheus_client
 import trio
 
-from controlplane.config import ConfigError, NodeConfig, config_to_builtins, load_config
+from controlplane.config import ConfigError, load_config
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
-from controlplane.reducer import INITIAL_STATE, Effect, Recheck, Step, StartProbing, StopProbing, reduce
+from controlplane.reducer import INITIAL_STATE, Effect, Recheck, StartProbing, Step, StopProbing, reduce
 from controlplane.state import ClusterState
+from events.config import NodeConfig
 from events.log import EventLogWriter, encode_event, last_seq
 from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
 
@@ -141,7 +142,7 @@ class ControlPlane:
                         at=self.now(),
                         version=self.version,
                         config_path=self.config_path,
-                        config=config_to_builtins(config),
+                        config=config,
                     )
                 )
                 self._prober = Prober(client, self)
@@ -184,7 +185,7 @@ class ControlPlane:
             except ConfigError as exc:
                 event: Event = ReloadRejected(at=self.now(), config_path=self.config_path, error=str(exc))
             else:
-                event = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config_to_builtins(config))
+                event = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config)
             applied = trio.Event()
             try:
                 await self._queue_in.send((event, applied))

@@ -11,7 +11,7 @@ from types import MappingProxyType
 
 import msgspec
 
-from controlplane.config import Config, NodeConfig
+from events.config import Config, NodeConfig
 from events.types import GpuSample
 
 HEALTHY = "healthy"

@@ -24,9 +24,6 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
-from controlplane.config import Config
-from controlplane.http11 import ConnectFailed, HttpClient, WriteFailed
-from controlplane.http11 import Response as UpstreamResponse
 from controlplane.logs import JsonLog
 from controlplane.routing import filter_by_model, ring_pool, unavailable_reason
 from controlplane.runtime import ControlPlane
@@ -45,7 +42,10 @@ from dataplane.decisions import (
 )
 from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, Headers, Reply, error_reply
 from dataplane.metrics import RequestMetrics
+from events.config import Config
 from events.types import UpstreamFailed, UpstreamRecovered
+from transport.http11 import ConnectFailed, HttpClient, WriteFailed
+from transport.http11 import Response as UpstreamResponse
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 _TARGETS = {path: path.encode() for path in COMPLETION_PATHS}
@@ -81,7 +81,7 @@ _NOT_RETURNED_WITH_BODY = _NOT_RETURNED | {b"content-length"}
 
 
 def new_upstream_pool() -> HttpClient:
-    """The connections to every node (`controlplane.http11`), kept alive 90 s when idle."""
+    """The connections to every node (`transport.http11`), kept alive 90 s when idle."""
     return HttpClient(max_idle_per_host=MAX_IDLE_CONNECTIONS_PER_NODE, idle_seconds=IDLE_CONNECTION_SECONDS)
 
 

@@ -1,1 +1,2 @@
-"""Event vocabulary (`events.types`) and the event-log codec (`events.log`); imports nothing else of the project."""
+"""The vocabulary: the config schema (`events.config`), every event (`events.types`) and the
+event-log codec (`events.log`). Imports nothing else of the project."""

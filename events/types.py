@@ -7,9 +7,11 @@ JSON Lines log). `at` is wall-clock UNIX seconds, set by whoever observed the ev
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Union
 
 import msgspec
+
+from events.config import Config
 
 
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -18,18 +20,18 @@ class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=
 
 
 class RunStarted(EventBase, frozen=True, tag="run_started"):
-    """A gateway run began with this validated config (as builtins), so a log is self-contained."""
+    """A gateway run began with this validated config, so a log is self-contained."""
 
     version: str
     config_path: str
-    config: dict[str, Any]
+    config: Config
 
 
 class ConfigReloaded(EventBase, frozen=True, tag="config_reloaded"):
     """SIGHUP loaded and validated a new config, which replaces the current one."""
 
     config_path: str
-    config: dict[str, Any]
+    config: Config
 
 
 class ReloadRejected(EventBase, frozen=True, tag="reload_rejected"):

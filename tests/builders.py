@@ -6,9 +6,9 @@ from collections.abc import Iterable
 
 import msgspec
 
-from controlplane.config import Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig, config_to_builtins
 from controlplane.reducer import INITIAL_STATE, Effect, Transition, reduce
 from controlplane.state import ClusterState
+from events.config import Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
 from events.types import Event, RunStarted
 
 T0 = 1767323045.0
@@ -39,7 +39,7 @@ def make_config(
 
 
 def run_started(config: Config, at: float = T0) -> RunStarted:
-    return RunStarted(at=at, version="test", config_path="gateway.toml", config=config_to_builtins(config))
+    return RunStarted(at=at, version="test", config_path="gateway.toml", config=config)
 
 
 def apply(

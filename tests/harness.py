@@ -2,7 +2,7 @@
 
 Simulated nodes on their own loopback addresses (127.0.0.2, 127.0.0.3, …, since a node's identity
 is its IP), gateway config files for them, a JSON log captured in memory, and a real gateway
-(`dataplane.serve.serve`, real hypercorn on free ports of 127.0.0.1) in front of the nodes.
+(`interlock.serve.serve`, real hypercorn on free ports of 127.0.0.1) in front of the nodes.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import trio
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
 from controlplane.state import UNTRIED, NodeState
-from dataplane.serve import Listening, serve
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
+from interlock.serve import Listening, serve
 
 MODEL = "test-model"
 

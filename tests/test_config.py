@@ -11,22 +11,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.config import (
-    DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
-    DEFAULT_MAX_REQUEST_BODY_BYTES,
-    Config,
     ConfigError,
-    GatewayConfig,
-    ModelEntry,
-    ModelsConfig,
-    NodeConfig,
-    config_from_builtins,
-    config_to_builtins,
     describe_config,
     format_go_duration,
     go_quote,
     load_config,
     parse_go_duration,
     parse_listen_address,
+)
+from events.config import (
+    DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    Config,
+    GatewayConfig,
+    ModelEntry,
+    ModelsConfig,
+    NodeConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -406,7 +406,7 @@ def test_node_lookup() -> None:
 
 def test_builtins_round_trip(tmp_path: Path) -> None:
     config = load_config(REPO_ROOT / "config" / "gateway.toml")
-    builtins = config_to_builtins(config)
+    builtins = msgspec.to_builtins(config)
     assert builtins["gateway"]["health_interval"] == 3.0
     assert builtins["nodes"][2] == {
         "ip": "10.0.0.3",
@@ -415,8 +415,8 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "metrics_port": 9100,
         "ring": "ring-a",
     }
-    assert config_from_builtins(builtins) == config
-    assert config_from_builtins(msgspec.json.decode(msgspec.json.encode(builtins))) == config
+    assert msgspec.convert(builtins, Config) == config
+    assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
 
 
 def test_round_trip_of_unusual_values(tmp_path: Path) -> None:
@@ -425,15 +425,15 @@ def test_round_trip_of_unusual_values(tmp_path: Path) -> None:
         '[[nodes]]\nip = "fe80::1"\nname = "nœud ☃"\n'
     )
     config = load_text(tmp_path, text)
-    encoded = msgspec.json.encode(config_to_builtins(config))
-    assert config_from_builtins(msgspec.json.decode(encoded)) == config
+    encoded = msgspec.json.encode(msgspec.to_builtins(config))
+    assert msgspec.convert(msgspec.json.decode(encoded), Config) == config
 
 
 def test_from_builtins_names_the_field() -> None:
-    builtins = config_to_builtins(Config(nodes=(NodeConfig(ip="10.0.0.1"),)))
+    builtins = msgspec.to_builtins(Config(nodes=(NodeConfig(ip="10.0.0.1"),)))
     builtins["nodes"][0]["vllm_port"] = "eighty"
     with pytest.raises(msgspec.ValidationError, match=r"\$\.nodes\[0\]\.vllm_port"):
-        config_from_builtins(builtins)
+        msgspec.convert(builtins, Config)
 
 
 # --- the example config and the summary -------------------------------------------------------

@@ -15,18 +15,10 @@ import httpx
 import msgspec
 import trio
 
-from dataplane.serve import serve
 from fixtures.node import serve_nodes
-from harness import (
-    MODEL,
-    CapturedLog,
-    chat,
-    completions_to,
-    config_text,
-    node_specs,
-    nodes_and_gateway,
-    sse_events,
-)
+from interlock.serve import serve
+
+from harness import MODEL, CapturedLog, chat, completions_to, config_text, node_specs, nodes_and_gateway, sse_events
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -156,7 +148,7 @@ async def test_interlock_serve_starts_logs_plinths_lines_and_stops_on_sigterm(tm
             .replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"')
         )
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "dataplane.cli", "serve", "--config", str(config_path)],
+            [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config_path)],
             stdout=subprocess.PIPE,
             cwd=PROJECT_ROOT,
         )

@@ -31,7 +31,7 @@ def demo_config_on_free_ports(tmp_path: Path) -> Path:
 def test_demo_sends_a_request_through_the_gateway_and_stops_cleanly(tmp_path):
     config = demo_config_on_free_ports(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", "demo", "--config", str(config), "--once"],
+        [sys.executable, "-m", "interlock.cli", "demo", "--config", str(config), "--once"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -45,7 +45,7 @@ def test_demo_sends_a_request_through_the_gateway_and_stops_cleanly(tmp_path):
     assert '"msg":"gateway stopped"' in result.stderr
     # The run was recorded, and the recorded log explains the demo's routing.
     explained = subprocess.run(
-        [sys.executable, "-m", "dataplane.cli", "explain", str(tmp_path / "events.jsonl"),
+        [sys.executable, "-m", "interlock.cli", "explain", str(tmp_path / "events.jsonl"),
          "--model", "Qwen/Qwen2.5-7B-Instruct"],
         capture_output=True,
         text=True,

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from builders import T0, make_config, run_started
+from events.config import ClusterConfig, Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
 from events.log import (
     EventLogError,
     EventLogWriter,
@@ -38,12 +39,21 @@ texts = st.text(max_size=20)  # any unicode (hypothesis leaves out lone surrogat
 times = st.floats(min_value=0, max_value=4e9, allow_nan=False)
 latencies = st.floats(allow_nan=False, allow_infinity=False)
 int64s = st.integers(min_value=-(2**63), max_value=2**63 - 1)
-json_values = st.recursive(
-    st.none() | st.booleans() | int64s | st.floats(allow_nan=False, allow_infinity=False) | texts,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(texts, inner, max_size=3),
-    max_leaves=10,
+configs = st.builds(
+    Config,
+    cluster=st.builds(ClusterConfig, name=texts),
+    gateway=st.builds(
+        GatewayConfig, listen=texts, health_interval=latencies, health_fail_threshold=int64s, event_log=texts
+    ),
+    nodes=st.lists(st.builds(NodeConfig, ip=texts, name=texts, vllm_port=int64s, ring=texts), max_size=3).map(tuple),
+    models=st.builds(
+        ModelsConfig,
+        default=texts,
+        available=st.lists(st.builds(ModelEntry, name=texts, pipeline_stages=int64s, ring=texts), max_size=3).map(
+            tuple
+        ),
+    ),
 )
-configs = st.dictionaries(texts, json_values, max_size=4)
 gpus = st.builds(
     GpuSample, uuid=texts, memory_used=int64s, memory_total=int64s, utilization=int64s, temperature=int64s
 )

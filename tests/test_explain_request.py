@@ -11,9 +11,10 @@ import msgspec
 import pytest
 import trio
 
-from dataplane.cli import main
 from events.log import read_events
 from events.types import HealthProbed, ModelsListed
+from interlock.cli import main
+
 from harness import MODEL, chat, node_specs, nodes_and_gateway
 
 CHAT = "/v1/chat/completions"

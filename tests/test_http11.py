@@ -11,7 +11,9 @@ import msgspec
 import pytest
 import trio
 
-from controlplane.http11 import (
+from controlplane.probes import ProbeClient, ProbeError
+from fixtures.node import Behaviour, NodeSpec, RecordedRequest, SimulatedNode, serve_node
+from transport.http11 import (
     MAX_HEAD_BYTES,
     BodyTooLarge,
     ConnectFailed,
@@ -21,8 +23,6 @@ from controlplane.http11 import (
     WriteFailed,
     parse_head,
 )
-from controlplane.probes import ProbeClient, ProbeError
-from fixtures.node import Behaviour, NodeSpec, RecordedRequest, SimulatedNode, serve_node
 
 HOST = "127.0.0.1"
 OK_HELLO = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"

@@ -6,10 +6,9 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import T0, encode_state, make_config, run_started
-from controlplane.config import NodeConfig, config_to_builtins
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.state import DISCOVERY_DEGRADED, EXPIRED, KNOWN, KNOWN_EMPTY, compute_status
+from events.config import NodeConfig
 from events.types import (
     ConfigReloaded,
     GpuSample,
@@ -21,6 +20,8 @@ from events.types import (
     UpstreamFailed,
     UpstreamRecovered,
 )
+
+from builders import T0, encode_state, make_config, run_started
 
 # 10.0.0.10 sorts before 10.0.0.2 as a string; 10.0.0.99 is never configured.
 IPS = ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.10", "10.0.0.11", "10.0.0.12")
@@ -52,7 +53,7 @@ observations = st.one_of(
     st.builds(ProbeCrashed, at=st.just(0.0), node=node_ips, error=errors),
     st.builds(UpstreamFailed, at=st.just(0.0), node=node_ips, error=errors),
     st.builds(UpstreamRecovered, at=st.just(0.0), node=node_ips),
-    configs().map(lambda c: ConfigReloaded(at=0.0, config_path="gateway.toml", config=config_to_builtins(c))),
+    configs().map(lambda c: ConfigReloaded(at=0.0, config_path="gateway.toml", config=c)),
     st.builds(ReloadRejected, at=st.just(0.0), config_path=st.just("gateway.toml"), error=errors),
 )
 """Any event after the run start (its `at` is set by `event_sequences`)."""

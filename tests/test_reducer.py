@@ -8,12 +8,10 @@ import json
 import msgspec
 import pytest
 
-from builders import T0, apply, encode_state, make_config, messages, node_ip, run_started
-from controlplane.config import ModelEntry, NodeConfig, config_to_builtins
 from controlplane.reducer import (
     HEALTH,
-    MODELS,
     INITIAL_STATE,
+    MODELS,
     NOTHING,
     Recheck,
     StartProbing,
@@ -36,6 +34,7 @@ from controlplane.state import (
     NodeState,
     compute_status,
 )
+from events.config import ModelEntry, NodeConfig
 from events.types import (
     ConfigReloaded,
     GpuSample,
@@ -47,6 +46,8 @@ from events.types import (
     UpstreamFailed,
     UpstreamRecovered,
 )
+
+from builders import T0, apply, encode_state, make_config, messages, node_ip, run_started
 
 NODE = node_ip(1)
 
@@ -74,7 +75,7 @@ def listing(models, at: float = T0, node: str = NODE) -> ModelsListed:
 
 
 def reload(config, at: float = T0) -> ConfigReloaded:
-    return ConfigReloaded(at=at, config_path="gateway.toml", config=config_to_builtins(config))
+    return ConfigReloaded(at=at, config_path="gateway.toml", config=config)
 
 
 # --- compute_status (§2.2) -------------------------------------------------------------------
@@ -636,7 +637,7 @@ def test_reload_carries_health_discovery_and_offline_for_kept_ips():
         ],
         models=[ModelEntry(name="big", ring="a")],
     )
-    after, transitions, effects = apply([ConfigReloaded(at=T0 + 9, config_path="new.toml", config=config_to_builtins(new_config))], before)
+    after, transitions, effects = apply([ConfigReloaded(at=T0 + 9, config_path="new.toml", config=new_config)], before)
 
     assert after.nodes[NODE] == NodeState(
         ip=NODE,
@@ -811,8 +812,8 @@ def test_a_held_state_is_unaffected_by_later_events():
     )
     assert encode_state(held) == held_bytes
     assert encode_state(later) != held_bytes
-    # Mutating the event's config dict afterwards does not reach the state either.
+    # The event's config cannot be changed afterwards: the state shares it, frozen.
     state, _, _ = apply([start])
-    start.config["gateway"]["listen"] = ":1"
-    start.config["cluster"].clear()
+    with pytest.raises(AttributeError):
+        start.config.gateway.listen = ":1"
     assert state.config == config

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from builders import T0, apply, make_config, run_started
-from controlplane.config import ModelEntry, NodeConfig
 from controlplane.routing import NOT_IN_RING, balancer_pool, filter_by_model, plan_route, ring_pool
 from controlplane.state import (
     DEAD,
@@ -19,7 +17,10 @@ from controlplane.state import (
     ModelDiscovery,
     NodeState,
 )
+from events.config import ModelEntry, NodeConfig
 from events.types import HealthProbed, ModelsListed, UpstreamFailed
+
+from builders import T0, apply, make_config, run_started
 
 # Standalone .1 .2 .5 .6 .7 .8 .9, ring "a" .3 .4; every standalone node but .1 is excluded for
 # "plain" in its own way once `cluster()` has run.

@@ -26,13 +26,14 @@ from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
-from controlplane.config import Config, ConfigError, parse_listen_address
+from controlplane.config import ConfigError, parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.decisions import DecisionLog
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
+from events.config import Config
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

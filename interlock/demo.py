@@ -22,8 +22,8 @@ import trio
 from controlplane.config import ConfigError, load_config
 from controlplane.logs import JsonLog
 from controlplane.state import UNTRIED
-from dataplane.serve import Listening, serve
 from fixtures.node import serve_nodes, specs_from_config
+from interlock.serve import Listening, serve
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.toml"
 DISCOVERY_TIMEOUT = 15.0

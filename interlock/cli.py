@@ -37,8 +37,8 @@ from controlplane.replay import (
     state_to_builtins,
 )
 from dataplane.decisions import DecisionLogError, find_decisions
-from dataplane.explain_request import render_causes, render_request, request_to_builtins
 from events.log import EventLogError
+from interlock.explain_request import render_causes, render_request, request_to_builtins
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -227,7 +227,7 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from dataplane.serve import run_serve as serve_gateway  # the server stack, imported only to serve
+    from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
     return serve_gateway(args.config, package_version())
 
@@ -244,7 +244,7 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from dataplane.demo import DEMO_CONFIG, run_demo as demo  # the server stack, imported only to serve
+    from interlock.demo import DEMO_CONFIG, run_demo as demo  # the server stack, imported only to serve
 
     return demo(args.config or str(DEMO_CONFIG), package_version(), once=args.once, quiet=args.quiet)
 

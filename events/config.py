@@ -1,0 +1,107 @@
+"""The gateway's configuration schema (plinth §1): frozen msgspec Structs with plinth's defaults.
+
+The schema is vocabulary: `RunStarted` and `ConfigReloaded` carry a `Config`, so a recorded log
+decodes straight into typed configs. Reading and validating a TOML file is
+`controlplane.config.load_config`; durations are float seconds here (Go duration strings in
+the file).
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+DEFAULT_LISTEN = ":8000"
+DEFAULT_METRICS_LISTEN = ":9090"
+DEFAULT_HEALTH_INTERVAL = 3.0
+DEFAULT_HEALTH_FAIL_THRESHOLD = 3
+DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 8 * 1024 * 1024
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+DEFAULT_PROBE_TIMEOUT = 5.0
+DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_VLLM_PORT = 8000
+DEFAULT_METRICS_PORT = 9100
+
+
+class ClusterConfig(Struct, frozen=True, kw_only=True):
+    name: str = ""
+
+
+class GatewayConfig(Struct, frozen=True, kw_only=True):
+    listen: str = DEFAULT_LISTEN
+    metrics_listen: str = DEFAULT_METRICS_LISTEN
+    health_interval: float = DEFAULT_HEALTH_INTERVAL
+    """Seconds between health rounds (a Go duration string in the file)."""
+    health_fail_threshold: int = DEFAULT_HEALTH_FAIL_THRESHOLD
+    max_buffered_response_bytes: int = DEFAULT_MAX_BUFFERED_RESPONSE_BYTES
+    """The validated raw value: -1 means unlimited. Read `response_buffer_limit` to apply it."""
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    # Interlock additions.
+    probe_timeout: float = DEFAULT_PROBE_TIMEOUT
+    """Seconds one probe of a node may take (a Go duration string in the file)."""
+    event_log: str = ""
+    """Path of the JSON Lines event log; "" = no event log."""
+    event_log_max_bytes: int = DEFAULT_EVENT_LOG_MAX_BYTES
+    """The event log starts a new segment once the current one reaches this size."""
+    decision_log: str = ""
+    """Path of the per-request decision log; "" = no decision log."""
+
+    @property
+    def response_buffer_limit(self) -> int:
+        """plinth's effective response buffer limit: 0 (no bound) when negative, default when 0.
+
+        Holds for configs built directly, which never went through validation.
+        """
+        if self.max_buffered_response_bytes < 0:
+            return 0
+        return self.max_buffered_response_bytes or DEFAULT_MAX_BUFFERED_RESPONSE_BYTES
+
+    @property
+    def request_body_limit(self) -> int:
+        """plinth's effective request body limit: the default when <= 0 (there is no unlimited)."""
+        if self.max_request_body_bytes <= 0:
+            return DEFAULT_MAX_REQUEST_BODY_BYTES
+        return self.max_request_body_bytes
+
+
+class NodeConfig(Struct, frozen=True, kw_only=True):
+    ip: str = ""
+    """The node's identity: unique among the nodes."""
+    name: str = ""
+    vllm_port: int = DEFAULT_VLLM_PORT
+    metrics_port: int = DEFAULT_METRICS_PORT
+    ring: str = ""
+    """"" = a standalone (ring-less) node."""
+
+
+class ModelEntry(Struct, frozen=True, kw_only=True):
+    name: str = ""
+    """Must equal the id the node serves (`GET /v1/models` `data[].id`) exactly."""
+    pipeline_stages: int = 0
+    """Informational only."""
+    ring: str = ""
+
+
+class ModelsConfig(Struct, frozen=True, kw_only=True):
+    default: str = ""
+    """Injected into requests that name no model; not checked against `available`."""
+    available: tuple[ModelEntry, ...] = ()
+
+
+class Config(Struct, frozen=True, kw_only=True):
+    cluster: ClusterConfig = ClusterConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    nodes: tuple[NodeConfig, ...] = ()
+    models: ModelsConfig = ModelsConfig()
+
+    def model_ring(self, name: str) -> str:
+        """plinth's ModelRing: the ring of the first available model named `name`, else ""."""
+        for model in self.models.available:
+            if model.name == name:
+                return model.ring
+        return ""
+
+    def node(self, ip: str) -> NodeConfig | None:
+        for node in self.nodes:
+            if node.ip == ip:
+                return node
+        return None
