@@ -17,10 +17,11 @@ from typing import Any
 import msgspec
 
 from controlplane.logs import format_timestamp
-from controlplane.reducer import INITIAL_STATE, TRANSITION_KINDS, Transition, reduce
+from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
-from controlplane.state import ClusterState, NodeState
+from controlplane.transitions import TRANSITION_KINDS, Transition
 from events.log import read_events
+from events.state import ClusterState, NodeState
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):

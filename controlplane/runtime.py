@@ -35,10 +35,11 @@ from controlplane.config import ConfigError, load_config
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
-from controlplane.reducer import INITIAL_STATE, Effect, Recheck, StartProbing, Step, StopProbing, reduce
-from controlplane.state import ClusterState
+from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
 from events.config import NodeConfig
 from events.log import EventLogWriter, encode_event, last_seq
+from events.state import ClusterState
 from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
 
 EVENT_QUEUE_SIZE = 16_384

@@ -16,9 +16,9 @@ from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from controlplane.runtime import ControlPlane
-from controlplane.state import HEALTHY
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply
 from dataplane.proxy import COMPLETION_PATHS, SnapshotViews
+from events.state import Health
 
 _encode = msgspec.json.Encoder()
 
@@ -57,7 +57,7 @@ def create_app(control_plane: ControlPlane, views: SnapshotViews) -> QuartTrio:
         snapshot = control_plane.snapshot
         now = control_plane.now()
         nodes = snapshot.node_list()
-        healthy = sum(1 for node in nodes if node.status == HEALTHY)
+        healthy = sum(1 for node in nodes if node.status == Health.HEALTHY)
         if healthy and healthy == len(nodes):
             status = "ok"
         elif not healthy:

@@ -27,7 +27,6 @@ import trio
 from controlplane.logs import JsonLog
 from controlplane.routing import filter_by_model, ring_pool, unavailable_reason
 from controlplane.runtime import ControlPlane
-from controlplane.state import ClusterState, NodeState
 from dataplane.balancer import RoundRobin
 from dataplane.decisions import (
     CLIENT_GONE,
@@ -43,6 +42,7 @@ from dataplane.decisions import (
 from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, Headers, Reply, error_reply
 from dataplane.metrics import RequestMetrics
 from events.config import Config
+from events.state import ClusterState, NodeState
 from events.types import UpstreamFailed, UpstreamRecovered
 from transport.http11 import ConnectFailed, HttpClient, WriteFailed
 from transport.http11 import Response as UpstreamResponse

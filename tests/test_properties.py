@@ -6,9 +6,10 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.health import compute_status
 from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.state import DISCOVERY_DEGRADED, EXPIRED, KNOWN, KNOWN_EMPTY, compute_status
 from events.config import NodeConfig
+from events.state import Discovery
 from events.types import (
     ConfigReloaded,
     GpuSample,
@@ -98,11 +99,11 @@ def test_invariants_hold_after_every_event(events):
             models = node.models
             assert node.ip == ip
             assert models.fails >= 0 and models.empties >= 0 and node.consecutive_failures >= 0
-            if models.state == KNOWN_EMPTY:
+            if models.state == Discovery.KNOWN_EMPTY:
                 assert models.names is None
-            if models.state in (KNOWN, DISCOVERY_DEGRADED):
+            if models.state in (Discovery.KNOWN, Discovery.DEGRADED):
                 assert models.names  # only a non-empty list makes a node known
-            if models.state == EXPIRED:
+            if models.state == Discovery.EXPIRED:
                 assert not any(models.allows(model) for model in MODELS + ("other",))
         if isinstance(event, HealthProbed) and event.node in state.nodes:
             node = state.nodes[event.node]
