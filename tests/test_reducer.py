@@ -84,7 +84,7 @@ def test_compute_status_pinned_cases(failures, threshold, status):
     assert compute_status(failures, threshold) == status
 
 
-# --- next_discovery (§8.2) ----------- --------------------------------------------------------
+# --- next_discovery (§8.2) ---------------------------------------------------------------------
 
 EARLIER, NOW = 10.0, 20.0
 LIST = ("m1", "m2")
