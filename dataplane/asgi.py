@@ -33,7 +33,15 @@ import trio
 from controlplane.runtime import ControlPlane
 from dataplane.app import create_app
 from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
-from dataplane.proxy import COMPLETION_PATHS, Exchange, Proxy, SnapshotView, SnapshotViews, forward_headers
+from dataplane.proxy import (
+    COMPLETION_PATHS,
+    Exchange,
+    Proxy,
+    SnapshotView,
+    SnapshotViews,
+    forward_headers,
+    request_id_header,
+)
 
 
 class CompletionFields(msgspec.Struct):
@@ -97,17 +105,17 @@ class ApiApp:
     async def _reply(self, scope, body: bytes | None, request_id: str, view: SnapshotView, started: float) -> Reply:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
         if body is None:
-            return error_reply(REQUEST_TOO_LARGE, _id_header(request_id), close=True)
+            return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
         except msgspec.DecodeError:
-            return error_reply(INVALID_BODY, _id_header(request_id))
+            return error_reply(INVALID_BODY, request_id_header(request_id))
         model = fields.model if fields is not None else None
         stream = bool(fields.stream) if fields is not None else False
         if not model:
             model = view.config.default_model
             if not model:
-                return error_reply(NO_MODEL, _id_header(request_id))
+                return error_reply(NO_MODEL, request_id_header(request_id))
             body = with_model(body, model)
         client = scope["client"]
         exchange = Exchange(
@@ -122,10 +130,6 @@ class ApiApp:
             started=started,
         )
         return await self._proxy.forward(exchange)
-
-
-def _id_header(request_id: str) -> tuple[bytes, bytes]:
-    return (b"x-request-id", request_id.encode("latin-1"))
 
 
 class _ClientLeft(Exception):

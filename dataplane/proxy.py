@@ -2,8 +2,10 @@
 
 Routing starts from the model's ring pool, drops the nodes whose model list rules the model out
 (both through `controlplane.routing`), then runs the attempt loop: pick a node with the shared
-round-robin balancer among the candidates not yet tried and not offline, forward the request,
-and either answer the client or retry on the next node.
+round-robin balancer among the candidates not yet tried and neither dead nor offline, forward
+the request, and either answer the client or retry on the next node. Each attempt returns its
+`Outcome`, and `Proxy._settle` is the one place that records how an attempt ended (log line,
+metrics, what the control plane learns about the node, the decision record's entry).
 
 What may be retried is decided by whether anything reached the client yet (the commit gate):
 a non-streaming response is buffered until it is complete (or larger than the buffer limit),
@@ -166,8 +168,9 @@ class Exchange:
     """A completion request on its way through the attempt loop."""
 
     __slots__ = (
-        "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts"
-    )
+        "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts",
+        "skipped",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -193,6 +196,19 @@ class Exchange:
         self.at = at
         self.started = started
         self.attempts: list[AttemptRecord] = []
+        self.skipped: list[Exclusion] = []
+        """The candidates the attempt loop passed over (dead or offline when it picked), once each."""
+
+    def skip(self, ip: str, reason: str) -> None:
+        for exclusion in self.skipped:
+            if exclusion.node == ip:
+                return
+        self.skipped.append(Exclusion(ip, reason))
+
+
+def request_id_header(request_id: str) -> tuple[bytes, bytes]:
+    """The X-Request-Id header, as forwarded to the node and returned to the client."""
+    return (b"x-request-id", request_id.encode("latin-1"))
 
 
 def forward_headers(raw: list[tuple[bytes, bytes]], client_ip: str, request_id: str) -> list[tuple[bytes, bytes]]:
@@ -205,7 +221,7 @@ def forward_headers(raw: list[tuple[bytes, bytes]], client_ip: str, request_id: 
     if prior:
         forwarded_for = b", ".join(prior) + b", " + forwarded_for
     headers.append((b"x-forwarded-for", forwarded_for))
-    headers.append((b"x-request-id", request_id.encode("latin-1")))
+    headers.append(request_id_header(request_id))
     return headers
 
 
@@ -213,11 +229,40 @@ class UpstreamTimeout(Exception):
     """A deadline of the attempt passed: retried on the next node, like a dial error."""
 
 
-class _Retry(Exception):
-    """This attempt failed before commit in a way that moves on to the next node."""
+COMMITTED = "committed"
+"""An attempt whose answer is flowing to the client: the relay settles it when the body ends."""
 
 
-def _describe(error: BaseException) -> str:
+class Outcome:
+    """How one attempt ended.
+
+    `kind` is the decision record's outcome (COMPLETED, RETRIED, FAILED, TRUNCATED, CLIENT_GONE)
+    or COMMITTED. `status` is the node's, when it answered; `error` what went wrong; `reply` the
+    client's answer when the attempt has one. `committed`: the client had the node's status and
+    headers before the attempt ended.
+    """
+
+    __slots__ = ("kind", "status", "error", "reply", "committed")
+
+    def __init__(
+        self,
+        kind: str,
+        *,
+        status: int | None = None,
+        error: BaseException | str | None = None,
+        reply: Reply | None = None,
+        committed: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.status = status
+        self.error = error
+        self.reply = reply
+        self.committed = committed
+
+
+def _describe(error: BaseException | str | None) -> str:
+    if error is None or isinstance(error, str):
+        return error or ""
     text = str(error)
     return text if text else type(error).__name__
 
@@ -264,27 +309,47 @@ class Proxy:
         tried: set[str] = set()
         try:
             for _ in range(len(candidates)):
-                now = self._control_plane.now()
-                remaining = [node for node in candidates if node.ip not in tried and not node.is_offline(now)]
-                node = self._balancer.select(remaining) if remaining else None
+                node = self._pick(exchange, tried)
                 if node is None:
                     break
                 tried.add(node.ip)
-                try:
-                    return await self._attempt(exchange, node)
-                except _Retry:
-                    continue
+                outcome = await self._attempt(exchange, node)
+                if outcome.kind == COMMITTED:
+                    self._mark_online(node.ip)
+                    return outcome.reply
+                self._settle(exchange, node, outcome)
+                if outcome.kind == FAILED:
+                    return self._error(exchange, UPSTREAM_ERROR)
+                if outcome.kind == COMPLETED:
+                    self._finish(exchange, outcome.reply.status)
+                    return outcome.reply
         except trio.Cancelled:
             # The client went away before anything was sent: no answer, no metrics (plinth).
             self._record(exchange, None)
             raise
         return self._error(exchange, NO_REACHABLE_NODE)
 
+    def _pick(self, exchange: Exchange, tried: set[str]) -> NodeState | None:
+        """The balancer's pick among the candidates not yet tried that are neither dead nor offline
+        now (those are noted as the request's exclusions); None when there is none."""
+        now = self._control_plane.now()
+        available = []
+        for node in exchange.route.candidates:
+            if node.ip in tried:
+                continue
+            reason = unavailable_reason(node, now)
+            if reason:
+                exchange.skip(node.ip, reason)
+            else:
+                available.append(node)
+        return self._balancer.select(available) if available else None
+
     # --- one attempt
 
-    async def _attempt(self, exchange: Exchange, node: NodeState) -> Reply:
+    async def _attempt(self, exchange: Exchange, node: NodeState) -> Outcome:
         port = exchange.view.config.ports[node.ip]
         target = _TARGETS[exchange.path]
+        upstream: UpstreamResponse | None = None
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
@@ -292,42 +357,42 @@ class Proxy:
                         b"POST", node.ip, port, target, exchange.headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
                     )
             except trio.TooSlowError:
-                raise UpstreamTimeout("timeout awaiting response headers") from None
-        except trio.Cancelled:
-            exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE))
-            raise
-        except Exception as error:
-            if exchange.stream or _is_retryable(error):
-                self._retry(exchange, node, error)
-            return self._fail(exchange, node, error)
-        try:
+                return self._failed(exchange, UpstreamTimeout("timeout awaiting response headers"))
+            except Exception as error:
+                return self._failed(exchange, error)
             if exchange.stream:
                 return await self._stream(exchange, node, upstream)
             return await self._buffer(exchange, node, upstream)
-        except BaseException:
-            upstream.close()
+        except BaseException as error:
+            if upstream is not None:
+                upstream.close()
+            if isinstance(error, trio.Cancelled):
+                self._settle(exchange, node, Outcome(CLIENT_GONE, status=upstream.status if upstream else None))
             raise
 
-    async def _stream(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Reply:
+    def _failed(self, exchange: Exchange, error: Exception) -> Outcome:
+        """A failure before commit: the next node is tried (after any failure, for a stream;
+        after plinth's retryable ones otherwise), or the request ends with a 502."""
+        retried = exchange.stream or _is_retryable(error)
+        return Outcome(RETRIED if retried else FAILED, error=error)
+
+    async def _stream(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Outcome:
         """Streaming commit gate: hold the status and headers until the first body byte."""
         first = b""
         try:
             with trio.move_on_after(self._first_chunk_timeout) as deadline:
                 first = await upstream.next_chunk()
-            if deadline.cancelled_caught:
-                raise UpstreamTimeout("timed out waiting for first stream chunk")
-        except trio.Cancelled:
-            exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE, upstream.status))
-            raise
         except Exception as error:
+            return self._failed(exchange, error)
+        if deadline.cancelled_caught:
             upstream.close()
-            self._retry(exchange, node, error)
+            return self._failed(exchange, UpstreamTimeout("timed out waiting for first stream chunk"))
         if not first:
             # An empty body (a bodiless 201, say) is complete: commit it as it is.
-            return self._complete(exchange, node, upstream, b"")
+            return self._complete(exchange, upstream, b"")
         return self._commit(exchange, node, upstream, [first])
 
-    async def _buffer(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Reply:
+    async def _buffer(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Outcome:
         """Buffering commit gate: the whole response, unless it outgrows the buffer limit."""
         limit = exchange.view.config.buffer_limit
         declared = upstream.content_length
@@ -341,47 +406,14 @@ class Proxy:
                 size += len(chunk)
                 if limit and size > limit:
                     return self._pass_through(exchange, node, upstream, buffered, "size_limit", limit)
-        except trio.Cancelled:
-            exchange.attempts.append(AttemptRecord(node.ip, CLIENT_GONE, upstream.status))
-            raise
         except Exception as error:
-            upstream.close()
-            if _is_retryable(error):
-                self._retry(exchange, node, error)
-            return self._fail(exchange, node, error)
+            return self._failed(exchange, error)
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
-        return self._complete(exchange, node, upstream, body)
+        return self._complete(exchange, upstream, body)
 
-    # --- outcomes of an attempt
-
-    def _retry(self, exchange: Exchange, node: NodeState, error: Exception) -> None:
-        """Log, count, mark the node offline, and move on to the next node (raises _Retry)."""
-        text = _describe(error)
-        if exchange.stream:
-            self._log.info("retrying after streaming failure before first chunk", node=node.ip, error=text)
-        else:
-            self._log.info("retrying after connection failure", node=node.ip, error=text)
-        self._metrics.attempt(exchange.model, 502)
-        exchange.attempts.append(AttemptRecord(node.ip, RETRIED, error=text))
-        self._mark_offline(node.ip, text)
-        raise _Retry
-
-    def _fail(self, exchange: Exchange, node: NodeState, error: Exception) -> Reply:
-        text = _describe(error)
-        self._log.error("node response truncated or connection lost", node=node.ip, error=text)
-        self._metrics.attempt(exchange.model, 502)
-        exchange.attempts.append(AttemptRecord(node.ip, FAILED, error=text))
-        if isinstance(error, WriteFailed):
-            self._mark_offline(node.ip, text)  # a stale keep-alive reset while sending
-        return self._error(exchange, UPSTREAM_ERROR)
-
-    def _complete(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, body: bytes) -> Reply:
-        status = upstream.status
-        self._mark_online(node.ip)
-        self._metrics.attempt(exchange.model, status)
-        exchange.attempts.append(AttemptRecord(node.ip, COMPLETED, status))
-        self._finish(exchange, status)
-        return Reply(status, _client_headers(upstream, exchange.request_id, with_length=False), body)
+    def _complete(self, exchange: Exchange, upstream: UpstreamResponse, body: bytes) -> Outcome:
+        headers = _client_headers(upstream, exchange.request_id, with_length=False)
+        return Outcome(COMPLETED, status=upstream.status, reply=Reply(upstream.status, headers, body))
 
     def _pass_through(
         self,
@@ -391,16 +423,16 @@ class Proxy:
         buffered: list[bytes],
         reason: str,
         limit: int,
-    ) -> Reply:
+    ) -> Outcome:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
         self._metrics.passthrough(exchange.model, reason)
         return self._commit(exchange, node, upstream, buffered)
 
-    def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Reply:
+    def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
         """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
-        self._mark_online(node.ip)
         headers = _client_headers(upstream, exchange.request_id, with_length=True)
-        return Reply(upstream.status, headers, self._relay(exchange, node, upstream, first))
+        reply = Reply(upstream.status, headers, self._relay(exchange, node, upstream, first))
+        return Outcome(COMMITTED, status=upstream.status, reply=reply)
 
     async def _relay(
         self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]
@@ -408,9 +440,7 @@ class Proxy:
         """The committed body: `first`, then the rest as the node sends it. A node failure ends
         it early; so does the client going away (the upstream connection is then closed at once,
         which cancels the generation on the node)."""
-        status = upstream.status
-        outcome = COMPLETED
-        error_text = ""
+        outcome = Outcome(COMPLETED, status=upstream.status, committed=True)
         try:
             for chunk in first:
                 yield chunk
@@ -418,27 +448,49 @@ class Proxy:
                 while chunk := await upstream.next_chunk():
                     yield chunk
             except Exception as error:
-                outcome, error_text = TRUNCATED, _describe(error)
-                if exchange.stream:
-                    self._log.error("stream terminated by upstream failure", node=node.ip, error=error_text)
-                else:
-                    self._log.error("response truncated after commit", node=node.ip, error=error_text)
+                outcome = Outcome(TRUNCATED, status=upstream.status, error=error, committed=True)
         except BaseException:  # trio.Cancelled or GeneratorExit: the client left
-            outcome, error_text = CLIENT_GONE, "client disconnected"
-            self._log.error("client write failed after commit", node=node.ip, error=error_text)
-            self._metrics.client_write_failure(exchange.model)
+            outcome = Outcome(CLIENT_GONE, status=upstream.status, error="client disconnected", committed=True)
             raise
         finally:
             upstream.close()
-            self._metrics.attempt(exchange.model, status)
-            exchange.attempts.append(AttemptRecord(node.ip, outcome, status, error_text))
-            self._finish(exchange, status)
+            self._settle(exchange, node, outcome)
+            self._finish(exchange, upstream.status)
 
     # --- bookkeeping
 
+    def _settle(self, exchange: Exchange, node: NodeState, outcome: Outcome) -> None:
+        """What an ended attempt leaves behind: its log line, its metrics, what the control plane
+        learns about the node, and its entry in the decision record."""
+        kind = outcome.kind
+        error = _describe(outcome.error)
+        if kind == RETRIED:
+            if exchange.stream:
+                self._log.info("retrying after streaming failure before first chunk", node=node.ip, error=error)
+            else:
+                self._log.info("retrying after connection failure", node=node.ip, error=error)
+            self._mark_offline(node.ip, error)
+        elif kind == FAILED:
+            self._log.error("node response truncated or connection lost", node=node.ip, error=error)
+            if isinstance(outcome.error, WriteFailed):
+                self._mark_offline(node.ip, error)  # a stale keep-alive reset while sending
+        elif kind == COMPLETED and not outcome.committed:
+            self._mark_online(node.ip)
+        elif kind == TRUNCATED:
+            if exchange.stream:
+                self._log.error("stream terminated by upstream failure", node=node.ip, error=error)
+            else:
+                self._log.error("response truncated after commit", node=node.ip, error=error)
+        elif kind == CLIENT_GONE and outcome.committed:
+            self._log.error("client write failed after commit", node=node.ip, error=error)
+            self._metrics.client_write_failure(exchange.model)
+        if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
+            self._metrics.attempt(exchange.model, outcome.status or 502)
+        exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
+
     def _error(self, exchange: Exchange, error: ApiError) -> Reply:
         self._finish(exchange, error.status)
-        return error_reply(error, (b"x-request-id", exchange.request_id.encode("latin-1")))
+        return error_reply(error, request_id_header(exchange.request_id))
 
     def _finish(self, exchange: Exchange, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
@@ -449,10 +501,6 @@ class Proxy:
         if self._decisions is None or not exchange.view.config.decision_log:
             return
         route = exchange.route
-        excluded = list(route.excluded)
-        for node in route.candidates:
-            if reason := unavailable_reason(node, exchange.at):
-                excluded.append(Exclusion(node.ip, reason))
         self._decisions.record(
             Decision(
                 request_id=exchange.request_id,
@@ -463,7 +511,7 @@ class Proxy:
                 seq=exchange.view.snapshot.seq,
                 ring=route.ring,
                 ring_pool=route.ring_pool,
-                excluded=tuple(excluded),
+                excluded=route.excluded + tuple(exchange.skipped),
                 attempts=tuple(exchange.attempts),
                 status=status,
                 duration=time.perf_counter() - exchange.started,
@@ -490,5 +538,5 @@ def _client_headers(upstream: UpstreamResponse, request_id: str, *, with_length:
     own Content-Length."""
     dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
     headers = [(name, value) for name, value in upstream.headers if name not in dropped]
-    headers.append((b"x-request-id", request_id.encode("latin-1")))
+    headers.append(request_id_header(request_id))
     return headers

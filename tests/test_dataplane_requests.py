@@ -4,17 +4,21 @@ the request id with its decision record. Real gateway, real sockets, simulated n
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import trio
+from prometheus_client import CollectorRegistry
 
-from harness import (
-    MODEL,
-    chat,
-    completions_to,
-    error_message,
-    node_specs,
-    nodes_and_gateway,
-)
+from controlplane.reducer import OFFLINE_SECONDS
+from controlplane.runtime import open_control_plane
+from dataplane.decisions import DecisionLog, read_decisions
+from dataplane.metrics import RequestMetrics
+from dataplane.proxy import Exchange, Proxy, SnapshotViews, forward_headers, new_upstream_pool
+from events.types import UpstreamFailed
+from fixtures.node import serve_nodes
+
+from harness import MODEL, CapturedLog, chat, completions_to, error_message, node_specs, nodes_and_gateway, write_config
 
 CHAT = "/v1/chat/completions"
 
@@ -346,3 +350,47 @@ async def test_an_unwritable_decision_log_never_fails_a_request(tmp_path):
         await trio.sleep(0.1)
         [failure] = gateway.logged("decision log write failed")  # once, not once per record
         assert failure["level"] == "error" and failure["path"] == str(decision_log)
+
+
+async def test_a_decision_records_the_nodes_the_attempt_loop_passed_over_when_it_picked(tmp_path):
+    # The proxy on its own, the control plane's clock in the test's hands: n1 is offline when
+    # the request arrives and no longer when the attempt loop picks, so it is picked, not excluded.
+    clock = [time.time()]
+    log = CapturedLog()
+    decision_log = tmp_path / "decisions.jsonl"
+    async with serve_nodes(node_specs(2)) as nodes:
+        config_path = write_config(tmp_path, nodes, decision_log=str(decision_log))
+        async with (
+            open_control_plane(config_path, version="test", log=log, now=lambda: clock[0]) as control_plane,
+            new_upstream_pool() as pool,
+            trio.open_nursery() as nursery,
+        ):
+            decisions = DecisionLog(lambda: str(decision_log), log)
+            nursery.start_soon(decisions.run)
+            proxy = Proxy(control_plane, pool, RequestMetrics(CollectorRegistry()), log, decisions)
+            n1 = nodes[0].host
+            control_plane.observe(UpstreamFailed(node=n1, error="refused", at=clock[0]))
+            with trio.fail_after(5):
+                while not control_plane.snapshot.nodes[n1].offline_until:
+                    await trio.sleep(0.01)
+            arrived = clock[0] + 1
+            clock[0] += OFFLINE_SECONDS + 1
+            view = SnapshotViews(control_plane).current()
+            headers = forward_headers([], "127.0.0.1", "late-pick")
+            exchange = Exchange(
+                request_id="late-pick",
+                path=CHAT,
+                model=MODEL,
+                stream=False,
+                body=msgspec.json.encode(chat()),
+                headers=headers,
+                view=view,
+                at=arrived,
+                started=time.perf_counter(),
+            )
+            reply = await proxy.forward(exchange)
+            decisions.close()
+        [decision] = read_decisions(decision_log)
+    assert reply.status == 200
+    assert decision.attempts[0].node == n1 and decision.attempts[0].outcome == "completed"
+    assert decision.excluded == ()
