@@ -99,6 +99,11 @@ class ApiApp:
             nursery.start_soon(watch.run)
             reply = await self._reply(scope, body, request_id, view, started)
             last = await _send_all_but_last(send, reply)
+            if reply.truncated:
+                # No last send: hypercorn then closes the connection without the body's end (the
+                # terminating chunk), and the client sees the response cut short, as it was.
+                nursery.cancel_scope.cancel()
+                return
             watch.answered = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
 

@@ -25,12 +25,15 @@ class Reply:
     with its Content-Length) or flowing (sent piece by piece as the generator yields, and
     closed early if the client leaves)."""
 
-    __slots__ = ("status", "headers", "body")
+    __slots__ = ("status", "headers", "body", "truncated")
 
     def __init__(self, status: int, headers: Headers, body: bytes | AsyncGenerator[bytes, None]) -> None:
         self.status = status
         self.headers = headers
         self.body = body
+        self.truncated = False
+        """Set by a flowing body the node cut short: the response must end without its last
+        chunk (the connection is closed), so that the client sees it incomplete."""
 
 
 class ApiError:
@@ -55,6 +58,8 @@ NO_MODEL = ApiError(400, "model not specified and no default model is configured
 NO_HEALTHY_NODE = ApiError(503, routing.NO_HEALTHY_NODE, "no_healthy_node")
 NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node")
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
+STREAM_TERMINATED = ApiError(502, "stream terminated by upstream failure", "upstream_error")
+"""Not a response: the error event that ends a stream the node cut short after commit."""
 
 
 def error_reply(error: ApiError, *extra: tuple[bytes, bytes], close: bool = False) -> Reply:

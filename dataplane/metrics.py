@@ -44,6 +44,11 @@ class RequestMetrics:
             "Committed responses whose write to the client failed",
             "model",
         )
+        self._truncated = counter(
+            "gateway_response_truncated_total",
+            "Committed responses cut short by a node failure (ended without their last chunk)",
+            "node",
+        )
         self._exclusions = counter(
             "gateway_model_filter_exclusions_total",
             "Nodes dropped from the candidate pool by the model filter",
@@ -65,6 +70,10 @@ class RequestMetrics:
 
     def client_write_failure(self, model: str) -> None:
         self._client_write_failures(model).inc()
+
+    def truncated(self, node: str) -> None:
+        """A committed response cut short by node `node` (its IP: the label stays bounded by the config)."""
+        self._truncated(node).inc()
 
     def excluded(self, model: str, reason: str, count: int) -> None:
         """`count` nodes dropped by the model filter for `reason` (missing, empty or expired)."""

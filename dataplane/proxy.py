@@ -10,9 +10,11 @@ metrics, what the control plane learns about the node, the decision record's ent
 What may be retried is decided by whether anything reached the client yet (the commit gate):
 a non-streaming response is buffered until it is complete (or larger than the buffer limit),
 a stream is committed at its first body byte. Before commit, connection-level failures move on
-to the next node; after commit, a failure only ends the response early (never a 502, never a
-fabricated `[DONE]`). HTTP error statuses from a node are responses: passed through, never
-retried (completions are not idempotent).
+to the next node; after commit, a failure ends the response early (never a 502, never a
+fabricated `[DONE]`), and visibly: an event stream gets an error event the SDKs raise, and the
+response ends without its terminating chunk (as nginx does), so HTTP clients see it cut short.
+HTTP error statuses from a node are responses: passed through, never retried (completions are
+not idempotent).
 
 Everything a request needs from a control-plane snapshot that does not depend on the request
 (node ports, each model's ring pool and model filter) is computed once per snapshot.
@@ -41,7 +43,16 @@ from dataplane.decisions import (
     DecisionLog,
     Exclusion,
 )
-from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, Headers, Reply, error_reply
+from dataplane.errors import (
+    NO_HEALTHY_NODE,
+    NO_REACHABLE_NODE,
+    STREAM_TERMINATED,
+    UPSTREAM_ERROR,
+    ApiError,
+    Headers,
+    Reply,
+    error_reply,
+)
 from dataplane.metrics import RequestMetrics
 from events.config import Config
 from events.state import ClusterState, NodeState
@@ -80,6 +91,10 @@ _NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id"}
 """Response headers that describe the node's connection, or that the gateway sets itself
 (hypercorn writes the Date)."""
 _NOT_RETURNED_WITH_BODY = _NOT_RETURNED | {b"content-length"}
+
+_STREAM_ERROR_EVENT = b"data: " + STREAM_TERMINATED.body + b"\n\n"
+"""The last event of a stream the node cut short, in the shape vLLM and OpenAI use: the OpenAI
+SDKs raise it as an APIError."""
 
 
 def new_upstream_pool() -> HttpClient:
@@ -430,17 +445,19 @@ class Proxy:
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
         """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
-        headers = _client_headers(upstream, exchange.request_id, with_length=True)
-        reply = Reply(upstream.status, headers, self._relay(exchange, node, upstream, first))
+        reply = Reply(upstream.status, _client_headers(upstream, exchange.request_id, with_length=True), b"")
+        reply.body = self._relay(exchange, node, upstream, first, reply)
         return Outcome(COMMITTED, status=upstream.status, reply=reply)
 
     async def _relay(
-        self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]
+        self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes], reply: Reply
     ) -> AsyncIterator[bytes]:
-        """The committed body: `first`, then the rest as the node sends it. A node failure ends
-        it early; so does the client going away (the upstream connection is then closed at once,
-        which cancels the generation on the node)."""
+        """The committed body: `first`, then the rest as the node sends it. The client going
+        away ends it early (the upstream connection is then closed at once, which cancels the
+        generation on the node). So does a node failure, visibly: an event stream gets an error
+        event last, and the reply is marked truncated, to be ended without its terminating chunk."""
         outcome = Outcome(COMPLETED, status=upstream.status, committed=True)
+        chunk = b""
         try:
             for chunk in first:
                 yield chunk
@@ -456,6 +473,11 @@ class Proxy:
             upstream.close()
             self._settle(exchange, node, outcome)
             self._finish(exchange, upstream.status)
+        if outcome.kind == TRUNCATED:
+            reply.truncated = True
+            if (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+                # `chunk` is the last piece relayed: an event it leaves unfinished is ended first.
+                yield (b"" if chunk.endswith(b"\n\n") else b"\n\n") + _STREAM_ERROR_EVENT
 
     # --- bookkeeping
 
@@ -477,6 +499,7 @@ class Proxy:
         elif kind == COMPLETED and not outcome.committed:
             self._mark_online(node.ip)
         elif kind == TRUNCATED:
+            self._metrics.truncated(node.ip)
             if exchange.stream:
                 self._log.error("stream terminated by upstream failure", node=node.ip, error=error)
             else:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import io
 import json
 import re
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
 from interlock.serve import Listening, serve
 
 MODEL = "test-model"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
 
 def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) -> list[NodeSpec]:
@@ -36,6 +39,57 @@ def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) ->
         NodeSpec(name=f"n{i}", host=f"127.0.0.{i + 1}", models=list(serving), behaviour=Behaviour(**behaviour))
         for i in range(1, count + 1)
     ]
+
+
+@dataclass
+class NodeProcess:
+    """A simulated node in a process of its own (`python -m fixtures.node`), so that a test can
+    kill it for real. It has what `config_text` reads of a node."""
+
+    name: str
+    host: str
+    vllm_port: int
+    metrics_port: int
+    process: trio.Process
+
+    def kill(self) -> None:
+        """SIGKILL: the node dies with its connections, as a crashed or OOM-killed vLLM does."""
+        self.process.kill()
+
+
+@asynccontextmanager
+async def node_processes(count: int, *flags: str) -> AsyncIterator[list[NodeProcess]]:
+    """`count` simulated nodes serving MODEL on 127.0.0.2, 127.0.0.3, …, one process each, with
+    more `fixtures.node` flags (`"--tpot", "0.05"`); those still running at the end are killed."""
+    nodes: list[NodeProcess] = []
+    processes: list[trio.Process] = []
+    try:
+        for index in range(1, count + 1):
+            host = f"127.0.0.{index + 1}"
+            command = [sys.executable, "-m", "fixtures.node", "--host", host, "--base-port", "0", "--models", MODEL]
+            process = await trio.lowlevel.open_process(
+                [*command, "--name-prefix", f"n{index}-", *flags], cwd=PROJECT_ROOT, stdout=subprocess.PIPE
+            )
+            processes.append(process)
+            output = b""
+            with trio.fail_after(10):
+                while b"\n" not in output:
+                    data = await process.stdout.receive_some()
+                    if not data:
+                        raise RuntimeError(f"fixtures.node exited early: {output!r}")
+                    output += data
+            # "<name>  vllm http://<host>:<port>  metrics http://<host>:<port>  models <models>"
+            name, _, vllm_url, _, metrics_url = output.decode().split()[:5]
+            ports = [int(url.rpartition(":")[2]) for url in (vllm_url, metrics_url)]
+            nodes.append(NodeProcess(name, host, *ports, process))
+        yield nodes
+    finally:
+        with trio.CancelScope(shield=True):
+            for process in processes:
+                if process.returncode is None:
+                    process.kill()
+                await process.wait()
+                await process.stdout.aclose()
 
 
 # --- config files ------------------------------------------------------------------------------
@@ -245,6 +299,19 @@ def chat(model: str | None = MODEL, stream: bool = False, **extra) -> dict:
 def sse_events(text: str) -> list[str]:
     """The `data:` payloads of an SSE body, in order."""
     return re.findall(r"^data: (.*)$", text, flags=re.MULTILINE)
+
+
+async def post_cut_short(http: httpx.AsyncClient, url: str, body: dict) -> tuple[httpx.Response, bytes]:
+    """POST `body` and read an answer that must end cut short (the connection closed before the
+    body's end): the response and the body bytes received."""
+    received = b""
+    async with http.stream("POST", url, json=body) as response:
+        try:
+            async for chunk in response.aiter_raw():
+                received += chunk
+        except httpx.RemoteProtocolError:
+            return response, received
+    raise AssertionError(f"the answer ended complete: {received[-200:]!r}")
 
 
 def error_message(response: httpx.Response) -> str:

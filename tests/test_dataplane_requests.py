@@ -18,7 +18,17 @@ from dataplane.proxy import Exchange, Proxy, SnapshotViews, forward_headers, new
 from events.types import UpstreamFailed
 from fixtures.node import serve_nodes
 
-from harness import MODEL, CapturedLog, chat, completions_to, error_message, node_specs, nodes_and_gateway, write_config
+from harness import (
+    MODEL,
+    CapturedLog,
+    chat,
+    completions_to,
+    error_message,
+    node_specs,
+    nodes_and_gateway,
+    post_cut_short,
+    write_config,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -260,15 +270,16 @@ async def test_a_response_larger_than_the_buffer_limit_is_passed_through(tmp_pat
         assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
 
 
-async def test_a_failure_after_an_early_commit_ends_the_body_and_is_never_a_502(tmp_path):
+async def test_a_failure_after_an_early_commit_cuts_the_body_short_and_is_never_a_502(tmp_path):
     # The node sends a chunked body without a length, and closes the connection halfway.
     specs = node_specs(1, tokens=200, completion="close_mid_stream")
     async with nodes_and_gateway(tmp_path, specs, max_buffered_response_bytes=100) as (nodes, gateway):
-        response = await gateway.http.post(gateway.url + CHAT, json=chat())
+        response, content = await post_cut_short(gateway.http, gateway.url + CHAT, chat())
         assert response.status_code == 200
-        assert len(response.content) > 100
+        assert len(content) > 100
+        assert b"data:" not in content  # no event-stream error event in a JSON body
         try:
-            msgspec.json.decode(response.content)
+            msgspec.json.decode(content)
             raise AssertionError("the body should be cut short")
         except msgspec.DecodeError:
             pass
@@ -279,6 +290,7 @@ async def test_a_failure_after_an_early_commit_ends_the_body_and_is_never_a_502(
         assert not gateway.node(nodes[0].host).offline_until  # not marked offline
         assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
         assert await gateway.metric('gateway_response_passthrough_total{model="test-model",reason="size_limit"}') == 1
+        assert await gateway.metric(f'gateway_response_truncated_total{{node="{nodes[0].host}"}}') == 1
 
 
 # --- request ids and forwarding --------------------------------------------------------------------

@@ -4,16 +4,10 @@ at the first body byte, the first-chunk deadline, truncated streams, and client 
 from __future__ import annotations
 
 import httpx
+import msgspec
 import trio
 
-from harness import (
-    chat,
-    completions_to,
-    error_message,
-    node_specs,
-    nodes_and_gateway,
-    sse_events,
-)
+from harness import chat, completions_to, error_message, node_specs, nodes_and_gateway, post_cut_short, sse_events
 
 CHAT = "/v1/chat/completions"
 
@@ -67,18 +61,25 @@ async def test_a_refused_stream_is_retried_before_the_first_chunk(tmp_path):
         assert [line["node"] for line in gateway.logged("retrying after streaming failure before first chunk")] == [nodes[0].host]
 
 
-async def test_a_stream_cut_after_the_first_chunk_ends_without_done_and_without_502(tmp_path):
+async def test_a_stream_cut_after_the_first_chunk_ends_with_an_error_event_cut_short_without_done_or_502(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(2, tokens=8, completion="close_mid_stream")) as (nodes, gateway):
-        response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+        response, content = await post_cut_short(gateway.http, gateway.url + CHAT, chat(stream=True))
         assert response.status_code == 200
-        events = sse_events(response.text)
-        assert 1 <= len(events) < 8 and "[DONE]" not in events
+        events = sse_events(content.decode())
+        assert 2 <= len(events) < 9 and "[DONE]" not in events
+        assert content.endswith(b"\n\n")
+        error = {"message": "stream terminated by upstream failure", "type": "server_error", "code": "upstream_error"}
+        assert msgspec.json.decode(events[-1]) == {"error": error}
+        assert all("choices" in msgspec.json.decode(event) for event in events[:-1])
         [terminated] = gateway.logged("stream terminated by upstream failure")
         assert terminated["level"] == "error" and terminated["error"]
         assert gateway.logged("retrying after streaming failure before first chunk") == []
         assert sum(len(completions_to(node)) for node in nodes) == 1  # committed: never retried
         assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
         assert await gateway.metric('gateway_requests_total{model="test-model",status="502"}') is None
+        served_by = response.headers["x-served-by"]
+        [cut_by] = [node.host for node in nodes if node.name == served_by]
+        assert await gateway.metric(f'gateway_response_truncated_total{{node="{cut_by}"}}') == 1
 
 
 async def test_an_http_error_on_a_stream_request_is_passed_through(tmp_path):

@@ -12,22 +12,28 @@ import openai
 import pytest
 
 from fixtures.node import NodeSpec, token_texts
-from harness import MODEL, Gateway, node_specs, nodes_and_gateway
+
+from harness import MODEL, Gateway, node_processes, node_specs, nodes_and_gateway, running_gateway
 
 HI = [{"role": "user", "content": "hi"}]
+
+
+@asynccontextmanager
+async def sdk_client(gateway: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
+    """An SDK client for the gateway (no retries, no proxy from the environment)."""
+    http_client = openai.DefaultAsyncHttpxClient(trust_env=False)
+    base_url = gateway.url + "/v1"
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, http_client=http_client) as client:
+        yield client
 
 
 @asynccontextmanager
 async def gateway_and_sdk(
     tmp_path: Path, specs: list[NodeSpec], **config: object
 ) -> AsyncIterator[tuple[Gateway, openai.AsyncOpenAI]]:
-    """Simulated nodes, the gateway in front of them, and an SDK client for the gateway (no
-    retries, no proxy from the environment)."""
-    async with nodes_and_gateway(tmp_path, specs, **config) as (_, gateway):
-        http_client = openai.DefaultAsyncHttpxClient(trust_env=False)
-        base_url = gateway.url + "/v1"
-        async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, http_client=http_client) as client:
-            yield gateway, client
+    """Simulated nodes, the gateway in front of them, and an SDK client for the gateway."""
+    async with nodes_and_gateway(tmp_path, specs, **config) as (_, gateway), sdk_client(gateway) as client:
+        yield gateway, client
 
 
 async def test_chat_completion_says_which_node_answered(tmp_path):
@@ -46,6 +52,20 @@ async def test_streamed_chat_deltas_add_up_to_the_whole_answer(tmp_path):
     assert len(chunks) > 1
     assert "".join(deltas) == "".join(token_texts("n1", 6))
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_a_stream_whose_node_is_killed_mid_stream_raises(tmp_path):
+    async with node_processes(1, "--tokens", "200", "--tpot", "0.02") as [node]:
+        async with running_gateway(tmp_path, [node]) as gateway, sdk_client(gateway) as client:
+            stream = await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
+            deltas = []
+            with pytest.raises(openai.APIError) as caught:
+                async for chunk in stream:
+                    deltas.append(chunk.choices[0].delta.content)
+                    node.kill()
+    assert 1 <= len(deltas) < 200
+    assert caught.value.message == "stream terminated by upstream failure"
+    assert caught.value.code == "upstream_error"
 
 
 async def test_legacy_completion(tmp_path):
