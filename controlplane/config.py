@@ -256,6 +256,10 @@ def describe_config(config: Config) -> str:
     else:
         lines.append("event log: none")
     lines.append(f"decision log: {gateway.decision_log or 'none'}")
+    if gateway.retry_unanswered:
+        lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
+    else:
+        lines.append("unanswered requests: 502 (retry_unanswered = false)")
     return "\n".join(lines)
 
 

@@ -57,7 +57,7 @@ from dataplane.metrics import RequestMetrics
 from events.config import Config
 from events.state import ClusterState, NodeState
 from events.types import UpstreamFailed, UpstreamRecovered
-from transport.http11 import ConnectFailed, HttpClient, WriteFailed
+from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
 from transport.http11 import Response as UpstreamResponse
 
 COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -115,6 +115,7 @@ class ConfigView:
         self.body_limit = gateway.request_body_limit
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
+        self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
         self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
@@ -387,8 +388,13 @@ class Proxy:
 
     def _failed(self, exchange: Exchange, error: Exception) -> Outcome:
         """A failure before commit: the next node is tried (after any failure, for a stream;
-        after plinth's retryable ones otherwise), or the request ends with a 502."""
-        retried = exchange.stream or _is_retryable(error)
+        after plinth's retryable ones otherwise, and with `retry_unanswered` after a connection
+        that broke before any byte of the response), or the request ends with a 502."""
+        retried = (
+            exchange.stream
+            or _is_retryable(error)
+            or (exchange.view.config.retry_unanswered and isinstance(error, (WriteFailed, LostBeforeResponse)))
+        )
         return Outcome(RETRIED if retried else FAILED, error=error)
 
     async def _stream(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Outcome:

@@ -44,6 +44,9 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """The event log starts a new segment once the current one reaches this size."""
     decision_log: str = ""
     """Path of the per-request decision log; "" = no decision log."""
+    retry_unanswered: bool = False
+    """Retry a non-streaming request on another node when its connection broke before any byte
+    of the response arrived (plinth answers 502)."""
 
     @property
     def response_buffer_limit(self) -> int:

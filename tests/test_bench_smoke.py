@@ -141,3 +141,17 @@ def test_results_are_judged_rendered_and_written_as_json(tmp_path):
     first, second = write_results(results, tmp_path), write_results(results, tmp_path)
     assert first != second and first.suffix == ".json"
     assert json.loads(first.read_text()) == json.loads(second.read_text()) == results
+
+
+def test_the_failover_drill_kills_a_node_under_load_and_counts_the_failures():
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.failover_drill", "--duration", "2", "--kill-at", "1", "--settings", "on"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert completed.returncode == 0, completed.stderr
+    [run] = json.loads(completed.stdout.splitlines()[-1])["runs"]
+    assert run["retry_unanswered"] is True and run["requests"] > 0
+    assert run["failed"] == 0, run["failures"]

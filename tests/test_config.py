@@ -239,6 +239,7 @@ NODE_2 = '[[nodes]]\nip = "10.0.0.2"\n'
         (gateway_with("health_interval = 3"), "gateway.health_interval", "Expected `str`, got `int`"),
         (gateway_with("probe_timeout = 1.5"), "gateway.probe_timeout", "Expected `str`, got `float`"),
         (gateway_with("max_request_body_bytes = 1.5"), "gateway.max_request_body_bytes", "Expected `int`, got `float`"),
+        (gateway_with('retry_unanswered = "yes"'), "gateway.retry_unanswered", "Expected `bool`, got `str`"),
         (ONE_NODE + NODE_2 + 'vllm_port = "8000"\n', "nodes[1].vllm_port", "Expected `int`, got `str`"),
         (ONE_NODE + "[[models.available]]\nname = 7\n", "models.available[0].name", "Expected `str`, got `int`"),
         ('gateway = "fast"\n' + ONE_NODE, "gateway", "Expected `object`, got `str`"),
@@ -309,6 +310,7 @@ def test_defaults_when_absent(tmp_path: Path) -> None:
         event_log="",
         event_log_max_bytes=67108864,
         decision_log="",
+        retry_unanswered=False,
     )
     assert config.nodes == (
         NodeConfig(ip="10.0.0.1", name="gpu-node-1", vllm_port=8000, metrics_port=9100, ring=""),
@@ -331,7 +333,7 @@ def test_explicit_values_are_kept(tmp_path: Path) -> None:
         '[gateway]\nlisten = "127.0.0.1:8100"\nmetrics_listen = ":9191"\nhealth_interval = "1m30s"\n'
         "health_fail_threshold = 7\nmax_buffered_response_bytes = -1\nmax_request_body_bytes = 1024\n"
         'probe_timeout = "250ms"\nevent_log = "/var/log/interlock/events.jsonl"\nevent_log_max_bytes = 4096\n'
-        'decision_log = "/var/log/interlock/decisions.jsonl"\n'
+        'decision_log = "/var/log/interlock/decisions.jsonl"\nretry_unanswered = true\n'
         '[[nodes]]\nip = "10.0.0.1"\nvllm_port = 8001\nmetrics_port = 9101\n'
         "[[models.available]]\nname = 'm'\npipeline_stages = 1\n"
     )
@@ -347,6 +349,7 @@ def test_explicit_values_are_kept(tmp_path: Path) -> None:
         event_log="/var/log/interlock/events.jsonl",
         event_log_max_bytes=4096,
         decision_log="/var/log/interlock/decisions.jsonl",
+        retry_unanswered=True,
     )
     assert gateway.response_buffer_limit == 0
     assert gateway.request_body_limit == 1024
@@ -482,6 +485,7 @@ def test_describe_config() -> None:
         "every 3s",
         "3 consecutive failures",
         "event log: none",
+        "unanswered requests: 502 (retry_unanswered = false)",
     ]:
         assert expected in summary
     gateway = GatewayConfig(event_log="/tmp/events.jsonl", health_interval=90.0)

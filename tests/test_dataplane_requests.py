@@ -7,12 +7,13 @@ from __future__ import annotations
 import time
 
 import msgspec
+import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
 from controlplane.reducer import OFFLINE_SECONDS
 from controlplane.runtime import open_control_plane
-from dataplane.decisions import DecisionLog, read_decisions
+from dataplane.decisions import AttemptRecord, DecisionLog, read_decisions
 from dataplane.metrics import RequestMetrics
 from dataplane.proxy import Exchange, Proxy, SnapshotViews, forward_headers, new_upstream_pool
 from events.types import UpstreamFailed
@@ -24,9 +25,11 @@ from harness import (
     chat,
     completions_to,
     error_message,
+    node_processes,
     node_specs,
     nodes_and_gateway,
     post_cut_short,
+    running_gateway,
     write_config,
 )
 
@@ -238,6 +241,43 @@ async def test_a_connection_lost_mid_response_is_a_502_without_retry(tmp_path):
         assert sum(len(completions_to(node)) for node in nodes) == 1
         assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') == 1
         assert await gateway.metric('gateway_requests_total{model="test-model",status="502"}') == 1
+
+
+@pytest.mark.parametrize("retry_unanswered", [False, True])
+async def test_a_request_whose_node_is_killed_before_answering_is_retried_only_with_retry_unanswered(
+    tmp_path, retry_unanswered
+):
+    decision_log = tmp_path / "decisions.jsonl"
+    config = {"retry_unanswered": retry_unanswered, "decision_log": str(decision_log)}
+    async with node_processes(2) as nodes, running_gateway(tmp_path, nodes, **config) as gateway:
+        await gateway.discovered()
+        killed, survivor = nodes  # the balancer's first pick is n1, the first in IP order
+        control = f"http://{killed.host}:{killed.vllm_port}/_control"
+        await gateway.http.post(control, json={"ttft": 60})
+        answers = []
+        async with trio.open_nursery() as nursery:
+
+            async def ask() -> None:
+                answers.append(await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "r1"}))
+
+            nursery.start_soon(ask)
+            with trio.fail_after(5):  # until the request is on the node
+                while CHAT not in [seen["path"] for seen in (await gateway.http.get(control + "/requests")).json()]:
+                    await trio.sleep(0.02)
+            killed.kill()
+        [response] = answers
+        await gateway.wait_for(lambda: decision_log.exists() and decision_log.read_text().endswith("\n"))
+        [decision] = read_decisions(decision_log)
+    first = decision.attempts[0]
+    assert first.node == killed.host and first.error
+    if retry_unanswered:
+        assert response.status_code == 200 and response.headers["x-served-by"] == survivor.name
+        assert first.outcome == "retried"
+        assert decision.attempts[1] == AttemptRecord(survivor.host, "completed", 200)
+    else:  # plinth's answer
+        assert response.status_code == 502 and error_message(response) == "upstream node error"
+        assert [attempt.outcome for attempt in decision.attempts] == ["failed"]
+    assert decision.request_id == "r1" and decision.status == response.status_code
 
 
 async def test_a_node_that_never_answers_is_retried_after_the_header_timeout(tmp_path):

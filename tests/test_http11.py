@@ -19,6 +19,7 @@ from transport.http11 import (
     ConnectFailed,
     ConnectionLost,
     HttpClient,
+    LostBeforeResponse,
     ProtocolError,
     WriteFailed,
     parse_head,
@@ -450,9 +451,21 @@ async def test_a_server_that_closes_without_responding_on_a_new_connection_is_a_
     async with raw_server(hang_up) as server, HttpClient() as client:
         with pytest.raises(ConnectionLost) as caught:
             await get(client, server)
-    assert type(caught.value) is ConnectionLost  # a new connection: not a write-phase failure
+    assert type(caught.value) is LostBeforeResponse  # a new connection: not a write-phase failure
     assert str(caught.value) == "the server closed the connection before the response head was complete"
     assert server.connections == 1  # not retried
+
+
+async def test_a_server_that_closes_in_the_middle_of_the_head_is_a_lost_connection_after_response_bytes():
+    async def half_a_head(connection: ServerConnection) -> None:
+        await connection.request()
+        await connection.send(b"HTTP/1.1 200 OK\r\nContent-")
+
+    async with raw_server(half_a_head) as server, HttpClient() as client:
+        with pytest.raises(ConnectionLost) as caught:
+            await get(client, server)
+    assert type(caught.value) is ConnectionLost
+    assert str(caught.value) == "the server closed the connection before the response head was complete"
 
 
 async def test_an_idle_connection_the_server_closed_is_not_reused():

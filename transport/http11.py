@@ -71,6 +71,12 @@ class WriteFailed(ConnectionLost):
     the server may never have seen the request. (plinth's "write-phase network error".)"""
 
 
+class LostBeforeResponse(ConnectionLost):
+    """The connection broke after the request was written and before any byte of a response
+    arrived (the server closed it, reset it, or died): the server may have started on the
+    request, or may never have seen it."""
+
+
 class ProtocolError(HttpError):
     """The server's bytes are not an HTTP/1.1 response this client accepts."""
 
@@ -346,12 +352,15 @@ class _Connection:
         except ConnectionLost as error:
             if first_on_reused:
                 raise WriteFailed(f"{error} (on a reused keep-alive connection)") from None
+            if first:
+                raise LostBeforeResponse(str(error)) from None
             raise
         if data:
             return data
         if first_on_reused:
             raise WriteFailed("the server closed the keep-alive connection before responding")
-        raise ConnectionLost("the server closed the connection before the response head was complete")
+        lost = LostBeforeResponse if first else ConnectionLost
+        raise lost("the server closed the connection before the response head was complete")
 
 
 # --- responses ---------------------------------------------------------------------------------
