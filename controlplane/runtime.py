@@ -80,8 +80,7 @@ class ControlPlane:
         self.log = log if log is not None else JsonLog(clock=now)
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self.metrics = ControlPlaneMetrics(self.registry)
-        self.snapshot: ClusterState = INITIAL_STATE
-        """The current state: read it once per decision; it is replaced, never mutated."""
+        self._snapshot: ClusterState = INITIAL_STATE
         self._queue_in, self._queue_out = trio.open_memory_channel[tuple[Event, trio.Event | None]](EVENT_QUEUE_SIZE)
         self._listeners: list[Listener] = []
         self._seq = 0
@@ -91,6 +90,11 @@ class ControlPlane:
         self._stopping = False
         self._reloading = False
         self._finished = trio.Event()
+
+    @property
+    def snapshot(self) -> ClusterState:
+        """The current state: read it once per decision; it is replaced, never mutated."""
+        return self._snapshot
 
     def now(self) -> float:
         """The clock events are stamped with."""
@@ -249,8 +253,8 @@ class ControlPlane:
     def _apply(self, event: Event) -> None:
         self._seq += 1
         event = msgspec.structs.replace(event, seq=self._seq)
-        state, step = reduce(self.snapshot, event)
-        self.snapshot = state
+        state, step = reduce(self._snapshot, event)
+        self._snapshot = state
         if self._event_log is not None:
             self._event_log.submit(encode_event(event))
         for transition in step.transitions:

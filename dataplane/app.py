@@ -15,7 +15,7 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from controlplane.runtime import ControlPlane
+from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply
 from dataplane.proxy import COMPLETION_PATHS, SnapshotViews
 from events.state import Health
@@ -42,7 +42,7 @@ class _HttpConnection(TrioASGIHTTPConnection):
         await super().__call__(receive, send_end_shielded)
 
 
-def create_app(control_plane: ControlPlane, views: SnapshotViews) -> QuartTrio:
+def create_app(control_plane: ControlPlaneView, views: SnapshotViews) -> QuartTrio:
     app = QuartTrio("interlock")
     app.asgi_http_class = _HttpConnection
     app.config.update(

@@ -26,8 +26,8 @@ import trio
 
 from controlplane.logs import JsonLog
 from controlplane.routing import filter_by_model, ring_pool, unavailable_reason
-from controlplane.runtime import ControlPlane
 from dataplane.balancer import RoundRobin
+from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
     CLIENT_GONE,
     COMPLETED,
@@ -146,7 +146,7 @@ class SnapshotViews:
     """The view of the control plane's current snapshot, rebuilt only when the snapshot changes
     (and its config part only when the config does)."""
 
-    def __init__(self, control_plane: ControlPlane) -> None:
+    def __init__(self, control_plane: ControlPlaneView) -> None:
         self._control_plane = control_plane
         self._view: SnapshotView | None = None
 
@@ -232,7 +232,7 @@ class Proxy:
 
     def __init__(
         self,
-        control_plane: ControlPlane,
+        control_plane: ControlPlaneView,
         pool: HttpClient,
         metrics: RequestMetrics,
         log: JsonLog,

@@ -16,12 +16,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from controlplane.replay import audit, parse_time, replay
+from controlplane.replay import audit, replay
 from events.config import Config, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event
 from events.types import EVENT_TYPES, HealthProbed, ProbeCrashed, RunStarted
 from fixtures import scenarios
 from interlock.cli import main
+from interlock.render import parse_time
 
 SCENARIO = scenarios.SCENARIO_PATH
 START = scenarios.START
