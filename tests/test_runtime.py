@@ -20,8 +20,8 @@ from controlplane.probes import MAX_BODY_BYTES, MISSING_DATA, ProbeError, parse_
 from controlplane.replay import replay
 from controlplane.runtime import ControlPlane, next_tick, open_control_plane
 from events.log import list_segments, read_events
-from events.state import Discovery, Health
-from events.types import GpuSample, ModelsListed, RunStarted, RunStopped, UpstreamFailed
+from events.state import Discovery, GpuSample, Health
+from events.types import ModelsListed, RunStarted, RunStopped, UpstreamFailed
 from fixtures.node import OVERSIZED_MODELS_BYTES, Behaviour, NodeSpec, SimulatedNode, serve_nodes
 
 T0 = 1767323045.0
