@@ -59,7 +59,7 @@ every few events made the trip)."""
 STOP_TIMEOUT = 30.0
 """How long `open_control_plane` waits for a clean stop when its caller is being cancelled."""
 
-Listener = Callable[[ClusterState, Step], None]
+Listener = Callable[[Event, ClusterState, Step], None]
 
 
 class ControlPlane:
@@ -101,7 +101,8 @@ class ControlPlane:
         return self._clock()
 
     def add_listener(self, fn: Listener) -> None:
-        """Call `fn(state, step)` in the reducer task after each publish; it must not block."""
+        """Call `fn(event, state, step)` in the reducer task after each publish, with the numbered
+        event; it must not block."""
         self._listeners.append(fn)
 
     def observe(self, event: Event) -> None:
@@ -262,7 +263,7 @@ class ControlPlane:
         self.metrics.record(event, state, step)
         for listener in self._listeners:
             try:
-                listener(state, step)
+                listener(event, state, step)
             except Exception as exc:
                 self.log.error("control plane listener failed", error=f"{type(exc).__name__}: {exc}")
         if self._prober is not None:

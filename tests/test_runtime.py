@@ -69,7 +69,7 @@ async def test_hung_model_listing_never_delays_health_checks(fast_clock, gateway
         path = gateway_config(nodes, health_interval="1s", probe_timeout="30s")
         last_checks = []
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            control_plane.add_listener(lambda state, step: last_checks.append(state.nodes[node.host].last_check))
+            control_plane.add_listener(lambda event, state, step: last_checks.append(state.nodes[node.host].last_check))
             await eventually(lambda: len({at for at in last_checks if at is not None}) >= 4)
             state = control_plane.snapshot.nodes[node.host]
             assert state.status == Health.HEALTHY
@@ -147,7 +147,7 @@ async def test_a_failing_node_goes_degraded_then_dead_then_recovers_logging_each
         path = gateway_config(nodes, health_interval="1s", health_fail_threshold=3)
         statuses = []
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            control_plane.add_listener(lambda state, step: statuses.append(state.nodes[failing.host].status))
+            control_plane.add_listener(lambda event, state, step: statuses.append(state.nodes[failing.host].status))
             await eventually(lambda: control_plane.snapshot.nodes[failing.host].last_check is not None)
             failing.behaviour.health = "fail"
             await eventually(lambda: control_plane.snapshot.nodes[failing.host].status == Health.DEAD)
