@@ -14,6 +14,7 @@ config: …` on stderr) or a listener cannot bind (`server error`).
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from functools import partial
 import prometheus_client
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
@@ -139,22 +141,45 @@ async def _listen(
 ) -> None:
     """Serve `app` on `address` until `stopped` is set, then drain. Binding errors (OSError, or
     ValueError for a malformed address) are raised before `started`."""
-    host, port = parse_listen_address(address)
+    await serve_on_socket(app, listening_socket(address), stopped, task_status=task_status)
+
+
+def _hypercorn_config() -> HypercornConfig:
+    """hypercorn as every listener of the gateway runs it."""
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
-    sockets = config.create_sockets()
-    listening = sockets.insecure_sockets[0]
+    return config
+
+
+def listening_socket(address: str) -> socket.socket:
+    """A socket bound to `address` and listening. Raises OSError, or ValueError for a malformed
+    address."""
+    host, port = parse_listen_address(address)
+    config = _hypercorn_config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    listening = config.create_sockets().insecure_sockets[0]
     listening.listen(config.backlog)
+    return listening
+
+
+async def serve_on_socket(
+    app,
+    listening: socket.socket,
+    stopped: trio.Event,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` on a listening socket until `stopped` is set, then drain."""
+    config = _hypercorn_config()
     bound = listening.getsockname()
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,
-        sockets=sockets,
+        sockets=Sockets(secure_sockets=[], insecure_sockets=[listening], quic_sockets=[]),
         shutdown_trigger=stopped.wait,
         task_status=_Started(task_status, (bound[0], bound[1])),
     )
