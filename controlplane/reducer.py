@@ -79,7 +79,7 @@ def _run_started(state: ClusterState, event: RunStarted, out: StepBuilder) -> Cl
     )
 
 
-_RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes")
+_RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes", "workers")
 """Gateway settings a running gateway keeps until it restarts (plinth warns for the listen addresses)."""
 
 

@@ -7,6 +7,7 @@ JSON Lines log). `at` is wall-clock UNIX seconds, set by whoever observed the ev
 
 from __future__ import annotations
 
+import hashlib
 from typing import Union
 
 import msgspec
@@ -113,6 +114,10 @@ class Checkpoint(EventBase, frozen=True, tag="checkpoint"):
             config=state.config,
             nodes=tuple(state.nodes.values()),
         )
+
+    def digest(self) -> str:
+        """A short hash of the state this checkpoint carries, to compare states across processes."""
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
 
     def state(self) -> ClusterState:
         """The state this checkpoint carries."""

@@ -221,13 +221,27 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
     )
+    parser.add_argument(
+        "--workers",
+        type=_argument_type(parse_workers),
+        metavar="N|auto",
+        help="processes serving the API (overrides gateway.workers; auto: one per usable core)",
+    )
     parser.set_defaults(run=run_serve)
+
+
+def parse_workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"invalid worker count {text!r}: a whole number from 1, or auto")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
-    return serve_gateway(args.config, package_version())
+    return serve_gateway(args.config, package_version(), workers=args.workers)
 
 
 # --- demo ------------------------------------------------------------------------------------

@@ -266,3 +266,14 @@ def test_last_seq_of_a_damaged_segment_still_counts_its_good_lines(tmp_path):
     good = encode_event(probes(9)[8])
     (tmp_path / "events.000002.jsonl").write_bytes(encode_event(probes(7)[6]) + b"garbage\n" + good)
     assert last_seq(log) == 9
+
+
+def test_a_config_recorded_before_a_key_existed_decodes_with_its_default():
+    """Logs outlive versions: a run_started written before `gateway.workers` existed still replays."""
+    line = (
+        b'{"type":"run_started","version":"0.1.0","config_path":"gateway.toml","config":{"gateway":'
+        b'{"listen":":8000","decision_log":""},"nodes":[{"ip":"10.0.0.1"}]},"at":1.0,"seq":1}'
+    )
+    event = decode_event(line)
+    assert event.config.gateway.workers == 1
+    assert event.config.nodes[0].vllm_port == 8000
