@@ -63,7 +63,7 @@ class _Reports:
                     break
             await leader.send_all(b"".join(encode_report(item) + b"\n" for item in batch))
             if self.dropped:
-                self._log.warn("reports to the leader dropped", worker=self._worker, dropped=self.dropped)
+                self._log.warn("reports to the leader dropped", dropped=self.dropped)
                 self.dropped = 0
 
 
@@ -91,7 +91,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
     events = _events(leader)
     first = await anext(events, None)
     if not isinstance(first, Checkpoint):
-        log.error("worker got no checkpoint from the leader", worker=index)
+        log.error("worker got no checkpoint from the leader")
         return EXIT_OUT_OF_STEP
     follower.apply(first)
     stop = trio.Event()
@@ -103,7 +103,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
             async for event in events:
                 follower.apply(event)
         except OutOfStep as error:
-            log.error("worker out of step with the leader", worker=index, error=str(error))
+            log.error("worker out of step with the leader", error=str(error))
             exit_code = EXIT_OUT_OF_STEP
         stop.set()  # the leader is gone (or we cannot follow it): drain and exit
 
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     prometheus_client.disable_created_metrics()
     api_socket = socket.socket(fileno=args.api_fd)
     leader_socket = socket.socket(fileno=args.leader_fd)
-    return trio.run(run_worker, args.index, api_socket, leader_socket, JsonLog())
+    return trio.run(run_worker, args.index, api_socket, leader_socket, JsonLog(context={"worker": args.index}))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from events.types import Checkpoint
 from fixtures.node import serve_nodes
 from interlock.serve import SHUTDOWN_GRACE_SECONDS
 
-from harness import Gateway, chat, config_text, node_specs, nodes_and_gateway
+from harness import Gateway, chat, config_text, node_specs, nodes_and_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 FAST = {"health_interval": "0.1s"}
@@ -184,6 +184,23 @@ async def test_the_event_log_of_a_run_with_workers_replays_to_the_live_transitio
     replayed = [transition.log_line() for transition in replay([events]).transitions]
     assert "node marked offline" in "".join(live)
     assert replayed == live
+
+
+async def test_sigterm_drains_every_worker_before_the_control_plane_stops(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=10, tpot=0.05), workers=2) as (_, gateway):
+        await health_by_worker(gateway.url, (1, 2))
+        pids = [int(line["pid"]) for line in gateway.logged("worker started")]
+        async with gateway.http.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as stream:
+            chunks = stream.aiter_text()
+            text = await chunks.__anext__()
+            os.kill(os.getpid(), signal.SIGTERM)
+            async for chunk in chunks:
+                text += chunk
+        assert await gateway.exited() == 0
+    assert sse_events(text)[-1] == "[DONE]"
+    assert all(_exits(pid, within=1) for pid in pids)
+    messages = gateway.log.messages()
+    assert messages.index("shutting down") < messages.index("gateway stopped") == len(messages) - 1
 
 
 def test_workers_exit_when_their_leader_is_killed(tmp_path):
