@@ -14,26 +14,33 @@ config: …` on stderr) or a listener cannot bind (`server error`).
 from __future__ import annotations
 
 import logging
+import socket
 import sys
-from collections.abc import Callable
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import prometheus_client
 import trio
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from controlplane.config import ConfigError, parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane, open_control_plane
 from dataplane.asgi import ApiApp
-from dataplane.decisions import DecisionLog
+from dataplane.control import ControlPlaneView
+from dataplane.decisions import DecisionLog, DecisionRecorder
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
-from events.config import Config
+from events.config import Config, Workers
+from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -58,6 +65,7 @@ async def serve(
     config_path: str,
     *,
     version: str,
+    workers: Workers | None = None,
     ready: Callable[[Listening], None] | None = None,
     log: JsonLog | None = None,
     response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
@@ -65,17 +73,52 @@ async def serve(
 ) -> int:
     """Run the gateway until SIGTERM or SIGINT; returns the exit code.
 
-    `ready` is called once both listeners accept connections and signals are handled; `log`
-    replaces the JSON log on stdout, and the two timeouts plinth's, for tests.
+    `workers` overrides `gateway.workers`. `ready` is called once both listeners accept
+    connections and signals are handled; `log` replaces the JSON log on stdout, and the two
+    timeouts plinth's, for tests.
     """
     log = log if log is not None else JsonLog()
     registry = CollectorRegistry()
+    timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
     try:
         async with open_control_plane(config_path, version=version, log=log, registry=registry) as control_plane:
-            return await _run(control_plane, registry, log, ready, response_header_timeout, first_chunk_timeout)
+            configured = control_plane.snapshot.config.gateway.workers
+            count = worker_count(workers if workers is not None else configured)
+            return await _run(control_plane, registry, log, ready, count, timeouts)
     except ConfigError as error:
         print(f"fatal: loading config: {error}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def worker_count(workers: Workers) -> int:
+    """How many API processes `workers` asks for: 1 is the gateway alone, `auto` one per usable core."""
+    return usable_cores() if workers == "auto" else workers
+
+
+@asynccontextmanager
+async def api_application(
+    control_plane: ControlPlaneView,
+    log: JsonLog,
+    decisions: DecisionRecorder | None,
+    *,
+    worker: int = 0,
+    registry: CollectorRegistry | None = None,
+    response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
+    first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
+) -> AsyncIterator[ApiApp]:
+    """The API listener's application on a control plane (the gateway's own, or a worker's
+    follower), with its connections to the nodes, open until the block ends."""
+    async with new_upstream_pool() as upstream_pool:
+        proxy = Proxy(
+            control_plane,
+            upstream_pool,
+            RequestMetrics(registry if registry is not None else CollectorRegistry()),
+            log,
+            decisions,
+            response_header_timeout=response_header_timeout,
+            first_chunk_timeout=first_chunk_timeout,
+        )
+        yield ApiApp(control_plane, proxy, SnapshotViews(control_plane), worker)
 
 
 async def _run(
@@ -83,13 +126,12 @@ async def _run(
     registry: CollectorRegistry,
     log: JsonLog,
     ready: Callable[[Listening], None] | None,
-    response_header_timeout: float,
-    first_chunk_timeout: float,
+    workers: int,
+    timeouts: dict[str, float],
 ) -> int:
     config = control_plane.snapshot.config
     _log_topology(log, config)
     decisions = DecisionLog(lambda: control_plane.snapshot.config.gateway.decision_log, log)
-    request_metrics = RequestMetrics(registry)
     stop_listening = trio.Event()
     drained = trio.Event()
 
@@ -99,23 +141,36 @@ async def _run(
         stop_listening.set()
         await drained.wait()
 
+    async def serve_api(api_socket: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """This process serves the API, or its workers do (then until `stop_listening`)."""
+        if workers == 1:
+            async with api_application(control_plane, log, decisions, registry=registry, **timeouts) as app:
+                await serve_on_socket(app, api_socket, stop_listening, task_status=task_status)
+            return
+        with tempfile.TemporaryDirectory(prefix="interlock-metrics-") as metrics_dir:
+            MultiProcessCollector(registry, path=metrics_dir)
+            pool = WorkerPool(
+                control_plane,
+                api_socket,
+                workers,
+                log=log,
+                record_decision=decisions.record,
+                metrics=WorkerMetrics(registry),
+                metrics_dir=metrics_dir,
+            )
+            async with trio.open_nursery() as nursery:
+                await nursery.start(pool.run)
+                task_status.started(api_socket.getsockname()[:2])
+                await stop_listening.wait()
+                await pool.stop()
+
     exit_code = EXIT_OK
-    async with new_upstream_pool() as upstream_pool, trio.open_nursery() as nursery:
-        proxy = Proxy(
-            control_plane,
-            upstream_pool,
-            request_metrics,
-            log,
-            decisions,
-            response_header_timeout=response_header_timeout,
-            first_chunk_timeout=first_chunk_timeout,
-        )
-        api_app = ApiApp(control_plane, proxy, SnapshotViews(control_plane))
+    async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as serving:
             serving.start_soon(decisions.run)
             async with trio.open_nursery() as listeners:
                 try:
-                    api = await listeners.start(_listen, api_app, config.gateway.listen, stop_listening)
+                    api = await listeners.start(serve_api, listening_socket(config.gateway.listen))
                     log.info("api server listening", addr=config.gateway.listen)
                     metrics = await listeners.start(
                         _listen, metrics_app(registry), config.gateway.metrics_listen, stop_listening
@@ -139,22 +194,45 @@ async def _listen(
 ) -> None:
     """Serve `app` on `address` until `stopped` is set, then drain. Binding errors (OSError, or
     ValueError for a malformed address) are raised before `started`."""
-    host, port = parse_listen_address(address)
+    await serve_on_socket(app, listening_socket(address), stopped, task_status=task_status)
+
+
+def _hypercorn_config() -> HypercornConfig:
+    """hypercorn as every listener of the gateway runs it."""
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
-    sockets = config.create_sockets()
-    listening = sockets.insecure_sockets[0]
+    return config
+
+
+def listening_socket(address: str) -> socket.socket:
+    """A socket bound to `address` and listening. Raises OSError, or ValueError for a malformed
+    address."""
+    host, port = parse_listen_address(address)
+    config = _hypercorn_config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    listening = config.create_sockets().insecure_sockets[0]
     listening.listen(config.backlog)
+    return listening
+
+
+async def serve_on_socket(
+    app,
+    listening: socket.socket,
+    stopped: trio.Event,
+    *,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve `app` on a listening socket until `stopped` is set, then drain."""
+    config = _hypercorn_config()
     bound = listening.getsockname()
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,
-        sockets=sockets,
+        sockets=Sockets(secure_sockets=[], insecure_sockets=[listening], quic_sockets=[]),
         shutdown_trigger=stopped.wait,
         task_status=_Started(task_status, (bound[0], bound[1])),
     )
@@ -193,7 +271,7 @@ def _log_topology(log: JsonLog, config: Config) -> None:
             log.info("model routed to ring", model=model.name, ring=model.ring)
 
 
-def run_serve(config_path: str, version: str) -> int:
+def run_serve(config_path: str, version: str, workers: Workers | None = None) -> int:
     """The `interlock serve` entry point."""
     prometheus_client.disable_created_metrics()  # plinth exposes no `_created` series
-    return trio.run(partial(serve, config_path, version=version))
+    return trio.run(partial(serve, config_path, version=version, workers=workers))
