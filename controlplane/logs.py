@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import sys
 import time
 from typing import TextIO
@@ -55,3 +56,27 @@ class JsonLog:
 
     def error(self, msg: str, **fields: object) -> None:
         self.log("error", msg, **fields)
+
+
+def clipped(text: str, limit: int = 128) -> str:
+    """`text` cut to `limit` characters, the cut marked: client text in a log line stays bounded."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class Throttle:
+    """Lets one log line through per `interval` seconds and counts those it holds back, for the
+    next line it lets through to report."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._next_at = -math.inf
+        self._held_back = 0
+
+    def allow(self, now: float) -> int | None:
+        """None: hold this line back; else write it, with the count of lines held back since the last one."""
+        if now < self._next_at:
+            self._held_back += 1
+            return None
+        held_back, self._held_back = self._held_back, 0
+        self._next_at = now + self.interval
+        return held_back

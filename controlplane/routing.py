@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from events.state import ClusterState, Health, NodeState
+from events.state import ClusterState, Discovery, Health, NodeState
 
 NOT_IN_RING = "not in ring"
 EXCLUDED_DEAD = "dead"
@@ -38,6 +38,14 @@ def filter_by_model(pool: list[NodeState], model: str) -> tuple[list[NodeState],
         else:
             kept.append(node)
     return kept, dropped
+
+
+def is_unknown_model(state: ClusterState, pool: list[NodeState], model: str) -> bool:
+    """A model nothing here could serve: not configured, in no list a node of its ring pool
+    gave (last lists included), and no node of the pool untried (which could still list it)."""
+    if state.config is not None and any(entry.name == model for entry in state.config.models.available):
+        return False
+    return not any(node.models.state == Discovery.UNTRIED or model in (node.models.names or ()) for node in pool)
 
 
 def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:

@@ -41,11 +41,11 @@ class ApiError:
 
     __slots__ = ("status", "message", "code", "body", "headers")
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, error_type: str = "") -> None:
         self.status = status
         self.message = message
         self.code = code
-        error_type = "invalid_request_error" if status < 500 else "server_error"
+        error_type = error_type or ("invalid_request_error" if status < 500 else "server_error")
         self.body = msgspec.json.encode({"error": {"message": message, "type": error_type, "code": code}})
         self.headers: Headers = [(b"content-type", b"application/json"), (b"x-content-type-options", b"nosniff")]
 
@@ -60,6 +60,11 @@ NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node"
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
 STREAM_TERMINATED = ApiError(502, "stream terminated by upstream failure", "upstream_error")
 """Not a response: the error event that ends a stream the node cut short after commit."""
+
+
+def model_not_found(model: str) -> ApiError:
+    """vLLM's answer for a model it does not serve (an error SDKs do not retry)."""
+    return ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "NotFoundError")
 
 
 def error_reply(error: ApiError, *extra: tuple[bytes, bytes], close: bool = False) -> Reply:

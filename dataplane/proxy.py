@@ -29,8 +29,8 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
-from controlplane.logs import JsonLog
-from controlplane.routing import filter_by_model, ring_pool, unavailable_reason
+from controlplane.logs import JsonLog, Throttle, clipped
+from controlplane.routing import filter_by_model, is_unknown_model, ring_pool, unavailable_reason
 from dataplane.balancer import RoundRobin
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
@@ -53,6 +53,7 @@ from dataplane.errors import (
     Headers,
     Reply,
     error_reply,
+    model_not_found,
 )
 from dataplane.metrics import RequestMetrics
 from events.config import Config
@@ -68,6 +69,8 @@ CONNECT_TIMEOUT = 5.0
 RESPONSE_HEADER_TIMEOUT = 60.0
 FIRST_CHUNK_TIMEOUT = 10.0
 IDLE_CONNECTION_SECONDS = 90.0
+UNSERVED_WARNING_INTERVAL = 1.0
+"""Seconds between two `no node serves requested model` warnings; those in between are counted."""
 MAX_IDLE_CONNECTIONS_PER_NODE = 64
 """plinth keeps 4: with more requests in flight to a node than that, connections would be closed
 and dialled again all the time."""
@@ -124,9 +127,10 @@ class ConfigView:
 
 
 class Route:
-    """One model's routing on one snapshot: the ring pool, and the candidates the model filter keeps."""
+    """One model's routing on one snapshot: the ring pool, and the candidates the model filter
+    keeps; when there is none, whether the model is unknown (`routing.is_unknown_model`)."""
 
-    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts")
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
 
     def __init__(self, snapshot: ClusterState, model: str) -> None:
         pool = ring_pool(snapshot, model)
@@ -134,6 +138,7 @@ class Route:
         self.ring = snapshot.config.model_ring(model)
         self.ring_pool = tuple(node.ip for node in pool)
         self.candidates = candidates
+        self.unknown = not candidates and is_unknown_model(snapshot, pool, model)
         self.excluded = tuple(Exclusion(node.ip, reason) for node, reason in dropped)
         counts: dict[str, int] = {}
         for _, reason in dropped:
@@ -314,6 +319,7 @@ class Proxy:
         self._log = log
         self._decisions = decisions
         self._balancer = RoundRobin()
+        self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
 
@@ -326,8 +332,8 @@ class Proxy:
         candidates = route.candidates
         if not candidates:
             if route.ring_pool:
-                self._log.warn("no node serves requested model", model=model)
-            return self._error(exchange, NO_HEALTHY_NODE)
+                self._warn_unserved(exchange)
+            return self._error(exchange, model_not_found(model) if route.unknown else NO_HEALTHY_NODE)
         tried: set[str] = set()
         try:
             for _ in range(len(candidates)):
@@ -350,6 +356,17 @@ class Proxy:
             self._record(exchange, None)
             raise
         return self._error(exchange, NO_REACHABLE_NODE)
+
+    def _warn_unserved(self, exchange: Exchange) -> None:
+        """plinth's warning, at most once per UNSERVED_WARNING_INTERVAL (a client can ask for
+        any number of models), with the client's text clipped."""
+        held_back = self._unserved_warnings.allow(trio.current_time())
+        if held_back is None:
+            return
+        fields = {"model": clipped(exchange.model), "request_id": clipped(exchange.request_id)}
+        if held_back:
+            fields["suppressed"] = held_back
+        self._log.warn("no node serves requested model", **fields)
 
     def _pick(self, exchange: Exchange, tried: set[str]) -> NodeState | None:
         """The balancer's pick among the candidates not yet tried that are neither dead nor offline

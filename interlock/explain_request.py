@@ -18,6 +18,7 @@ from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.decisions import RETRIED, Decision
+from dataplane.errors import model_not_found
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 
@@ -55,9 +56,11 @@ def trace_exclusions(decision: Decision, result: ReplayResult) -> list[Cause]:
 
 
 def final_status(decision: Decision) -> str:
-    """The status the client got, with the gateway's own 503 text when no node answered."""
+    """The status the client got, with the gateway's own 503 or 404 text when no node answered."""
     if decision.status is None:
         return "none: the client went away"
+    if decision.status == 404 and not decision.attempts:
+        return f'404 "{model_not_found(decision.model).message}"'
     if decision.status == 503 and all(attempt.outcome == RETRIED for attempt in decision.attempts):
         # plinth's two refusals: no candidate at all after the model filter, or none usable.
         filtered = {exclusion.node for exclusion in decision.excluded if exclusion.reason not in _KIND_BEHIND}

@@ -10,7 +10,7 @@ import json
 import h11
 import trio
 
-from harness import chat, completions_to, error_message, node_specs, nodes_and_gateway
+from harness import MODEL, chat, completions_to, error_message, node_specs, nodes_and_gateway
 
 CHAT = "/v1/chat/completions"
 
@@ -34,14 +34,22 @@ async def test_other_methods_on_the_completion_paths_are_405_from_the_quart_app(
 
 
 async def test_one_keep_alive_connection_carries_every_kind_of_reply_in_turn(tmp_path):
-    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=3)) as (nodes, gateway):
-        await gateway.discovered()  # so that a model the node does not list is a 503
+    models = [(MODEL, ""), ("configured-elsewhere", "")]
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=3), models=models) as (nodes, gateway):
+        await gateway.discovered()  # so that models the node does not list are a 503 and a 404
         host, port = gateway.url.removeprefix("http://").split(":")
         stream = await trio.open_tcp_stream(host, int(port))
         client = h11.Connection(h11.CLIENT)
         answers = []
         async with stream:
-            for body in (chat(), chat(stream=True), b"{not json", chat("nobody-serves-this"), chat()):
+            for body in (
+                chat(),
+                chat(stream=True),
+                b"{not json",
+                chat("configured-elsewhere"),
+                chat("nobody-serves-this"),
+                chat(),
+            ):
                 data = body if isinstance(body, bytes) else json.dumps(body).encode()
                 headers = [("host", "gw"), ("content-type", "application/json"), ("content-length", str(len(data)))]
                 request = client.send(h11.Request(method="POST", target=CHAT, headers=headers))
@@ -60,7 +68,7 @@ async def test_one_keep_alive_connection_carries_every_kind_of_reply_in_turn(tmp
                             break
                 answers.append((status, received))
                 client.start_next_cycle()  # raises unless both sides kept the connection open
-    assert [status for status, _ in answers] == [200, 200, 400, 503, 200]
+    assert [status for status, _ in answers] == [200, 200, 400, 503, 404, 200]
     assert answers[1][1].endswith(b"data: [DONE]\n\n")
     assert len(completions_to(nodes[0])) == 3
 

@@ -11,11 +11,19 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
+from controlplane.logs import Throttle, clipped
 from controlplane.reducer import OFFLINE_SECONDS
 from controlplane.runtime import open_control_plane
 from dataplane.decisions import AttemptRecord, DecisionLog, read_decisions
 from dataplane.metrics import RequestMetrics
-from dataplane.proxy import Exchange, Proxy, SnapshotViews, forward_headers, new_upstream_pool
+from dataplane.proxy import (
+    UNSERVED_WARNING_INTERVAL,
+    Exchange,
+    Proxy,
+    SnapshotViews,
+    forward_headers,
+    new_upstream_pool,
+)
 from events.types import UpstreamFailed
 from fixtures.node import serve_nodes
 
@@ -154,21 +162,63 @@ async def test_requests_reach_only_the_nodes_of_the_models_ring_in_round_robin(t
         assert [len(completions_to(node)) for node in nodes] == [1, 1, 2, 2]
 
 
-async def test_a_model_no_node_serves_gets_503_and_counts_the_exclusions(tmp_path):
-    async with nodes_and_gateway(tmp_path, node_specs(2)) as (nodes, gateway):
+async def test_a_configured_model_no_node_serves_gets_503_and_counts_the_exclusions(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2), models=[(MODEL, ""), ("unlisted", "")]) as (nodes, gateway):
         await gateway.discovered()
-        response = await gateway.http.post(gateway.url + CHAT, json=chat("unknown-model"))
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("unlisted"), headers={"X-Request-Id": "r-1"})
         assert response.status_code == 503
         assert response.json()["error"] == {
             "message": "no healthy node available",
             "type": "server_error",
             "code": "no_healthy_node",
         }
-        assert [line["model"] for line in gateway.logged("no node serves requested model")] == ["unknown-model"]
-        assert gateway.logged("no node serves requested model")[0]["level"] == "warn"
-        assert await gateway.metric('gateway_model_filter_exclusions_total{model="unknown-model",reason="missing"}') == 2
-        assert await gateway.metric('gateway_requests_total{model="unknown-model",status="503"}') == 1
+        [warning] = gateway.logged("no node serves requested model")
+        assert warning == warning | {"level": "warn", "model": "unlisted", "request_id": "r-1"}
+        assert await gateway.metric('gateway_model_filter_exclusions_total{model="unlisted",reason="missing"}') == 2
+        assert await gateway.metric('gateway_requests_total{model="unlisted",status="503"}') == 1
         assert [completions_to(node) for node in nodes] == [[], []]
+
+
+async def test_a_model_not_configured_and_listed_by_no_node_gets_vllms_404(tmp_path):
+    decision_log = tmp_path / "decisions.jsonl"
+    async with nodes_and_gateway(tmp_path, node_specs(2), decision_log=str(decision_log)) as (nodes, gateway):
+        await gateway.discovered()
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("no-such`model"), headers={"X-Request-Id": "r-2"})
+        assert response.status_code == 404 and response.headers["x-request-id"] == "r-2"
+        assert response.json() == {
+            "error": {"message": "The model `no-such`model` does not exist.", "type": "NotFoundError", "code": "model_not_found"}
+        }
+        [warning] = gateway.logged("no node serves requested model")
+        assert warning == warning | {"level": "warn", "model": "no-such`model", "request_id": "r-2"}
+        assert await gateway.metric('gateway_requests_total{model="no-such`model",status="404"}') == 1
+        assert [completions_to(node) for node in nodes] == [[], []]
+        await gateway.wait_for(lambda: decision_log.exists())
+        [decision] = read_decisions(decision_log)
+    assert (decision.request_id, decision.status, decision.attempts) == ("r-2", 404, ())
+    assert [exclusion.reason for exclusion in decision.excluded] == ["missing", "missing"]
+
+
+async def test_the_warning_for_an_unserved_model_is_rate_limited_and_counts_what_it_held_back(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        await gateway.discovered()
+        long_name = "m" * 10_000
+        for number in range(20):
+            response = await gateway.http.post(gateway.url + CHAT, json=chat(long_name), headers={"X-Request-Id": f"r{number}"})
+            assert response.status_code == 404
+        await trio.sleep(UNSERVED_WARNING_INTERVAL)
+        await gateway.http.post(gateway.url + CHAT, json=chat("last"), headers={"X-Request-Id": "last"})
+        lines = gateway.logged("no node serves requested model")
+    assert lines[0]["request_id"] == "r0" and "suppressed" not in lines[0]
+    assert lines[-1]["request_id"] == "last" and lines[-1]["model"] == "last"
+    assert sum(1 + int(line.get("suppressed", "0")) for line in lines) == 21  # each request counted once
+    assert all(len(line["model"]) <= 128 for line in lines)
+    assert lines[0]["model"].startswith("mmmm") and lines[0]["model"].endswith("…")
+
+
+def test_a_throttle_lets_one_line_through_per_interval_and_counts_those_it_held_back():
+    throttle = Throttle(1.0)
+    assert [throttle.allow(at) for at in (10.0, 10.2, 10.9, 11.0, 11.5, 13.0)] == [0, None, None, 2, None, 1]
+    assert clipped("short") == "short" and clipped("x" * 200, 10) == "x" * 9 + "…"
 
 
 async def test_untried_nodes_pass_the_model_filter(tmp_path):

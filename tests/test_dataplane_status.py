@@ -96,7 +96,7 @@ async def test_routes_match_method_and_path_exactly(tmp_path):
 
 
 async def test_metrics_after_a_scripted_sequence(tmp_path):
-    async with nodes_and_gateway(tmp_path, node_specs(2)) as (nodes, gateway):
+    async with nodes_and_gateway(tmp_path, node_specs(2), models=[(MODEL, ""), ("elsewhere", "")]) as (nodes, gateway):
         await gateway.discovered()
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
         assert (await gateway.http.post(gateway.url + CHAT, json=chat("elsewhere"))).status_code == 503

@@ -7,7 +7,16 @@ import httpx
 import msgspec
 import trio
 
-from harness import chat, completions_to, error_message, node_specs, nodes_and_gateway, post_cut_short, sse_events
+from harness import (
+    MODEL,
+    chat,
+    completions_to,
+    error_message,
+    node_specs,
+    nodes_and_gateway,
+    post_cut_short,
+    sse_events,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -124,7 +133,7 @@ async def test_a_client_that_leaves_before_anything_was_sent_cancels_the_upstrea
 
 
 async def test_no_healthy_node_for_a_stream_is_a_json_503(tmp_path):
-    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+    async with nodes_and_gateway(tmp_path, node_specs(1), models=[(MODEL, ""), ("missing", "")]) as (nodes, gateway):
         await gateway.discovered()
         response = await gateway.http.post(gateway.url + CHAT, json=chat("missing", stream=True))
         assert response.status_code == 503

@@ -30,13 +30,19 @@ class Recorded:
 
 
 async def record_requests(tmp_path: Path) -> Recorded:
-    """A gateway run with three requests: `retried` (n1 refuses, n2 answers), `after-failure`
-    (n1 is dead by then) and `unserved` (a model no node serves: 503). n3's model listing
-    fails, which expires it at once (threshold 1): it is excluded from every request."""
+    """A gateway run with four requests: `retried` (n1 refuses, n2 answers), `after-failure`
+    (n1 is dead by then), `unserved` (a configured model no node serves: 503) and `unknown` (a
+    model neither configured nor served: 404). n3's model listing fails, which expires it at
+    once (threshold 1): it is excluded from every request."""
     decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
     specs = node_specs(3)
     specs[2].behaviour.models = "error"
-    config = {"decision_log": str(decisions), "event_log": str(events), "health_fail_threshold": 1}
+    config = {
+        "decision_log": str(decisions),
+        "event_log": str(events),
+        "health_fail_threshold": 1,
+        "models": [(MODEL, ""), ("nobody-serves-this", "")],
+    }
     async with nodes_and_gateway(tmp_path, specs, **config) as (nodes, gateway):
         n1, n2, n3 = (node.host for node in nodes)
         await gateway.discovered()
@@ -46,7 +52,8 @@ async def record_requests(tmp_path: Path) -> Recorded:
         await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "after-failure"})
         unserved = chat("nobody-serves-this")
         await gateway.http.post(gateway.url + CHAT, json=unserved, headers={"X-Request-Id": "unserved"})
-        await gateway.wait_for(lambda: decisions.exists() and len(decisions.read_text().splitlines()) == 3)
+        await gateway.http.post(gateway.url + CHAT, json=chat("no-such-model"), headers={"X-Request-Id": "unknown"})
+        await gateway.wait_for(lambda: decisions.exists() and len(decisions.read_text().splitlines()) == 4)
     return Recorded(decisions=decisions, events=events, n1=n1, n2=n2, n3=n3)
 
 
@@ -120,6 +127,13 @@ def test_a_request_no_node_serves_names_the_503(capsys, recorded):
     assert "no attempt: no node could be picked" in out
 
 
+def test_a_request_for_an_unknown_model_names_the_404(capsys, recorded):
+    code, out, _ = run_cli(capsys, "explain", "--request-id", "unknown", "--decisions", recorded.decisions)
+    assert code == 0
+    assert fields(out)["status"] == '404 "The model `no-such-model` does not exist."'
+    assert "no attempt: no node could be picked" in out
+
+
 def test_json_prints_the_record(capsys, recorded):
     code, out, _ = run_cli(capsys, "explain", "--request-id", "retried", "--decisions", recorded.decisions, "--json")
     assert code == 0
@@ -159,7 +173,7 @@ def test_a_model_filter_exclusion_is_traced_to_the_model_list(capsys, recorded):
     )
     assert code == 0
     rows = {row["NODE"]: row for row in table(out, "NODE")}
-    assert f"node model list changed (models={MODEL})" in rows[recorded.n1]["LAST CHANGE"]
+    assert "configured model not served by node (model=nobody-serves-this)" in rows[recorded.n1]["LAST CHANGE"]
     assert "model discovery expired" in rows[recorded.n3]["LAST CHANGE"]
 
 
@@ -205,7 +219,8 @@ def test_a_torn_last_line_is_skipped_with_a_warning(capsys, recorded, tmp_path):
     torn.write_bytes(recorded.decisions.read_bytes() + b'{"request_id": "cut sh')
     code, out, err = run_cli(capsys, "explain", "--request-id", "retried", "--decisions", torn)
     assert code == 0 and fields(out)["request"] == "retried"
-    assert one_error_line(err).startswith(f"interlock explain: warning: {torn}:4: skipping torn last line")
+    torn_line = len(recorded.decisions.read_bytes().splitlines()) + 1
+    assert one_error_line(err).startswith(f"interlock explain: warning: {torn}:{torn_line}: skipping torn last line")
 
 
 @pytest.mark.parametrize(

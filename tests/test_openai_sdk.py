@@ -19,11 +19,13 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 @asynccontextmanager
-async def sdk_client(gateway: Gateway) -> AsyncIterator[openai.AsyncOpenAI]:
-    """An SDK client for the gateway (no retries, no proxy from the environment)."""
+async def sdk_client(gateway: Gateway, max_retries: int = 0) -> AsyncIterator[openai.AsyncOpenAI]:
+    """An SDK client for the gateway (no retries unless asked, no proxy from the environment)."""
     http_client = openai.DefaultAsyncHttpxClient(trust_env=False)
     base_url = gateway.url + "/v1"
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="x", max_retries=0, http_client=http_client) as client:
+    async with openai.AsyncOpenAI(
+        base_url=base_url, api_key="x", max_retries=max_retries, http_client=http_client
+    ) as client:
         yield client
 
 
@@ -82,8 +84,21 @@ async def test_model_list_is_the_configured_models_in_config_order(tmp_path):
     assert [model.id for model in page.data] == ["zeta", MODEL, "alpha"]
 
 
-async def test_a_model_no_node_serves_is_the_sdks_internal_server_error(tmp_path):
-    async with gateway_and_sdk(tmp_path, node_specs(1)) as (gateway, client):
+async def test_a_model_no_node_serves_is_the_sdks_not_found_error_and_never_retried(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (_, gateway), sdk_client(gateway, max_retries=3) as client:
+        await gateway.discovered()
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.chat.completions.create(model="nobody-serves-this", messages=HI)
+        requests = await gateway.metric('gateway_requests_total{model="nobody-serves-this",status="404"}')
+    failure = caught.value
+    assert requests == 1  # the SDK did not ask again
+    assert failure.status_code == 404 and failure.code == "model_not_found"
+    assert failure.body["message"] == "The model `nobody-serves-this` does not exist."
+
+
+async def test_a_configured_model_no_node_serves_is_the_sdks_internal_server_error(tmp_path):
+    models = [(MODEL, ""), ("nobody-serves-this", "")]
+    async with gateway_and_sdk(tmp_path, node_specs(1), models=models) as (gateway, client):
         await gateway.discovered()
         with pytest.raises(openai.InternalServerError) as caught:
             await client.chat.completions.create(model="nobody-serves-this", messages=HI)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.routing import NOT_IN_RING, balancer_pool, filter_by_model, plan_route, ring_pool
+from controlplane.routing import NOT_IN_RING, balancer_pool, filter_by_model, is_unknown_model, plan_route, ring_pool
 from events.config import ModelEntry, NodeConfig
 from events.state import Discovery, Health, ModelDiscovery, NodeState
 from events.types import HealthProbed, ModelsListed, UpstreamFailed
@@ -107,6 +107,24 @@ def test_filter_by_model_keeps_allowed_nodes_and_names_the_reason_for_the_rest()
 def test_filter_by_model_is_the_identity_while_untried():
     pool = [node("10.0.0.1"), node("10.0.0.2", status=Health.DEAD)]
     assert filter_by_model(pool, "anything") == (pool, [])
+
+
+# --- is_unknown_model ----------------------------------------------------------------------------
+
+
+def test_a_model_is_unknown_unless_configured_listed_last_by_a_node_of_its_pool_or_a_node_is_untried():
+    state = cluster()  # configures "plain" and "big"
+    pool = [
+        node("10.0.0.1", Discovery.KNOWN, ("listed",)),
+        node("10.0.0.2", Discovery.EXPIRED, ("listed-last",)),
+        node("10.0.0.3", Discovery.KNOWN_EMPTY),
+        node("10.0.0.4", Discovery.KNOWN, ("dead-but-listed",), status=Health.DEAD),
+    ]
+    assert is_unknown_model(state, pool, "nowhere")
+    assert is_unknown_model(state, [], "nowhere")  # an empty pool serves nothing
+    for model in ("listed", "listed-last", "dead-but-listed", "plain", "big"):
+        assert not is_unknown_model(state, pool, model), model
+    assert not is_unknown_model(state, [*pool, node("10.0.0.5")], "nowhere")  # 10.0.0.5 is untried
 
 
 # --- balancer_pool -------------------------------------------------------------------------------
