@@ -7,6 +7,7 @@
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
     interlock explain [LOG…] --request-id ID --decisions FILE [--json]
     interlock audit LOG… [--node IP] [--since T] [--until T] [--kind KIND[,KIND]]
+    interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
@@ -25,6 +26,7 @@ from collections.abc import Callable
 import msgspec
 
 from controlplane.config import ConfigError, describe_config, load_config
+from controlplane.logs import format_timestamp
 from controlplane.replay import audit, explain, replay
 from dataplane.decisions import DecisionLogError, find_decisions
 from events.log import EventLogError
@@ -37,6 +39,7 @@ from interlock.render import (
     render_state,
     state_to_builtins,
 )
+from interlock.timeline import TimelineError, build_timeline, render_html
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -213,6 +216,40 @@ def run_audit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- timeline --------------------------------------------------------------------------------
+
+
+def add_timeline(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "timeline", help="draw a recorded run as one self-contained HTML page: a lane per node, every transition"
+    )
+    _add_log_arguments(parser, moment=False)
+    time = _argument_type(parse_time)
+    parser.add_argument("--since", type=time, metavar="T", help="start here (default: the log's first event)")
+    parser.add_argument("--until", type=time, metavar="T", help="end here (default: the log's last event)")
+    parser.add_argument(
+        "--decisions", metavar="FILE", help="the decision log (gateway.decision_log): request and 5xx rates on top"
+    )
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="the HTML file to write")
+    parser.set_defaults(run=run_timeline)
+
+
+def run_timeline(args: argparse.Namespace) -> int:
+    if args.since is not None and args.until is not None and args.since >= args.until:
+        return _error(args, "argument --since: must be before --until")
+    try:
+        timeline = build_timeline(
+            args.logs, since=args.since, until=args.until, decisions=args.decisions, warn=_warner(args)
+        )
+    except TimelineError as err:
+        return _error(args, str(err))
+    with open(args.output, "w", encoding="utf-8") as page:
+        page.write(render_html(timeline))
+    window = f"from {format_timestamp(timeline.start)} to {format_timestamp(timeline.end)}"
+    print(f"wrote {args.output}: {len(timeline.lanes)} nodes {window}")
+    return EXIT_OK
+
+
 # --- serve -----------------------------------------------------------------------------------
 
 
@@ -250,7 +287,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # --- the program -----------------------------------------------------------------------------
 
-SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit]
+SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline]
 
 
 def build_parser() -> argparse.ArgumentParser:
