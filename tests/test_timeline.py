@@ -9,8 +9,6 @@ reload is rejected at seq 60; the run stops at 121 s.
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 import subprocess
 from collections import Counter
@@ -27,11 +25,12 @@ from interlock.cli import main
 from interlock.render import parse_time
 from interlock.timeline import time_ticks
 
+from harness import required_program
+
 SCENARIO = scenarios.SCENARIO_PATH
 DECISIONS = scenarios.DECISIONS_PATH
 START = scenarios.START
 NODES = ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]
-CHROMIUM = shutil.which("chromium")
 SCREEN = (1440, 720)
 
 
@@ -103,11 +102,7 @@ def timeline(tmp_path: Path, capsys, *options: object) -> tuple[Path, str]:
 
 
 def chromium(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
-    if CHROMIUM is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed (.ci/run installs Debian's chromium)")
-        pytest.skip("chromium is not installed (apt-get install chromium)")
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    command = [required_program("chromium", "apt-get install chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
     command += [f"--user-data-dir={tmp_path / 'chromium-profile'}", *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
 
