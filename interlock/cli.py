@@ -2,7 +2,7 @@
 
     interlock demo [--config PATH] [--once] [--quiet]
     interlock serve [--config PATH]
-    interlock check-config PATH
+    interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
     interlock explain [LOG…] --request-id ID --decisions FILE [--json]
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from controlplane.config import ConfigError, describe_config, load_config
+from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
 from controlplane.replay import (
     audit,
     explain,
@@ -82,7 +82,8 @@ def _error(args: argparse.Namespace, message: str) -> int:
 
 
 def _warner(args: argparse.Namespace) -> Callable[[str], None]:
-    """Reports a skipped torn line on stderr; the command carries on."""
+    """Reports something the command skips (a torn line, an unknown config key) on stderr; the
+    command carries on."""
     return lambda message: print(f"{args.prog}: warning: {message}", file=sys.stderr)
 
 
@@ -90,16 +91,34 @@ def _warner(args: argparse.Namespace) -> Callable[[str], None]:
 
 
 def add_check_config(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("check-config", help="validate a config file and summarize it")
+    parser = commands.add_parser(
+        "check-config",
+        help="validate a config file and summarize it",
+        description="Validate a config file and summarize it. Keys the gateway does not know are ignored, "
+        "as plinth does, with a warning naming the closest known key.",
+    )
     parser.add_argument("path", metavar="PATH", help="the gateway's TOML config file")
+    parser.add_argument("--strict", action="store_true", help="unknown keys are errors (exit code 2)")
     parser.set_defaults(run=run_check_config)
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    unknown_keys: list[UnknownKey] = []
+    warn = _warner(args)
+
+    def report(unknown: UnknownKey) -> None:
+        unknown_keys.append(unknown)
+        if args.strict:
+            print(unknown, file=sys.stderr)
+        else:
+            warn(str(unknown))
+
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, warn=report)
     except ConfigError as err:
         print(err, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.strict and unknown_keys:
         return EXIT_BAD_INPUT
     print("ok")
     print(describe_config(config))
