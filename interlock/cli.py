@@ -237,8 +237,31 @@ def run_audit(args: argparse.Namespace) -> int:
 # --- serve -----------------------------------------------------------------------------------
 
 
+SERVE_SIGNALS_HELP = """\
+signals:
+  SIGHUP            reload the config file (listen addresses and the event log
+                    settings need a restart); an invalid file is rejected and
+                    the running config stays in force
+  SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
+                    and streams in flight finish (for up to 10 s), write the
+                    decision and event logs, log `gateway stopped`, exit 0
+  a second one      forced shutdown: connections still open are closed at once,
+                    the logs are still written, exit 0; any more are ignored
+
+exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
+invalid config file, an address it cannot listen on)"""
+"""What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
+the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
+
+
 def add_serve(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="run the gateway (exit code 1 if it cannot start)")
+    parser = commands.add_parser(
+        "serve",
+        help="run the gateway (exit code 1 if it cannot start)",
+        description="Run the gateway: probe the nodes, serve the API and the metrics.",
+        epilog=SERVE_SIGNALS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
     )
