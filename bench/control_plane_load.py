@@ -33,7 +33,7 @@ from bench.processes import CorePlan, Processes, cpu_seconds, peak_rss_bytes, pl
 from bench.upstream import MODEL
 from controlplane.logs import JsonLog
 from controlplane.runtime import open_control_plane
-from controlplane.state import HEALTHY
+from events.state import Health
 from fixtures.node import NodeSpec, serve_nodes
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +127,7 @@ async def _run_control_plane(config_path: str, seconds: float, nodes_pid: int | 
     CPU of the nodes' process, to tell whether they kept up)."""
     nodes_pids = [nodes_pid] if nodes_pid else []
     def ready(snapshot) -> int:
-        return sum(1 for node in snapshot.nodes.values() if node.status == HEALTHY and node.models.settled())
+        return sum(1 for node in snapshot.nodes.values() if node.status == Health.HEALTHY and node.models.settled())
 
     with open(os.devnull, "w") as devnull:
         async with open_control_plane(config_path, version="bench", log=JsonLog(devnull)) as control_plane:

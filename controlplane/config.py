@@ -240,6 +240,8 @@ def _validate(path: str, config: Config) -> Config:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
     if gateway.event_log_max_bytes <= 0:
         raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
+    if gateway.workers != "auto" and gateway.workers < 1:
+        raise invalid("gateway.workers", 'workers must be at least 1, or "auto" (one per usable core)')
 
     if not config.nodes:
         raise invalid("nodes", "at least one node must be configured")

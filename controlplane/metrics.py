@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controlplane.reducer import HEALTH, RELOAD, RUN, Step, StopProbing
-from controlplane.state import DEAD, DEGRADED, HEALTHY, ClusterState
+from controlplane.transitions import HEALTH, RELOAD, RUN, Step, StopProbing
+from events.state import ClusterState, Health
 from events.types import Event, ModelsListed, ProbeCrashed
 
 _RECOUNT_KINDS = frozenset((RUN, RELOAD, HEALTH))
@@ -95,12 +95,12 @@ class ControlPlaneMetrics:
                 self._forget_node(effect.node)
 
     def _count_statuses(self, state: ClusterState) -> None:
-        counts = {HEALTHY: 0, DEGRADED: 0, DEAD: 0}
+        counts = {Health.HEALTHY: 0, Health.DEGRADED: 0, Health.DEAD: 0}
         for node in state.nodes.values():
             counts[node.status] += 1
-        self.nodes_healthy.set(counts[HEALTHY])
-        self.nodes_degraded.set(counts[DEGRADED])
-        self.nodes_dead.set(counts[DEAD])
+        self.nodes_healthy.set(counts[Health.HEALTHY])
+        self.nodes_degraded.set(counts[Health.DEGRADED])
+        self.nodes_dead.set(counts[Health.DEAD])
 
     def _forget_node(self, ip: str) -> None:
         """A node removed by a reload no longer reports whether its models are settled."""

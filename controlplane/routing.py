@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
-from controlplane.state import DEAD, DEGRADED, HEALTHY, ClusterState, NodeState
+from events.state import ClusterState, Health, NodeState
 
 NOT_IN_RING = "not in ring"
 EXCLUDED_DEAD = "dead"
@@ -42,13 +42,13 @@ def filter_by_model(pool: list[NodeState], model: str) -> tuple[list[NodeState],
 
 def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:
     """plinth's balancer pool: the healthy candidates, else the degraded ones; dead never."""
-    healthy = [node for node in candidates if node.status == HEALTHY]
-    return healthy or [node for node in candidates if node.status == DEGRADED]
+    healthy = [node for node in candidates if node.status == Health.HEALTHY]
+    return healthy or [node for node in candidates if node.status == Health.DEGRADED]
 
 
 def unavailable_reason(node: NodeState, now: float) -> str:
     """Why the attempt loop skips a node the model filter kept (`dead` or `offline`), else ""."""
-    if node.status == DEAD:
+    if node.status == Health.DEAD:
         return EXCLUDED_DEAD
     if node.is_offline(now):
         return EXCLUDED_OFFLINE

@@ -36,10 +36,11 @@ from controlplane.config import ConfigError, UnknownKey, load_config
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
-from controlplane.reducer import INITIAL_STATE, Effect, Recheck, StartProbing, Step, StopProbing, reduce
-from controlplane.state import ClusterState
+from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
 from events.config import Config, NodeConfig
 from events.log import EventLogWriter, encode_event, last_seq
+from events.state import ClusterState
 from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
 
 EVENT_QUEUE_SIZE = 16_384
@@ -62,7 +63,7 @@ STOP_TIMEOUT = 30.0
 HANDLED_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
 """The signals `ControlPlane.serve_signals` handles."""
 
-Listener = Callable[[ClusterState, Step], None]
+Listener = Callable[[Event, ClusterState, Step], None]
 
 
 async def load_config_logging_unknown_keys(config_path: str, log: JsonLog) -> Config:
@@ -101,8 +102,7 @@ class ControlPlane:
         self.log = log if log is not None else JsonLog(clock=now)
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self.metrics = ControlPlaneMetrics(self.registry)
-        self.snapshot: ClusterState = INITIAL_STATE
-        """The current state: read it once per decision; it is replaced, never mutated."""
+        self._snapshot: ClusterState = INITIAL_STATE
         self._queue_in, self._queue_out = trio.open_memory_channel[tuple[Event, trio.Event | None]](EVENT_QUEUE_SIZE)
         self._listeners: list[Listener] = []
         self._seq = 0
@@ -114,12 +114,18 @@ class ControlPlane:
         self._shutting_down = False
         self._finished = trio.Event()
 
+    @property
+    def snapshot(self) -> ClusterState:
+        """The current state: read it once per decision; it is replaced, never mutated."""
+        return self._snapshot
+
     def now(self) -> float:
         """The clock events are stamped with."""
         return self._clock()
 
     def add_listener(self, fn: Listener) -> None:
-        """Call `fn(state, step)` in the reducer task after each publish; it must not block."""
+        """Call `fn(event, state, step)` in the reducer task after each publish, with the numbered
+        event; it must not block."""
         self._listeners.append(fn)
 
     def observe(self, event: Event) -> None:
@@ -299,8 +305,8 @@ class ControlPlane:
     def _apply(self, event: Event) -> None:
         self._seq += 1
         event = msgspec.structs.replace(event, seq=self._seq)
-        state, step = reduce(self.snapshot, event)
-        self.snapshot = state
+        state, step = reduce(self._snapshot, event)
+        self._snapshot = state
         if self._event_log is not None:
             self._event_log.submit(encode_event(event))
         for transition in step.transitions:
@@ -308,7 +314,7 @@ class ControlPlane:
         self.metrics.record(event, state, step)
         for listener in self._listeners:
             try:
-                listener(state, step)
+                listener(event, state, step)
             except Exception as exc:
                 self.log.error("control plane listener failed", error=f"{type(exc).__name__}: {exc}")
         if self._prober is not None:

@@ -30,8 +30,8 @@ import time
 import msgspec
 import trio
 
-from controlplane.runtime import ControlPlane
 from dataplane.app import create_app
+from dataplane.control import ControlPlaneView
 from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
 from dataplane.proxy import COMPLETION_PATHS, Exchange, Proxy, SnapshotView, SnapshotViews, forward_headers
 
@@ -60,11 +60,11 @@ def with_model(body: bytes, model: str) -> bytes:
 class ApiApp:
     """The ASGI application of the API listener (`gateway.listen`)."""
 
-    def __init__(self, control_plane: ControlPlane, proxy: Proxy, views: SnapshotViews) -> None:
+    def __init__(self, control_plane: ControlPlaneView, proxy: Proxy, views: SnapshotViews, worker: int = 0) -> None:
         self._control_plane = control_plane
         self._proxy = proxy
         self._views = views
-        self._quart = create_app(control_plane, views)
+        self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controlplane.routing import balancer_pool
-from controlplane.state import NodeState
+from events.state import NodeState
 
 
 class RoundRobin:

@@ -18,6 +18,7 @@ Everything a request needs from a control-plane snapshot that does not depend on
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -26,9 +27,8 @@ import trio
 
 from controlplane.logs import JsonLog
 from controlplane.routing import filter_by_model, ring_pool, unavailable_reason
-from controlplane.runtime import ControlPlane
-from controlplane.state import ClusterState, NodeState
 from dataplane.balancer import RoundRobin
+from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
     CLIENT_GONE,
     COMPLETED,
@@ -37,13 +37,14 @@ from dataplane.decisions import (
     TRUNCATED,
     AttemptRecord,
     Decision,
-    DecisionLog,
+    DecisionRecorder,
     Exclusion,
 )
 from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, Headers, Reply, error_reply
 from dataplane.metrics import RequestMetrics
 from events.config import Config
-from events.types import UpstreamFailed, UpstreamRecovered
+from events.state import ClusterState, NodeState
+from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
 from transport.http11 import ConnectFailed, HttpClient, WriteFailed
 from transport.http11 import Response as UpstreamResponse
 
@@ -141,12 +142,17 @@ class SnapshotView:
                 self._routes[model] = route
         return route
 
+    @functools.cached_property
+    def state_digest(self) -> str:
+        """The snapshot's `Checkpoint.digest`: processes that followed the same events agree on it."""
+        return Checkpoint.of(self.snapshot).digest()
+
 
 class SnapshotViews:
     """The view of the control plane's current snapshot, rebuilt only when the snapshot changes
     (and its config part only when the config does)."""
 
-    def __init__(self, control_plane: ControlPlane) -> None:
+    def __init__(self, control_plane: ControlPlaneView) -> None:
         self._control_plane = control_plane
         self._view: SnapshotView | None = None
 
@@ -232,11 +238,11 @@ class Proxy:
 
     def __init__(
         self,
-        control_plane: ControlPlane,
+        control_plane: ControlPlaneView,
         pool: HttpClient,
         metrics: RequestMetrics,
         log: JsonLog,
-        decisions: DecisionLog | None = None,
+        decisions: DecisionRecorder | None = None,
         *,
         response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
         first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,

@@ -25,20 +25,18 @@ from collections.abc import Callable
 import msgspec
 
 from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
-from controlplane.replay import (
-    audit,
-    explain,
+from controlplane.replay import audit, explain, replay
+from dataplane.decisions import DecisionLogError, find_decisions
+from events.log import EventLogError
+from interlock.explain_request import render_causes, render_request, request_to_builtins
+from interlock.render import (
     explanation_to_builtins,
     parse_kinds,
     parse_time,
     render_explanation,
     render_state,
-    replay,
     state_to_builtins,
 )
-from dataplane.decisions import DecisionLogError, find_decisions
-from events.log import EventLogError
-from interlock.explain_request import render_causes, render_request, request_to_builtins
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -265,13 +263,27 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
     )
+    parser.add_argument(
+        "--workers",
+        type=_argument_type(parse_workers),
+        metavar="N|auto",
+        help="processes serving the API (overrides gateway.workers; auto: one per usable core)",
+    )
     parser.set_defaults(run=run_serve)
+
+
+def parse_workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"invalid worker count {text!r}: a whole number from 1, or auto")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
-    return serve_gateway(args.config, package_version())
+    return serve_gateway(args.config, package_version(), workers=args.workers)
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -286,7 +298,8 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from interlock.demo import DEMO_CONFIG, run_demo as demo  # the server stack, imported only to serve
+    from interlock.demo import DEMO_CONFIG  # the server stack, imported only to serve
+    from interlock.demo import run_demo as demo
 
     return demo(args.config or str(DEMO_CONFIG), package_version(), once=args.once, quiet=args.quiet)
 

@@ -21,7 +21,7 @@ import trio
 
 from controlplane.config import ConfigError, load_config
 from controlplane.logs import JsonLog
-from controlplane.state import UNTRIED
+from events.state import Discovery
 from fixtures.node import serve_nodes, specs_from_config
 from interlock.serve import Listening, serve
 
@@ -83,7 +83,7 @@ async def _demo(config_path: str, version: str, *, once: bool, log: JsonLog) -> 
 async def _first_request(listening: Listening) -> bool:
     control_plane = listening.control_plane
     with trio.move_on_after(DISCOVERY_TIMEOUT):
-        while any(node.models.state == UNTRIED for node in control_plane.snapshot.nodes.values()):
+        while any(node.models.state == Discovery.UNTRIED for node in control_plane.snapshot.nodes.values()):
             await trio.sleep(0.05)
     host, port = listening.api
     base = f"http://{host}:{port}"

@@ -14,11 +14,12 @@ from typing import Any
 import msgspec
 
 from controlplane.logs import format_timestamp
-from controlplane.reducer import HEALTH, MODELS, OFFLINE, Transition
-from controlplane.replay import ReplayResult, audit, format_ring, format_table
+from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
-from controlplane.state import NodeState
+from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.decisions import RETRIED, Decision
+from events.state import NodeState
+from interlock.render import format_ring, format_table
 
 _KIND_BEHIND = {EXCLUDED_DEAD: HEALTH, EXCLUDED_OFFLINE: OFFLINE}
 """The transition kind behind each exclusion reason that is not the model filter's (MODELS)."""

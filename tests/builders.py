@@ -6,9 +6,10 @@ from collections.abc import Iterable
 
 import msgspec
 
-from controlplane.reducer import INITIAL_STATE, Effect, Transition, reduce
-from controlplane.state import ClusterState
+from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.transitions import Effect, Transition
 from events.config import Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
+from events.state import ClusterState
 from events.types import Event, RunStarted
 
 T0 = 1767323045.0

@@ -22,7 +22,7 @@ import trio
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
-from controlplane.state import UNTRIED, NodeState
+from events.state import Discovery, NodeState
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
 from interlock.serve import Listening, serve
 
@@ -142,7 +142,7 @@ class Gateway:
 
     async def discovered(self) -> None:
         """Wait until every node's model listing has been applied at least once."""
-        await self.wait_for(lambda: all(node.models.state != UNTRIED for node in self.nodes()))
+        await self.wait_for(lambda: all(node.models.state != Discovery.UNTRIED for node in self.nodes()))
 
     async def exited(self, timeout: float = 15.0) -> int:
         """Wait until `serve` has returned; its exit code."""

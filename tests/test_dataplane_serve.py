@@ -299,9 +299,8 @@ async def test_a_second_signal_during_the_drain_forces_the_shutdown_and_still_ex
         api_port = _free_port()
         config_path = tmp_path / "gateway.toml"
         event_log = tmp_path / "events.jsonl"
-        config_path.write_text(
-            _listening_on(config_text(nodes, event_log=str(event_log)), "listen", f"127.0.0.1:{api_port}")
-        )
+        text = config_text(nodes, event_log=str(event_log))
+        config_path.write_text(_listening_on(text, "listen", f"127.0.0.1:{api_port}"))
         async with serve_process(config_path) as gateway:
             await gateway.wait_for_log("metrics server listening")
             received = b""

@@ -8,33 +8,12 @@ import json
 import msgspec
 import pytest
 
-from controlplane.reducer import (
-    HEALTH,
-    INITIAL_STATE,
-    MODELS,
-    NOTHING,
-    Recheck,
-    StartProbing,
-    StopProbing,
-    Transition,
-    configured_models_missing,
-    reduce,
-)
-from controlplane.state import (
-    DEAD,
-    DEGRADED,
-    DISCOVERY_DEGRADED,
-    EXPIRED,
-    HEALTHY,
-    KNOWN,
-    KNOWN_EMPTY,
-    OFFLINE_SECONDS,
-    UNTRIED,
-    ModelDiscovery,
-    NodeState,
-    compute_status,
-)
+from controlplane.discovery import configured_models_missing, next_discovery
+from controlplane.health import compute_status
+from controlplane.reducer import INITIAL_STATE, OFFLINE_SECONDS, reduce
+from controlplane.transitions import HEALTH, MODELS, NOTHING, Recheck, StartProbing, StopProbing, Transition
 from events.config import ModelEntry, NodeConfig
+from events.state import Discovery, Health, ModelDiscovery, NodeState
 from events.types import (
     ConfigReloaded,
     GpuSample,
@@ -84,28 +63,28 @@ def reload(config, at: float = T0) -> ConfigReloaded:
 @pytest.mark.parametrize(
     ("failures", "threshold", "status"),
     [
-        (0, 3, HEALTHY),
-        (1, 3, DEGRADED),
-        (2, 3, DEGRADED),
-        (3, 3, DEAD),
-        (4, 3, DEAD),
-        (1, 1, DEAD),
-        (1, 2, DEGRADED),
-        (0, 0, DEAD),
-        (1, 0, DEAD),
-        (0, 5, HEALTHY),
-        (1, 5, HEALTHY),
-        (2, 5, DEGRADED),
-        (3, 5, DEGRADED),
-        (4, 5, DEGRADED),
-        (5, 5, DEAD),
+        (0, 3, Health.HEALTHY),
+        (1, 3, Health.DEGRADED),
+        (2, 3, Health.DEGRADED),
+        (3, 3, Health.DEAD),
+        (4, 3, Health.DEAD),
+        (1, 1, Health.DEAD),
+        (1, 2, Health.DEGRADED),
+        (0, 0, Health.DEAD),
+        (1, 0, Health.DEAD),
+        (0, 5, Health.HEALTHY),
+        (1, 5, Health.HEALTHY),
+        (2, 5, Health.DEGRADED),
+        (3, 5, Health.DEGRADED),
+        (4, 5, Health.DEGRADED),
+        (5, 5, Health.DEAD),
     ],
 )
 def test_compute_status_pinned_cases(failures, threshold, status):
     assert compute_status(failures, threshold) == status
 
 
-# --- ModelDiscovery.apply_result (§8.2) --------------------------------------------------------
+# --- next_discovery (§8.2) ---------------------------------------------------------------------
 
 EARLIER, NOW = 10.0, 20.0
 LIST = ("m1", "m2")
@@ -114,20 +93,20 @@ EMPTY = ()
 ERROR = None  # a failed fetch (its error text is "boom")
 
 
-def record(state=UNTRIED, names=None, fetched_at=None, fails=0, empties=0, last_error="") -> ModelDiscovery:
+def record(state=Discovery.UNTRIED, names=None, fetched_at=None, fails=0, empties=0, last_error="") -> ModelDiscovery:
     return ModelDiscovery(
         state=state, names=names, fetched_at=fetched_at, fails=fails, empties=empties, last_error=last_error
     )
 
 
 def outcome(before: ModelDiscovery, names, threshold: int = 3) -> tuple[ModelDiscovery, bool]:
-    return before.apply_result(names, "boom" if names is None else "", threshold, NOW)
+    return next_discovery(before, names, "boom" if names is None else "", threshold, NOW)
 
 
-KNOWN_RECORD = record(KNOWN, LIST, EARLIER)
-KNOWN_EMPTY_RECORD = record(KNOWN_EMPTY, None, EARLIER, empties=2)
-DEGRADED_RECORD = record(DISCOVERY_DEGRADED, LIST, EARLIER, fails=1, last_error="old")
-EXPIRED_RECORD = record(EXPIRED, LIST, EARLIER, fails=3, last_error="old")
+KNOWN_RECORD = record(Discovery.KNOWN, LIST, EARLIER)
+KNOWN_EMPTY_RECORD = record(Discovery.KNOWN_EMPTY, None, EARLIER, empties=2)
+DEGRADED_RECORD = record(Discovery.DEGRADED, LIST, EARLIER, fails=1, last_error="old")
+EXPIRED_RECORD = record(Discovery.EXPIRED, LIST, EARLIER, fails=3, last_error="old")
 
 # (before, fetch outcome, N, after, list changed). An untried or known_empty record has no list,
 # so "same list again" and "different list" only apply to known, degraded and expired.
@@ -135,103 +114,103 @@ APPLY_RESULT_CASES = [
     # untried
     pytest.param(record(), ERROR, 3, record(fails=1, last_error="boom"), False, id="untried-error-below-N"),
     pytest.param(
-        record(fails=2, last_error="old"), ERROR, 3, record(EXPIRED, fails=3, last_error="boom"), False,
+        record(fails=2, last_error="old"), ERROR, 3, record(Discovery.EXPIRED, fails=3, last_error="boom"), False,
         id="untried-error-reaching-N",
     ),
-    pytest.param(record(), LIST, 3, record(KNOWN, LIST, NOW), True, id="untried-non-empty-success"),
+    pytest.param(record(), LIST, 3, record(Discovery.KNOWN, LIST, NOW), True, id="untried-non-empty-success"),
     pytest.param(
-        record(fails=2, last_error="old"), LIST, 3, record(KNOWN, LIST, NOW), True, id="untried-success-after-errors"
+        record(fails=2, last_error="old"), LIST, 3, record(Discovery.KNOWN, LIST, NOW), True, id="untried-success-after-errors"
     ),
     pytest.param(record(), EMPTY, 3, record(fetched_at=NOW, empties=1), False, id="untried-first-empty"),
     pytest.param(
-        record(fetched_at=EARLIER, empties=1), EMPTY, 3, record(KNOWN_EMPTY, None, NOW, empties=2), False,
+        record(fetched_at=EARLIER, empties=1), EMPTY, 3, record(Discovery.KNOWN_EMPTY, None, NOW, empties=2), False,
         id="untried-second-empty",
     ),
     # known
     pytest.param(
-        KNOWN_RECORD, ERROR, 3, record(DISCOVERY_DEGRADED, LIST, EARLIER, fails=1, last_error="boom"), False,
+        KNOWN_RECORD, ERROR, 3, record(Discovery.DEGRADED, LIST, EARLIER, fails=1, last_error="boom"), False,
         id="known-error-below-N",
     ),
     pytest.param(
-        KNOWN_RECORD, ERROR, 1, record(EXPIRED, LIST, EARLIER, fails=1, last_error="boom"), False,
+        KNOWN_RECORD, ERROR, 1, record(Discovery.EXPIRED, LIST, EARLIER, fails=1, last_error="boom"), False,
         id="known-error-reaching-N",
     ),
     pytest.param(
-        KNOWN_RECORD, ERROR, 0, record(DISCOVERY_DEGRADED, LIST, EARLIER, fails=1, last_error="boom"), False,
+        KNOWN_RECORD, ERROR, 0, record(Discovery.DEGRADED, LIST, EARLIER, fails=1, last_error="boom"), False,
         id="known-error-N-zero-never-expires",
     ),
-    pytest.param(KNOWN_RECORD, ("m3",), 3, record(KNOWN, ("m3",), NOW), True, id="known-non-empty-success"),
-    pytest.param(KNOWN_RECORD, LIST, 3, record(KNOWN, LIST, NOW), False, id="known-same-list-again"),
-    pytest.param(KNOWN_RECORD, REORDERED, 3, record(KNOWN, REORDERED, NOW), True, id="known-different-list"),
-    pytest.param(KNOWN_RECORD, ("m1",), 3, record(KNOWN, ("m1",), NOW), True, id="known-shorter-list"),
-    pytest.param(KNOWN_RECORD, EMPTY, 3, record(KNOWN, LIST, NOW, empties=1), False, id="known-first-empty"),
+    pytest.param(KNOWN_RECORD, ("m3",), 3, record(Discovery.KNOWN, ("m3",), NOW), True, id="known-non-empty-success"),
+    pytest.param(KNOWN_RECORD, LIST, 3, record(Discovery.KNOWN, LIST, NOW), False, id="known-same-list-again"),
+    pytest.param(KNOWN_RECORD, REORDERED, 3, record(Discovery.KNOWN, REORDERED, NOW), True, id="known-different-list"),
+    pytest.param(KNOWN_RECORD, ("m1",), 3, record(Discovery.KNOWN, ("m1",), NOW), True, id="known-shorter-list"),
+    pytest.param(KNOWN_RECORD, EMPTY, 3, record(Discovery.KNOWN, LIST, NOW, empties=1), False, id="known-first-empty"),
     pytest.param(
-        record(KNOWN, LIST, EARLIER, empties=1), EMPTY, 3, record(KNOWN_EMPTY, None, NOW, empties=2), True,
+        record(Discovery.KNOWN, LIST, EARLIER, empties=1), EMPTY, 3, record(Discovery.KNOWN_EMPTY, None, NOW, empties=2), True,
         id="known-second-empty",
     ),
     # known_empty
     pytest.param(
-        KNOWN_EMPTY_RECORD, ERROR, 3, record(KNOWN_EMPTY, None, EARLIER, fails=1, last_error="boom"), False,
+        KNOWN_EMPTY_RECORD, ERROR, 3, record(Discovery.KNOWN_EMPTY, None, EARLIER, fails=1, last_error="boom"), False,
         id="known_empty-error-below-N",
     ),
     pytest.param(
-        record(KNOWN_EMPTY, None, EARLIER, fails=2, last_error="old"), ERROR, 3,
-        record(EXPIRED, None, EARLIER, fails=3, last_error="boom"), False,
+        record(Discovery.KNOWN_EMPTY, None, EARLIER, fails=2, last_error="old"), ERROR, 3,
+        record(Discovery.EXPIRED, None, EARLIER, fails=3, last_error="boom"), False,
         id="known_empty-error-reaching-N",
     ),
-    pytest.param(KNOWN_EMPTY_RECORD, LIST, 3, record(KNOWN, LIST, NOW), True, id="known_empty-non-empty-success"),
+    pytest.param(KNOWN_EMPTY_RECORD, LIST, 3, record(Discovery.KNOWN, LIST, NOW), True, id="known_empty-non-empty-success"),
     pytest.param(
-        record(KNOWN_EMPTY, None, EARLIER, fails=1, last_error="old"), EMPTY, 3,
-        record(KNOWN_EMPTY, None, NOW, empties=1), False,
+        record(Discovery.KNOWN_EMPTY, None, EARLIER, fails=1, last_error="old"), EMPTY, 3,
+        record(Discovery.KNOWN_EMPTY, None, NOW, empties=1), False,
         id="known_empty-first-empty",
     ),
     pytest.param(
-        KNOWN_EMPTY_RECORD, EMPTY, 3, record(KNOWN_EMPTY, None, NOW, empties=3), False, id="known_empty-second-empty"
+        KNOWN_EMPTY_RECORD, EMPTY, 3, record(Discovery.KNOWN_EMPTY, None, NOW, empties=3), False, id="known_empty-second-empty"
     ),
     # degraded
     pytest.param(
-        DEGRADED_RECORD, ERROR, 3, record(DISCOVERY_DEGRADED, LIST, EARLIER, fails=2, last_error="boom"), False,
+        DEGRADED_RECORD, ERROR, 3, record(Discovery.DEGRADED, LIST, EARLIER, fails=2, last_error="boom"), False,
         id="degraded-error-below-N",
     ),
     pytest.param(
-        record(DISCOVERY_DEGRADED, LIST, EARLIER, fails=2, last_error="old"), ERROR, 3,
-        record(EXPIRED, LIST, EARLIER, fails=3, last_error="boom"), False,
+        record(Discovery.DEGRADED, LIST, EARLIER, fails=2, last_error="old"), ERROR, 3,
+        record(Discovery.EXPIRED, LIST, EARLIER, fails=3, last_error="boom"), False,
         id="degraded-error-reaching-N",
     ),
-    pytest.param(DEGRADED_RECORD, LIST, 3, record(KNOWN, LIST, NOW), False, id="degraded-same-list-again"),
-    pytest.param(DEGRADED_RECORD, REORDERED, 3, record(KNOWN, REORDERED, NOW), True, id="degraded-different-list"),
+    pytest.param(DEGRADED_RECORD, LIST, 3, record(Discovery.KNOWN, LIST, NOW), False, id="degraded-same-list-again"),
+    pytest.param(DEGRADED_RECORD, REORDERED, 3, record(Discovery.KNOWN, REORDERED, NOW), True, id="degraded-different-list"),
     pytest.param(
-        DEGRADED_RECORD, EMPTY, 3, record(DISCOVERY_DEGRADED, LIST, NOW, empties=1), False, id="degraded-first-empty"
+        DEGRADED_RECORD, EMPTY, 3, record(Discovery.DEGRADED, LIST, NOW, empties=1), False, id="degraded-first-empty"
     ),
     pytest.param(
-        record(DISCOVERY_DEGRADED, LIST, EARLIER, empties=1), EMPTY, 3, record(KNOWN_EMPTY, None, NOW, empties=2),
+        record(Discovery.DEGRADED, LIST, EARLIER, empties=1), EMPTY, 3, record(Discovery.KNOWN_EMPTY, None, NOW, empties=2),
         True,
         id="degraded-second-empty",
     ),
     # expired (below N only after a reload raised the threshold)
     pytest.param(
-        EXPIRED_RECORD, ERROR, 5, record(EXPIRED, LIST, EARLIER, fails=4, last_error="boom"), False,
+        EXPIRED_RECORD, ERROR, 5, record(Discovery.EXPIRED, LIST, EARLIER, fails=4, last_error="boom"), False,
         id="expired-error-below-N",
     ),
     pytest.param(
-        EXPIRED_RECORD, ERROR, 3, record(EXPIRED, LIST, EARLIER, fails=4, last_error="boom"), False,
+        EXPIRED_RECORD, ERROR, 3, record(Discovery.EXPIRED, LIST, EARLIER, fails=4, last_error="boom"), False,
         id="expired-error-reaching-N",
     ),
     pytest.param(
-        record(EXPIRED, None, None, fails=3), LIST, 3, record(KNOWN, LIST, NOW), True, id="expired-non-empty-success"
+        record(Discovery.EXPIRED, None, None, fails=3), LIST, 3, record(Discovery.KNOWN, LIST, NOW), True, id="expired-non-empty-success"
     ),
-    pytest.param(EXPIRED_RECORD, LIST, 3, record(KNOWN, LIST, NOW), False, id="expired-same-list-again"),
-    pytest.param(EXPIRED_RECORD, REORDERED, 3, record(KNOWN, REORDERED, NOW), True, id="expired-different-list"),
-    pytest.param(EXPIRED_RECORD, EMPTY, 3, record(EXPIRED, LIST, NOW, empties=1), False, id="expired-first-empty"),
+    pytest.param(EXPIRED_RECORD, LIST, 3, record(Discovery.KNOWN, LIST, NOW), False, id="expired-same-list-again"),
+    pytest.param(EXPIRED_RECORD, REORDERED, 3, record(Discovery.KNOWN, REORDERED, NOW), True, id="expired-different-list"),
+    pytest.param(EXPIRED_RECORD, EMPTY, 3, record(Discovery.EXPIRED, LIST, NOW, empties=1), False, id="expired-first-empty"),
     pytest.param(
-        record(EXPIRED, LIST, EARLIER, empties=1), EMPTY, 3, record(KNOWN_EMPTY, None, NOW, empties=2), True,
+        record(Discovery.EXPIRED, LIST, EARLIER, empties=1), EMPTY, 3, record(Discovery.KNOWN_EMPTY, None, NOW, empties=2), True,
         id="expired-second-empty",
     ),
 ]
 
 
 @pytest.mark.parametrize(("before", "names", "threshold", "after", "changed"), APPLY_RESULT_CASES)
-def test_apply_result_transition(before, names, threshold, after, changed):
+def test_next_discovery_transition(before, names, threshold, after, changed):
     assert outcome(before, names, threshold) == (after, changed)
 
 
@@ -245,43 +224,43 @@ def walk(outcomes, start: ModelDiscovery = ModelDiscovery(), threshold: int = 3)
 
 
 def test_untried_stays_untried_through_failures_until_n_then_expires():
-    assert [r.state for r in walk([ERROR] * 4)] == [UNTRIED, UNTRIED, EXPIRED, EXPIRED]
+    assert [r.state for r in walk([ERROR] * 4)] == [Discovery.UNTRIED, Discovery.UNTRIED, Discovery.EXPIRED, Discovery.EXPIRED]
 
 
 def test_one_empty_while_untried_stays_untried_but_sets_fetched_at():
     (after,) = walk([EMPTY])
-    assert (after.state, after.names, after.fetched_at) == (UNTRIED, None, NOW)
+    assert (after.state, after.names, after.fetched_at) == (Discovery.UNTRIED, None, NOW)
     assert after.allows("anything")
 
 
 def test_one_empty_after_known_keeps_the_old_list():
     _, after = walk([LIST, EMPTY])
-    assert (after.state, after.names) == (KNOWN, LIST)
+    assert (after.state, after.names) == (Discovery.KNOWN, LIST)
     assert after.allows("m1") and not after.allows("m3")
 
 
 def test_known_empty_ignores_failures_until_n_then_expires():
     records = walk([EMPTY, EMPTY, ERROR, ERROR, ERROR])
-    assert [r.state for r in records] == [UNTRIED, KNOWN_EMPTY, KNOWN_EMPTY, KNOWN_EMPTY, EXPIRED]
+    assert [r.state for r in records] == [Discovery.UNTRIED, Discovery.KNOWN_EMPTY, Discovery.KNOWN_EMPTY, Discovery.KNOWN_EMPTY, Discovery.EXPIRED]
 
 
 def test_expired_plus_one_empty_success_stays_expired_with_fails_reset():
     *_, expired, after = walk([LIST, ERROR, ERROR, ERROR, EMPTY])
-    assert (expired.state, expired.fails) == (EXPIRED, 3)
-    assert (after.state, after.fails, after.names, after.last_error) == (EXPIRED, 0, LIST, "")
+    assert (expired.state, expired.fails) == (Discovery.EXPIRED, 3)
+    assert (after.state, after.fails, after.names, after.last_error) == (Discovery.EXPIRED, 0, LIST, "")
     assert not after.allows("m1")
 
 
 @pytest.mark.parametrize("start", [KNOWN_RECORD, DEGRADED_RECORD], ids=["known", "degraded"])
 def test_known_or_degraded_failing_at_n_expires_keeping_names(start):
     records = walk([ERROR] * 3, start=start)
-    expired = next(r for r in records if r.state == EXPIRED)
+    expired = next(r for r in records if r.state == Discovery.EXPIRED)
     assert expired.fails == 3 and expired.names == LIST and expired.fetched_at == EARLIER
 
 
 def test_degraded_success_is_known():
     (after,) = walk([LIST], start=DEGRADED_RECORD)
-    assert after == record(KNOWN, LIST, NOW)
+    assert after == record(Discovery.KNOWN, LIST, NOW)
 
 
 # allows / exclusion_reason / age / settled per state (§8.1)
@@ -302,7 +281,7 @@ FETCHED_EMPTY_ONCE = record(fetched_at=EARLIER, empties=1)
         (DEGRADED_RECORD, "m3", False, "missing"),
         (KNOWN_EMPTY_RECORD, "m1", False, "empty"),
         (EXPIRED_RECORD, "m1", False, "expired"),  # even though the names are kept
-        (record(EXPIRED, fails=3), "m1", False, "expired"),
+        (record(Discovery.EXPIRED, fails=3), "m1", False, "expired"),
     ],
 )
 def test_allows_and_exclusion_reason(discovery, model, allowed, reason):
@@ -319,7 +298,7 @@ def test_allows_and_exclusion_reason(discovery, model, allowed, reason):
         (KNOWN_EMPTY_RECORD, 15.0, True),
         (DEGRADED_RECORD, 15.0, False),
         (EXPIRED_RECORD, 15.0, False),
-        (record(EXPIRED, fails=3), None, False),
+        (record(Discovery.EXPIRED, fails=3), None, False),
     ],
 )
 def test_age_and_settled(discovery, age, settled):
@@ -423,8 +402,8 @@ def test_discovery_failure_and_expiry_carry_the_error_text():
 def test_listing_never_touches_health():
     state, _, _ = apply([listing(ERROR, at=T0 + i) for i in range(5)], started())
     node = state.nodes[NODE]
-    assert (node.status, node.consecutive_failures, node.last_check) == (HEALTHY, 0, None)
-    assert node.models.state == EXPIRED
+    assert (node.status, node.consecutive_failures, node.last_check) == (Health.HEALTHY, 0, None)
+    assert node.models.state == Discovery.EXPIRED
 
 
 # configured model not served by node (§8.5)
@@ -528,12 +507,12 @@ def test_health_failures_count_up_and_log_once_per_status_change():
         observed.append((node.consecutive_failures, node.status, [(t.level, fields(t)) for t in transitions]))
     change = {"node": NODE, "error": "health endpoint returned status 503"}
     assert observed == [
-        (1, DEGRADED, [("warn", {**change, "from": HEALTHY, "to": DEGRADED, "failures": "1"})]),
-        (2, DEGRADED, []),
-        (3, DEAD, [("error", {**change, "from": DEGRADED, "to": DEAD, "failures": "3"})]),
-        (4, DEAD, []),
-        (0, HEALTHY, [("info", {"node": NODE, "from": DEAD, "to": HEALTHY, "failures": "0"})]),
-        (0, HEALTHY, []),
+        (1, Health.DEGRADED, [("warn", {**change, "from": Health.HEALTHY, "to": Health.DEGRADED, "failures": "1"})]),
+        (2, Health.DEGRADED, []),
+        (3, Health.DEAD, [("error", {**change, "from": Health.DEGRADED, "to": Health.DEAD, "failures": "3"})]),
+        (4, Health.DEAD, []),
+        (0, Health.HEALTHY, [("info", {"node": NODE, "from": Health.DEAD, "to": Health.HEALTHY, "failures": "0"})]),
+        (0, Health.HEALTHY, []),
     ]
 
 
@@ -588,7 +567,7 @@ def test_gpu_scrape_replaces_gpus_only_when_it_found_some():
     assert state.nodes[NODE].gpus == (GPU_A, GPU_B)
     state, _, _ = apply([GpuScraped(at=T0 + 6, node=NODE, gpus=(GPU_B,))], state)
     assert state.nodes[NODE].gpus == (GPU_B,)
-    assert (state.nodes[NODE].last_check, state.nodes[NODE].status) == (None, HEALTHY)
+    assert (state.nodes[NODE].last_check, state.nodes[NODE].status) == (None, Health.HEALTHY)
 
 
 # --- run start and reload (§2.3 NewMonitorWithState, §7) ---------------------------------------
@@ -628,7 +607,7 @@ def reload_setup():
 def test_reload_carries_health_discovery_and_offline_for_kept_ips():
     before = reload_setup()
     old = before.nodes[NODE]
-    assert (old.status, old.consecutive_failures, old.models.state, old.gpus) == (DEGRADED, 2, DISCOVERY_DEGRADED, (GPU_A,))
+    assert (old.status, old.consecutive_failures, old.models.state, old.gpus) == (Health.DEGRADED, 2, Discovery.DEGRADED, (GPU_A,))
     new_config = make_config(
         [
             NodeConfig(ip=node_ip(1), name="renamed", ring="a"),
@@ -643,7 +622,7 @@ def test_reload_carries_health_discovery_and_offline_for_kept_ips():
         ip=NODE,
         name="renamed",
         ring="a",
-        status=DEGRADED,
+        status=Health.DEGRADED,
         consecutive_failures=2,
         models=old.models,  # every field: state, names, fetched_at, fails, empties, last_error
         offline_until=T0 + 6 + OFFLINE_SECONDS,
@@ -780,9 +759,9 @@ def test_states_cannot_be_mutated_by_a_reader():
     with pytest.raises(TypeError):
         del state.nodes[NODE]  # type: ignore[attr-defined]
     with pytest.raises(AttributeError):
-        node.status = DEAD
+        node.status = Health.DEAD
     with pytest.raises(AttributeError):
-        node.models.state = KNOWN
+        node.models.state = Discovery.KNOWN
     with pytest.raises(TypeError):
         node.models.names[0] = "other"  # type: ignore[index]
     with pytest.raises(TypeError):

@@ -16,12 +16,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from controlplane.replay import audit, parse_time, replay
+from controlplane.replay import audit, replay
 from events.config import Config, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event
-from events.types import EVENT_TYPES, HealthProbed, ProbeCrashed, RunStarted
+from events.types import EVENT_TYPES, Checkpoint, HealthProbed, ProbeCrashed, RunStarted
 from fixtures import scenarios
 from interlock.cli import main
+from interlock.render import parse_time
 
 SCENARIO = scenarios.SCENARIO_PATH
 START = scenarios.START
@@ -71,7 +72,7 @@ def test_scenario_is_in_the_event_logs_wire_format():
     assert [encode_event(event) for event in events] == lines
     assert [event.seq for event in events] == list(range(1, len(events) + 1))
     assert all(earlier.at < later.at for earlier, later in zip(events, events[1:]))
-    assert {type(event) for event in events} == set(EVENT_TYPES) - {ProbeCrashed}
+    assert {type(event) for event in events} == set(EVENT_TYPES) - {ProbeCrashed, Checkpoint}
     run = events[0]
     assert isinstance(run, RunStarted)
     assert isinstance(run.config, Config)

@@ -5,19 +5,8 @@ from __future__ import annotations
 import pytest
 
 from controlplane.routing import NOT_IN_RING, balancer_pool, filter_by_model, plan_route, ring_pool
-from controlplane.state import (
-    DEAD,
-    DEGRADED,
-    DISCOVERY_DEGRADED,
-    EXPIRED,
-    HEALTHY,
-    KNOWN,
-    KNOWN_EMPTY,
-    UNTRIED,
-    ModelDiscovery,
-    NodeState,
-)
 from events.config import ModelEntry, NodeConfig
+from events.state import Discovery, Health, ModelDiscovery, NodeState
 from events.types import HealthProbed, ModelsListed, UpstreamFailed
 
 from builders import T0, apply, make_config, run_started
@@ -85,26 +74,26 @@ def test_ring_pool(model, pool):
 
 def test_ring_pool_ignores_health():
     state = cluster()
-    assert state.nodes["10.0.0.7"].status == DEAD
+    assert state.nodes["10.0.0.7"].status == Health.DEAD
     assert "10.0.0.7" in ips(ring_pool(state, "plain"))
 
 
 # --- filter_by_model -----------------------------------------------------------------------------
 
 
-def node(ip: str, state: str = UNTRIED, names=None, status: str = HEALTHY) -> NodeState:
+def node(ip: str, state: str = Discovery.UNTRIED, names=None, status: str = Health.HEALTHY) -> NodeState:
     return NodeState(ip=ip, status=status, models=ModelDiscovery(state=state, names=names))
 
 
 def test_filter_by_model_keeps_allowed_nodes_and_names_the_reason_for_the_rest():
     pool = [
         node("10.0.0.1"),
-        node("10.0.0.2", KNOWN, ("plain",)),
-        node("10.0.0.3", KNOWN, ("other",)),
-        node("10.0.0.4", DISCOVERY_DEGRADED, ("plain",)),
-        node("10.0.0.5", KNOWN_EMPTY),
-        node("10.0.0.6", EXPIRED, ("plain",)),
-        node("10.0.0.7", KNOWN, ("plain",), status=DEAD),
+        node("10.0.0.2", Discovery.KNOWN, ("plain",)),
+        node("10.0.0.3", Discovery.KNOWN, ("other",)),
+        node("10.0.0.4", Discovery.DEGRADED, ("plain",)),
+        node("10.0.0.5", Discovery.KNOWN_EMPTY),
+        node("10.0.0.6", Discovery.EXPIRED, ("plain",)),
+        node("10.0.0.7", Discovery.KNOWN, ("plain",), status=Health.DEAD),
     ]
     kept, dropped = filter_by_model(pool, "plain")
     assert ips(kept) == ["10.0.0.1", "10.0.0.2", "10.0.0.4", "10.0.0.7"]
@@ -116,7 +105,7 @@ def test_filter_by_model_keeps_allowed_nodes_and_names_the_reason_for_the_rest()
 
 
 def test_filter_by_model_is_the_identity_while_untried():
-    pool = [node("10.0.0.1"), node("10.0.0.2", status=DEAD)]
+    pool = [node("10.0.0.1"), node("10.0.0.2", status=Health.DEAD)]
     assert filter_by_model(pool, "anything") == (pool, [])
 
 
@@ -126,9 +115,9 @@ def test_filter_by_model_is_the_identity_while_untried():
 @pytest.mark.parametrize(
     ("statuses", "picked"),
     [
-        ([DEGRADED, HEALTHY, DEAD, HEALTHY], [1, 3]),  # healthy preferred, order kept
-        ([DEGRADED, DEAD, DEGRADED], [0, 2]),  # degraded fallback
-        ([DEAD, DEAD], []),  # dead never
+        ([Health.DEGRADED, Health.HEALTHY, Health.DEAD, Health.HEALTHY], [1, 3]),  # healthy preferred, order kept
+        ([Health.DEGRADED, Health.DEAD, Health.DEGRADED], [0, 2]),  # degraded fallback
+        ([Health.DEAD, Health.DEAD], []),  # dead never
         ([], []),
     ],
 )
@@ -163,7 +152,7 @@ def test_plan_route_names_every_exclusion_reason():
     }
     assert [v.ip for v in plan.verdicts if v.kept] == ["10.0.0.1"]
     by_ip = {v.ip: v for v in plan.verdicts}
-    assert (by_ip["10.0.0.6"].model_state, by_ip["10.0.0.7"].status) == (EXPIRED, DEAD)
+    assert (by_ip["10.0.0.6"].model_state, by_ip["10.0.0.7"].status) == (Discovery.EXPIRED, Health.DEAD)
     assert (by_ip["10.0.0.3"].name, by_ip["10.0.0.3"].ring) == ("node-3", "a")
 
 

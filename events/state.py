@@ -1,46 +1,54 @@
-"""Immutable control-plane state: per-node health and model discovery (plinth §2.1, §8.1).
+"""The control plane's state as data: per-node health and model discovery (plinth §2.1, §8.1).
 
-Every type here is frozen; the reducer derives a new state from the old one and an event,
-and readers (the data plane, replay, explain) can hold any state as long as they like.
+Every type here is frozen; the reducer (`controlplane.reducer`) derives a new state from the old
+one and an event, and readers (the data plane, replay, explain) can hold any state as long as
+they like. The rules that move a node from one state to the next live in the control plane
+(`controlplane.health`, `controlplane.discovery`); here are only the states and the questions
+routing asks of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import StrEnum
 from types import MappingProxyType
 
 import msgspec
 
 from events.config import Config, NodeConfig
-from events.types import GpuSample
-
-HEALTHY = "healthy"
-DEGRADED = "degraded"
-DEAD = "dead"
-
-UNTRIED = "untried"
-KNOWN = "known"
-KNOWN_EMPTY = "known_empty"
-DISCOVERY_DEGRADED = "degraded"
-EXPIRED = "expired"
-
-OFFLINE_SECONDS = 10.0
-"""How long the data plane skips a node after a connection failure (plinth's skip-set)."""
 
 
-def compute_status(failures: int, threshold: int) -> str:
-    """plinth's computeStatus: dead at the threshold, degraded from half of it (at least 1)."""
-    if failures >= threshold:
-        return DEAD
-    if failures >= max(1, threshold // 2):
-        return DEGRADED
-    return HEALTHY
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    uuid: str
+    memory_used: int = 0
+    memory_total: int = 0
+    utilization: int = 0
+    temperature: int = 0
+
+
+class Health(StrEnum):
+    """A node's health (plinth's computeStatus)."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    DEAD = "dead"
+
+
+class Discovery(StrEnum):
+    """What a node's `GET /v1/models` has told us (GH-31). `Discovery.DEGRADED` (listing failures,
+    the last list still trusted) is not `Health.DEGRADED`, though both are spelled `degraded`."""
+
+    UNTRIED = "untried"
+    KNOWN = "known"
+    KNOWN_EMPTY = "known_empty"
+    DEGRADED = "degraded"
+    EXPIRED = "expired"
 
 
 class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """What a node's `GET /v1/models` has told us (plinth §8.1)."""
+    """A node's model discovery record (plinth §8.1)."""
 
-    state: str = UNTRIED
+    state: Discovery = Discovery.UNTRIED
     names: tuple[str, ...] | None = None
     """The last successful non-empty list, in the node's order; None when there is none."""
     fetched_at: float | None = None
@@ -50,9 +58,9 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     last_error: str = ""
 
     def allows(self, model: str) -> bool:
-        if self.state == UNTRIED:
+        if self.state == Discovery.UNTRIED:
             return True
-        if self.state in (KNOWN, DISCOVERY_DEGRADED):
+        if self.state in (Discovery.KNOWN, Discovery.DEGRADED):
             return self.names is not None and model in self.names
         return False
 
@@ -60,11 +68,11 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         """`missing`, `empty` or `expired` when the node may not serve `model`, else ""."""
         if self.allows(model):
             return ""
-        if self.state == KNOWN_EMPTY:
+        if self.state == Discovery.KNOWN_EMPTY:
             return "empty"
-        if self.state == EXPIRED:
+        if self.state == Discovery.EXPIRED:
             return "expired"
-        if self.state in (KNOWN, DISCOVERY_DEGRADED):
+        if self.state in (Discovery.KNOWN, Discovery.DEGRADED):
             return "missing"
         return ""
 
@@ -74,32 +82,7 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     def settled(self) -> bool:
         """plinth's models_ok: the node's listing is known (possibly empty)."""
-        return self.state in (KNOWN, KNOWN_EMPTY)
-
-    def apply_result(
-        self, names: tuple[str, ...] | None, error: str, threshold: int, now: float
-    ) -> tuple[ModelDiscovery, bool]:
-        """plinth's applyResult (§8.2): the next record and whether the model list changed.
-
-        `names` is None exactly when the fetch failed with `error`.
-        """
-        if names is None:
-            fails = self.fails + 1
-            if threshold > 0 and fails >= threshold:
-                state = EXPIRED
-            elif self.state in (KNOWN, DISCOVERY_DEGRADED):
-                state = DISCOVERY_DEGRADED
-            else:
-                state = self.state
-            return msgspec.structs.replace(self, state=state, fails=fails, empties=0, last_error=error), False
-        if names:
-            changed = self.names != names
-            return ModelDiscovery(state=KNOWN, names=names, fetched_at=now), changed
-        empties = self.empties + 1
-        if empties >= 2:
-            changed = bool(self.names)
-            return ModelDiscovery(state=KNOWN_EMPTY, names=None, fetched_at=now, empties=empties), changed
-        return msgspec.structs.replace(self, fetched_at=now, fails=0, empties=empties, last_error=""), False
+        return self.state in (Discovery.KNOWN, Discovery.KNOWN_EMPTY)
 
 
 class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -108,7 +91,7 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     ip: str
     name: str = ""
     ring: str = ""
-    status: str = HEALTHY
+    status: Health = Health.HEALTHY
     consecutive_failures: int = 0
     last_check: float | None = None
     gpus: tuple[GpuSample, ...] = ()

@@ -1,0 +1,83 @@
+"""Model discovery (GH-31): a node's next discovery record from one `GET /v1/models`, and the
+lines that say so (plinth §8.2-§8.5).
+
+The state machine (`next_discovery`) and its transition log (`models_listed`) live together
+here; the reducer only dispatches the events.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from controlplane.transitions import MODELS, StepBuilder
+from events.config import Config
+from events.state import Discovery, ModelDiscovery, NodeState
+from events.types import ModelsListed
+
+EMPTIES_BEFORE_KNOWN_EMPTY = 2
+"""Consecutive empty listings before a node counts as serving nothing (one could be a node
+still loading its model)."""
+
+
+def next_discovery(
+    before: ModelDiscovery, names: tuple[str, ...] | None, error: str, threshold: int, now: float
+) -> tuple[ModelDiscovery, bool]:
+    """plinth's applyResult (§8.2): the next record and whether the model list changed.
+
+    `names` is None exactly when the fetch failed with `error`; `threshold` is the number of
+    consecutive failures after which the list expires.
+    """
+    if names is None:
+        fails = before.fails + 1
+        if threshold > 0 and fails >= threshold:
+            state = Discovery.EXPIRED
+        elif before.state in (Discovery.KNOWN, Discovery.DEGRADED):
+            state = Discovery.DEGRADED
+        else:
+            state = before.state
+        return msgspec.structs.replace(before, state=state, fails=fails, empties=0, last_error=error), False
+    if names:
+        changed = before.names != names
+        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now), changed
+    empties = before.empties + 1
+    if empties >= EMPTIES_BEFORE_KNOWN_EMPTY:
+        changed = bool(before.names)
+        return ModelDiscovery(state=Discovery.KNOWN_EMPTY, names=None, fetched_at=now, empties=empties), changed
+    return msgspec.structs.replace(before, fetched_at=now, fails=0, empties=empties, last_error=""), False
+
+
+def models_listed(node: NodeState, event: ModelsListed, config: Config, out: StepBuilder) -> NodeState:
+    before = node.models
+    after, list_changed = next_discovery(
+        before, event.models, event.error, config.gateway.health_fail_threshold, event.at
+    )
+    if after.state != before.state:
+        if after.state == Discovery.KNOWN_EMPTY:
+            out.log(MODELS, "warn", "node reports no models", node=node.ip)
+        elif after.state == Discovery.DEGRADED:
+            out.log(MODELS, "warn", "model discovery failed", node=node.ip, error=after.last_error)
+        elif after.state == Discovery.EXPIRED:
+            out.log(MODELS, "error", "model discovery expired", node=node.ip, error=after.last_error)
+        elif after.state == Discovery.KNOWN:
+            msg = "models discovered" if before.state == Discovery.UNTRIED else "model discovery recovered"
+            out.log(MODELS, "info", msg, node=node.ip, models=",".join(after.names or ()))
+    if list_changed:
+        out.log(MODELS, "info", "node model list changed", node=node.ip, models=",".join(after.names or ()))
+        for model in configured_models_missing(node.ring, after.names or (), config):
+            out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
+    return msgspec.structs.replace(node, models=after)
+
+
+def configured_models_missing(ring: str, names: tuple[str, ...], config: Config) -> list[str]:
+    """plinth's warnConfigModelsMissing (§8.5): configured models a node of `ring` ("" for a
+    standalone node) should serve but does not (`names`)."""
+    missing = []
+    available_names = set()
+    for entry in config.models.available:
+        available_names.add(entry.name)
+        if entry.ring == ring and entry.name and entry.name not in names:
+            missing.append(entry.name)
+    default = config.models.default
+    if default and default not in available_names and default not in names:
+        missing.append(default)
+    return missing

@@ -1,0 +1,25 @@
+"""What the data plane needs of a control plane, and nothing more.
+
+The request path reads the current snapshot, stamps observations with the control plane's
+clock, and reports what it observed. `controlplane.runtime.ControlPlane` is one such source;
+a process that follows another's event stream can be another.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from events.state import ClusterState
+from events.types import Event
+
+
+class ControlPlaneView(Protocol):
+    @property
+    def snapshot(self) -> ClusterState:
+        """The current state: read it once per decision; it is replaced, never mutated."""
+
+    def now(self) -> float:
+        """The clock events are stamped with."""
+
+    def observe(self, event: Event) -> None:
+        """Report a data-plane observation (an upstream failed or recovered); never blocks."""
