@@ -243,8 +243,9 @@ signals:
   SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
                     and streams in flight finish (for up to 10 s), write the
                     decision and event logs, log `gateway stopped`, exit 0
-  a second one      forced shutdown: connections still open are closed at once,
-                    the logs are still written, exit 0; any more are ignored
+  a second one      forced shutdown: connections still open are closed at once
+                    (worker processes are killed), the logs are still written,
+                    exit 0; any more are ignored
 
 exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
 invalid config file, an address it cannot listen on)"""

@@ -11,8 +11,8 @@ Signals, as `interlock serve --help` documents them: SIGHUP reloads. SIGTERM/SIG
 in plinth's order: log `shutting down`, drain both listeners (streams in flight finish, for up
 to SHUTDOWN_GRACE_SECONDS) and the decision log, then stop the control plane (`gateway
 stopped`), so requests finishing during the drain still report to a running control plane. A
-second SIGTERM/SIGINT during the drain closes the connections still open at once; the rest of
-the shutdown is the same.
+second SIGTERM/SIGINT during the drain closes the connections still open at once (and kills the
+workers); the rest of the shutdown is the same.
 
 Exit codes: 0 after a signalled shutdown, graceful or forced; 1 when the config cannot be
 loaded (`fatal: loading config: …` on stderr) or a listener cannot bind (`server error`).

@@ -292,14 +292,22 @@ async def test_unknown_keys_are_warned_at_start_and_on_reload(tmp_path):
     assert messages[-1] == "gateway stopped"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-async def test_a_second_signal_during_the_drain_forces_the_shutdown_and_still_exits_0(tmp_path, signum):
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("signum", "workers"), [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)])
+async def test_a_second_signal_during_the_drain_forces_the_shutdown_and_still_exits_0(tmp_path, signum, workers):
     # A stream of 1,000 tokens at 20 a second keeps the drain busy far longer than the test.
     async with serve_nodes(node_specs(1, tokens=1000, tpot=0.05)) as nodes:
         api_port = _free_port()
         config_path = tmp_path / "gateway.toml"
         event_log = tmp_path / "events.jsonl"
-        text = config_text(nodes, event_log=str(event_log))
+        text = config_text(nodes, event_log=str(event_log), workers=workers)
         config_path.write_text(_listening_on(text, "listen", f"127.0.0.1:{api_port}"))
         async with serve_process(config_path) as gateway:
             await gateway.wait_for_log("metrics server listening")
@@ -326,6 +334,9 @@ async def test_a_second_signal_during_the_drain_forces_the_shutdown_and_still_ex
     [forced] = [line for line in lines if line["msg"] == "forced shutdown"]
     assert (forced["level"], forced["reason"]) == ("warn", f"second {signum.name}")
     assert isinstance(list(read_events([event_log]))[-1], RunStopped)  # the event log was flushed
+    worker_pids = [int(line["pid"]) for line in lines if line["msg"] == "worker started"]
+    assert len(worker_pids) == (workers if workers > 1 else 0)
+    assert not any(_running(pid) for pid in worker_pids)  # killed, not left draining
 
 
 def test_serve_help_documents_the_signals_and_exit_codes():
