@@ -30,18 +30,22 @@ def log_line(at: float, level: str, msg: str, fields: dict[str, object] | tuple[
 
 
 class JsonLog:
-    """Writes log lines to a stream (stdout by default); one write per line, so lines never interleave."""
+    """Writes log lines to a stream (stdout by default); one write per line, so lines never interleave.
 
-    def __init__(self, stream: TextIO | None = None, clock=time.time):
+    `context` fields go into every line `log` writes (a worker process names itself with them).
+    """
+
+    def __init__(self, stream: TextIO | None = None, clock=time.time, context: dict[str, object] | None = None):
         self.stream = stream if stream is not None else sys.stdout
         self.clock = clock
+        self.context = context or {}
 
     def write_line(self, line: str) -> None:
         self.stream.write(line + "\n")
         self.stream.flush()
 
     def log(self, level: str, msg: str, **fields: object) -> None:
-        self.write_line(log_line(self.clock(), level, msg, fields))
+        self.write_line(log_line(self.clock(), level, msg, {**self.context, **fields}))
 
     def info(self, msg: str, **fields: object) -> None:
         self.log("info", msg, **fields)

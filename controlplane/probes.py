@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import trio
 
 from events.config import NodeConfig
-from events.types import GpuSample, GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
+from events.state import GpuSample
+from events.types import GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
 from transport.http11 import BodyTooLarge, HttpClient, HttpError
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

@@ -32,6 +32,7 @@ from controlplane.transitions import (
 from events.config import Config
 from events.state import ClusterState, NodeState, node_mapping, with_node
 from events.types import (
+    Checkpoint,
     ConfigReloaded,
     Event,
     GpuScraped,
@@ -78,7 +79,7 @@ def _run_started(state: ClusterState, event: RunStarted, out: StepBuilder) -> Cl
     )
 
 
-_RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes")
+_RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes", "workers")
 """Gateway settings a running gateway keeps until it restarts (plinth warns for the listen addresses)."""
 
 
@@ -119,6 +120,11 @@ def _run_stopped(state: ClusterState, event: RunStopped, out: StepBuilder) -> Cl
     return state
 
 
+def _checkpoint(state: ClusterState, event: Checkpoint, out: StepBuilder) -> ClusterState:
+    """The state is the one the checkpoint carries, whatever came before (nothing to log)."""
+    return event.state()
+
+
 # --- data-plane observations (the offline skip-set) -----------------------------------------
 
 
@@ -144,6 +150,7 @@ _CLUSTER_HANDLERS: dict[type, Callable[[ClusterState, Event, StepBuilder], Clust
     ConfigReloaded: _config_reloaded,
     ReloadRejected: _reload_rejected,
     RunStopped: _run_stopped,
+    Checkpoint: _checkpoint,
 }
 
 _NODE_HANDLERS: dict[type, Callable[[NodeState, Event, Config, StepBuilder], NodeState]] = {

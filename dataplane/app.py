@@ -42,7 +42,7 @@ class _HttpConnection(TrioASGIHTTPConnection):
         await super().__call__(receive, send_end_shielded)
 
 
-def create_app(control_plane: ControlPlaneView, views: SnapshotViews) -> QuartTrio:
+def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: int = 0) -> QuartTrio:
     app = QuartTrio("interlock")
     app.asgi_http_class = _HttpConnection
     app.config.update(
@@ -54,7 +54,8 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews) -> QuartTr
 
     @app.get("/health")
     async def health() -> Response:
-        snapshot = control_plane.snapshot
+        view = views.current()
+        snapshot = view.snapshot
         now = control_plane.now()
         nodes = snapshot.node_list()
         healthy = sum(1 for node in nodes if node.status == Health.HEALTHY)
@@ -87,7 +88,14 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews) -> QuartTr
             "nodes": len(nodes),
             "status": status,
         }
-        return Response(_encode.encode(body), content_type="application/json")
+        # Which process answered, and the state it answered from: processes that followed the
+        # same events agree on the digest at the same seq (plinth's body stays as it is).
+        headers = {
+            "X-Interlock-Worker": str(worker),
+            "X-Interlock-Seq": str(snapshot.seq),
+            "X-Interlock-State-Digest": view.state_digest,
+        }
+        return Response(_encode.encode(body), content_type="application/json", headers=headers)
 
     @app.get("/v1/models")
     async def models() -> Response:

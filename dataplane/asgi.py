@@ -60,11 +60,11 @@ def with_model(body: bytes, model: str) -> bytes:
 class ApiApp:
     """The ASGI application of the API listener (`gateway.listen`)."""
 
-    def __init__(self, control_plane: ControlPlaneView, proxy: Proxy, views: SnapshotViews) -> None:
+    def __init__(self, control_plane: ControlPlaneView, proxy: Proxy, views: SnapshotViews, worker: int = 0) -> None:
         self._control_plane = control_plane
         self._proxy = proxy
         self._views = views
-        self._quart = create_app(control_plane, views)
+        self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:

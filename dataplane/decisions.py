@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 import msgspec
 import trio
@@ -64,6 +64,14 @@ class Decision(msgspec.Struct, frozen=True):
     status: int | None
     """The status the client got; None when the client went away first."""
     duration: float
+    worker: int = 0
+    """The worker process that routed it (`serve --workers`); 0 in a gateway without workers."""
+
+
+class DecisionRecorder(Protocol):
+    """Where the request path hands its decision records (never blocking)."""
+
+    def record(self, decision: Decision) -> None: ...
 
 
 class DecisionLog:

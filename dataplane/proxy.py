@@ -18,6 +18,7 @@ Everything a request needs from a control-plane snapshot that does not depend on
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -36,14 +37,14 @@ from dataplane.decisions import (
     TRUNCATED,
     AttemptRecord,
     Decision,
-    DecisionLog,
+    DecisionRecorder,
     Exclusion,
 )
 from dataplane.errors import NO_HEALTHY_NODE, NO_REACHABLE_NODE, UPSTREAM_ERROR, ApiError, Headers, Reply, error_reply
 from dataplane.metrics import RequestMetrics
 from events.config import Config
 from events.state import ClusterState, NodeState
-from events.types import UpstreamFailed, UpstreamRecovered
+from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
 from transport.http11 import ConnectFailed, HttpClient, WriteFailed
 from transport.http11 import Response as UpstreamResponse
 
@@ -141,6 +142,11 @@ class SnapshotView:
                 self._routes[model] = route
         return route
 
+    @functools.cached_property
+    def state_digest(self) -> str:
+        """The snapshot's `Checkpoint.digest`: processes that followed the same events agree on it."""
+        return Checkpoint.of(self.snapshot).digest()
+
 
 class SnapshotViews:
     """The view of the control plane's current snapshot, rebuilt only when the snapshot changes
@@ -236,7 +242,7 @@ class Proxy:
         pool: HttpClient,
         metrics: RequestMetrics,
         log: JsonLog,
-        decisions: DecisionLog | None = None,
+        decisions: DecisionRecorder | None = None,
         *,
         response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
         first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,

@@ -8,6 +8,8 @@ the file).
 
 from __future__ import annotations
 
+from typing import Literal
+
 from msgspec import Struct
 
 DEFAULT_LISTEN = ":8000"
@@ -20,6 +22,10 @@ DEFAULT_PROBE_TIMEOUT = 5.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_VLLM_PORT = 8000
 DEFAULT_METRICS_PORT = 9100
+
+
+Workers = int | Literal["auto"]
+"""`gateway.workers`: a count of processes, or "auto"."""
 
 
 class ClusterConfig(Struct, frozen=True, kw_only=True):
@@ -44,6 +50,9 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """The event log starts a new segment once the current one reaches this size."""
     decision_log: str = ""
     """Path of the per-request decision log; "" = no decision log."""
+    workers: Workers = 1
+    """Processes serving the API: 1 is the gateway alone; more (or "auto", one per usable core)
+    start that many workers that follow this process's control plane."""
 
     @property
     def response_buffer_limit(self) -> int:

@@ -16,7 +16,14 @@ from types import MappingProxyType
 import msgspec
 
 from events.config import Config, NodeConfig
-from events.types import GpuSample
+
+
+class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    uuid: str
+    memory_used: int = 0
+    memory_total: int = 0
+    utilization: int = 0
+    temperature: int = 0
 
 
 class Health(StrEnum):

@@ -7,11 +7,13 @@ JSON Lines log). `at` is wall-clock UNIX seconds, set by whoever observed the ev
 
 from __future__ import annotations
 
+import hashlib
 from typing import Union
 
 import msgspec
 
 from events.config import Config
+from events.state import ClusterState, GpuSample, NodeState, node_mapping
 
 
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -58,14 +60,6 @@ class ProbeCrashed(EventBase, frozen=True, tag="probe_crashed"):
     error: str
 
 
-class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    uuid: str
-    memory_used: int = 0
-    memory_total: int = 0
-    utilization: int = 0
-    temperature: int = 0
-
-
 class GpuScraped(EventBase, frozen=True, tag="gpu_scrape"):
     """One scrape of a node's GPU exporter; `gpus` is empty when it gave no result."""
 
@@ -99,6 +93,44 @@ class RunStopped(EventBase, frozen=True, tag="run_stopped"):
     """The gateway shut down cleanly."""
 
 
+class Checkpoint(EventBase, frozen=True, tag="checkpoint"):
+    """The whole control-plane state after the event numbered `seq` (applied at `at`), so that a
+    reader can start here instead of at the beginning: a worker that follows the leader's events,
+    or a replay of the segments that remain. It takes no number of its own: `seq` is the number
+    of the last event the state includes."""
+
+    version: str
+    config_path: str
+    config: Config | None
+    nodes: tuple[NodeState, ...]
+
+    @classmethod
+    def of(cls, state: ClusterState) -> Checkpoint:
+        return cls(
+            seq=state.seq,
+            at=state.at,
+            version=state.version,
+            config_path=state.config_path,
+            config=state.config,
+            nodes=tuple(state.nodes.values()),
+        )
+
+    def digest(self) -> str:
+        """A short hash of the state this checkpoint carries, to compare states across processes."""
+        return hashlib.sha256(msgspec.json.encode(self)).hexdigest()[:16]
+
+    def state(self) -> ClusterState:
+        """The state this checkpoint carries."""
+        return ClusterState(
+            seq=self.seq,
+            at=self.at,
+            version=self.version,
+            config_path=self.config_path,
+            config=self.config,
+            nodes=node_mapping(list(self.nodes)),
+        )
+
+
 Event = Union[
     RunStarted,
     ConfigReloaded,
@@ -110,6 +142,7 @@ Event = Union[
     UpstreamFailed,
     UpstreamRecovered,
     RunStopped,
+    Checkpoint,
 ]
 
 EVENT_TYPES: tuple[type[EventBase], ...] = Event.__args__

@@ -2,7 +2,7 @@
 
     interlock demo [--config PATH] [--once] [--quiet]
     interlock serve [--config PATH]
-    interlock check-config PATH
+    interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
     interlock explain [LOG…] --request-id ID --decisions FILE [--json]
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from controlplane.config import ConfigError, describe_config, load_config
+from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
 from controlplane.logs import format_timestamp
 from controlplane.replay import audit, explain, replay
 from dataplane.decisions import DecisionLogError, find_decisions
@@ -83,7 +83,8 @@ def _error(args: argparse.Namespace, message: str) -> int:
 
 
 def _warner(args: argparse.Namespace) -> Callable[[str], None]:
-    """Reports a skipped torn line on stderr; the command carries on."""
+    """Reports something the command skips (a torn line, an unknown config key) on stderr; the
+    command carries on."""
     return lambda message: print(f"{args.prog}: warning: {message}", file=sys.stderr)
 
 
@@ -91,16 +92,34 @@ def _warner(args: argparse.Namespace) -> Callable[[str], None]:
 
 
 def add_check_config(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("check-config", help="validate a config file and summarize it")
+    parser = commands.add_parser(
+        "check-config",
+        help="validate a config file and summarize it",
+        description="Validate a config file and summarize it. Keys the gateway does not know are ignored, "
+        "as plinth does, with a warning naming the closest known key.",
+    )
     parser.add_argument("path", metavar="PATH", help="the gateway's TOML config file")
+    parser.add_argument("--strict", action="store_true", help="unknown keys are errors (exit code 2)")
     parser.set_defaults(run=run_check_config)
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    unknown_keys: list[UnknownKey] = []
+    warn = _warner(args)
+
+    def report(unknown: UnknownKey) -> None:
+        unknown_keys.append(unknown)
+        if args.strict:
+            print(unknown, file=sys.stderr)
+        else:
+            warn(str(unknown))
+
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, warn=report)
     except ConfigError as err:
         print(err, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.strict and unknown_keys:
         return EXIT_BAD_INPUT
     print("ok")
     print(describe_config(config))
@@ -253,18 +272,56 @@ def run_timeline(args: argparse.Namespace) -> int:
 # --- serve -----------------------------------------------------------------------------------
 
 
+SERVE_SIGNALS_HELP = """\
+signals:
+  SIGHUP            reload the config file (listen addresses and the event log
+                    settings need a restart); an invalid file is rejected and
+                    the running config stays in force
+  SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
+                    and streams in flight finish (for up to 10 s), write the
+                    decision and event logs, log `gateway stopped`, exit 0
+  a second one      forced shutdown: connections still open are closed at once
+                    (worker processes are killed), the logs are still written,
+                    exit 0; any more are ignored
+
+exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
+invalid config file, an address it cannot listen on)"""
+"""What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
+the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
+
+
 def add_serve(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="run the gateway (exit code 1 if it cannot start)")
+    parser = commands.add_parser(
+        "serve",
+        help="run the gateway (exit code 1 if it cannot start)",
+        description="Run the gateway: probe the nodes, serve the API and the metrics.",
+        epilog=SERVE_SIGNALS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
     )
+    parser.add_argument(
+        "--workers",
+        type=_argument_type(parse_workers),
+        metavar="N|auto",
+        help="processes serving the API (overrides gateway.workers; auto: one per usable core)",
+    )
     parser.set_defaults(run=run_serve)
+
+
+def parse_workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"invalid worker count {text!r}: a whole number from 1, or auto")
 
 
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
-    return serve_gateway(args.config, package_version())
+    return serve_gateway(args.config, package_version(), workers=args.workers)
 
 
 # --- demo ------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from builders import T0, make_config, run_started
 from events.config import ClusterConfig, Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
 from events.log import (
     EventLogError,
@@ -18,10 +17,11 @@ from events.log import (
     list_segments,
     read_events,
 )
+from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeState
 from events.types import (
     EVENT_TYPES,
+    Checkpoint,
     ConfigReloaded,
-    GpuSample,
     GpuScraped,
     HealthProbed,
     ModelsListed,
@@ -32,6 +32,8 @@ from events.types import (
     UpstreamFailed,
     UpstreamRecovered,
 )
+
+from builders import T0, make_config, run_started
 
 # --- a strategy over every event type --------------------------------------------------------
 
@@ -59,6 +61,27 @@ gpus = st.builds(
 )
 
 
+discoveries = st.builds(
+    ModelDiscovery,
+    state=st.sampled_from(Discovery),
+    names=st.none() | st.lists(texts, max_size=3).map(tuple),
+    fetched_at=st.none() | times,
+    fails=int64s,
+    last_error=texts,
+)
+node_states = st.builds(
+    NodeState,
+    ip=texts,
+    name=texts,
+    status=st.sampled_from(Health),
+    consecutive_failures=int64s,
+    last_check=st.none() | times,
+    gpus=st.lists(gpus, max_size=2).map(tuple),
+    models=discoveries,
+    offline_until=st.none() | times,
+)
+
+
 def event(cls, **fields):
     return st.builds(cls, at=times, seq=st.integers(min_value=0, max_value=2**63 - 1), **fields)
 
@@ -79,6 +102,10 @@ EVENTS = {
     UpstreamFailed: event(UpstreamFailed, node=texts, error=texts),
     UpstreamRecovered: event(UpstreamRecovered, node=texts),
     RunStopped: event(RunStopped),
+    Checkpoint: event(
+        Checkpoint, version=texts, config_path=texts, config=st.none() | configs,
+        nodes=st.lists(node_states, max_size=3).map(tuple),
+    ),
 }
 any_event = st.one_of(*EVENTS.values())
 
@@ -239,3 +266,14 @@ def test_last_seq_of_a_damaged_segment_still_counts_its_good_lines(tmp_path):
     good = encode_event(probes(9)[8])
     (tmp_path / "events.000002.jsonl").write_bytes(encode_event(probes(7)[6]) + b"garbage\n" + good)
     assert last_seq(log) == 9
+
+
+def test_a_config_recorded_before_a_key_existed_decodes_with_its_default():
+    """Logs outlive versions: a run_started written before `gateway.workers` existed still replays."""
+    line = (
+        b'{"type":"run_started","version":"0.1.0","config_path":"gateway.toml","config":{"gateway":'
+        b'{"listen":":8000","decision_log":""},"nodes":[{"ip":"10.0.0.1"}]},"at":1.0,"seq":1}'
+    )
+    event = decode_event(line)
+    assert event.config.gateway.workers == 1
+    assert event.config.nodes[0].vllm_port == 8000

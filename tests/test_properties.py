@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from controlplane.health import compute_status
 from controlplane.reducer import INITIAL_STATE, reduce
 from events.config import NodeConfig
-from events.state import Discovery
+from events.state import Discovery, GpuSample
 from events.types import (
+    Checkpoint,
     ConfigReloaded,
-    GpuSample,
     GpuScraped,
     HealthProbed,
     ModelsListed,
@@ -71,9 +71,9 @@ def event_sequences(draw):
     return [msgspec.structs.replace(event, seq=seq) for seq, event in enumerate(events, start=1)]
 
 
-def replay(events):
-    """Each state and each step, encoded."""
-    state, encoded = INITIAL_STATE, []
+def replay(events, state=INITIAL_STATE):
+    """Each state and each step, encoded, applying `events` from `state` on."""
+    encoded = []
     for event in events:
         state, step = reduce(state, event)
         encoded.append((encode_state(state), msgspec.json.encode(step)))
@@ -110,3 +110,19 @@ def test_invariants_hold_after_every_event(events):
             threshold = state.config.gateway.health_fail_threshold
             assert node.status == compute_status(node.consecutive_failures, threshold)
             assert node.last_check == event.at
+
+
+@settings(max_examples=100, deadline=None)
+@given(event_sequences(), st.data())
+def test_replay_from_a_checkpoint_equals_replay_from_the_start(events, data):
+    """A follower that starts from a checkpoint at any seq, and applies the events after it,
+    holds the same states and gets the same transitions as one that saw every event."""
+    from_start = replay(events)
+    cut = data.draw(st.integers(min_value=1, max_value=len(events)))
+    state = INITIAL_STATE
+    for event in events[:cut]:
+        state, _ = reduce(state, event)
+    checkpoint = msgspec.json.decode(msgspec.json.encode(Checkpoint.of(state)), type=Checkpoint)
+    followed, _ = reduce(INITIAL_STATE, checkpoint)
+    assert encode_state(followed) == from_start[cut - 1][0]
+    assert replay(events[cut:], followed) == from_start[cut:]

@@ -20,8 +20,8 @@ from controlplane.probes import MAX_BODY_BYTES, MISSING_DATA, ProbeError, parse_
 from controlplane.replay import replay
 from controlplane.runtime import ControlPlane, next_tick, open_control_plane
 from events.log import list_segments, read_events
-from events.state import Discovery, Health
-from events.types import GpuSample, ModelsListed, RunStarted, RunStopped, UpstreamFailed
+from events.state import Discovery, GpuSample, Health
+from events.types import ModelsListed, RunStarted, RunStopped, UpstreamFailed
 from fixtures.node import OVERSIZED_MODELS_BYTES, Behaviour, NodeSpec, SimulatedNode, serve_nodes
 
 T0 = 1767323045.0
@@ -69,7 +69,7 @@ async def test_hung_model_listing_never_delays_health_checks(fast_clock, gateway
         path = gateway_config(nodes, health_interval="1s", probe_timeout="30s")
         last_checks = []
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            control_plane.add_listener(lambda state, step: last_checks.append(state.nodes[node.host].last_check))
+            control_plane.add_listener(lambda event, state, step: last_checks.append(state.nodes[node.host].last_check))
             await eventually(lambda: len({at for at in last_checks if at is not None}) >= 4)
             state = control_plane.snapshot.nodes[node.host]
             assert state.status == Health.HEALTHY
@@ -147,7 +147,7 @@ async def test_a_failing_node_goes_degraded_then_dead_then_recovers_logging_each
         path = gateway_config(nodes, health_interval="1s", health_fail_threshold=3)
         statuses = []
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            control_plane.add_listener(lambda state, step: statuses.append(state.nodes[failing.host].status))
+            control_plane.add_listener(lambda event, state, step: statuses.append(state.nodes[failing.host].status))
             await eventually(lambda: control_plane.snapshot.nodes[failing.host].last_check is not None)
             failing.behaviour.health = "fail"
             await eventually(lambda: control_plane.snapshot.nodes[failing.host].status == Health.DEAD)

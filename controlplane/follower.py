@@ -1,0 +1,50 @@
+"""A follower: the control plane of a worker process, which applies the leader's numbered events.
+
+The leader owns the probes, the numbering and the event log; a follower starts from a
+checkpoint (the leader's state at some seq) and applies every later event with the same pure
+`reduce`, so it holds the leader's state at each seq. What the worker's requests observe (a node
+refused a connection) goes back to the leader, which numbers it like any event and sends it to
+every follower, this one included.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from controlplane.reducer import INITIAL_STATE, reduce
+from events.state import ClusterState
+from events.types import Checkpoint, Event
+
+
+class OutOfStep(Exception):
+    """An event that does not follow the follower's state (a lost or repeated event)."""
+
+
+class Follower:
+    """Implements the data plane's `ControlPlaneView` from the leader's event stream."""
+
+    def __init__(self, report: Callable[[Event], None], now: Callable[[], float] = time.time) -> None:
+        self._report = report
+        self._clock = now
+        self._snapshot = INITIAL_STATE
+
+    @property
+    def snapshot(self) -> ClusterState:
+        """The current state: read it once per decision; it is replaced, never mutated."""
+        return self._snapshot
+
+    def now(self) -> float:
+        return self._clock()
+
+    def observe(self, event: Event) -> None:
+        """Report a data-plane observation to the leader; never blocks."""
+        self._report(event)
+
+    def apply(self, event: Event) -> None:
+        """Apply the leader's next event: a checkpoint replaces the state, any other event must
+        carry the next seq. Raises OutOfStep otherwise."""
+        state = self._snapshot
+        if not isinstance(event, Checkpoint) and event.seq != state.seq + 1:
+            raise OutOfStep(f"event seq {event.seq} does not follow seq {state.seq}")
+        self._snapshot, _ = reduce(state, event)

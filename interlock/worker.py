@@ -1,0 +1,140 @@
+"""One worker process of `serve --workers N` (started by the leader, `interlock.workers`).
+
+It serves the API on the listening socket it inherits, routing on the state it follows from the
+leader's events (`controlplane.follower`), and reports its observations and decision records to
+the leader. It stops when told to (SIGTERM: drain, then exit) or when its leader is gone (the
+leader's socket ends: drain, then exit). SIGINT and SIGHUP are the leader's to act on: a Ctrl-C
+in a terminal reaches every process of the group, and the leader then stops its workers in order.
+
+    python -m interlock.worker --index N --api-fd FD --leader-fd FD
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+
+import msgspec
+import prometheus_client
+import trio
+
+from controlplane.follower import Follower, OutOfStep
+from controlplane.logs import JsonLog
+from dataplane.decisions import Decision
+from events.log import decode_event
+from events.types import Checkpoint
+from interlock.serve import api_application, serve_on_socket
+from interlock.workers import DecisionMade, Report, encode_report
+
+REPORT_BACKLOG = 10_000
+"""Reports waiting to go to the leader; beyond that they are dropped (and counted in the log)."""
+
+EXIT_OUT_OF_STEP = 3
+
+
+class _Reports:
+    """What goes up to the leader: observations and decision records, never blocking a request."""
+
+    def __init__(self, worker: int, log: JsonLog) -> None:
+        self._worker = worker
+        self._log = log
+        self._send, self._receive = trio.open_memory_channel[Report](REPORT_BACKLOG)
+        self.dropped = 0
+
+    def report(self, item: Report) -> None:
+        try:
+            self._send.send_nowait(item)
+        except trio.WouldBlock:
+            self.dropped += 1
+
+    def record(self, decision: Decision) -> None:
+        """The data plane's decision log, as far as this worker is concerned."""
+        self.report(DecisionMade(msgspec.structs.replace(decision, worker=self._worker)))
+
+    async def send_to(self, leader: trio.SocketStream) -> None:
+        async for first in self._receive:
+            batch = [first]
+            while True:
+                try:
+                    batch.append(self._receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            await leader.send_all(b"".join(encode_report(item) + b"\n" for item in batch))
+            if self.dropped:
+                self._log.warn("reports to the leader dropped", dropped=self.dropped)
+                self.dropped = 0
+
+
+async def _events(leader: trio.SocketStream):
+    """The leader's events, decoded, until its end closes."""
+    buffered = b""
+    while data := await _receive(leader):
+        *lines, buffered = (buffered + data).split(b"\n")
+        for line in lines:
+            yield decode_event(line)
+
+
+async def _receive(leader: trio.SocketStream) -> bytes:
+    try:
+        return await leader.receive_some(65536)
+    except trio.BrokenResourceError:
+        return b""
+
+
+async def run_worker(index: int, api_socket: socket.socket, leader_socket: socket.socket, log: JsonLog) -> int:
+    """Serve until SIGTERM or the leader's end of the socketpair closes; the exit code."""
+    leader = trio.SocketStream(trio.socket.from_stdlib_socket(leader_socket))
+    reports = _Reports(index, log)
+    follower = Follower(reports.report)
+    events = _events(leader)
+    first = await anext(events, None)
+    if not isinstance(first, Checkpoint):
+        log.error("worker got no checkpoint from the leader")
+        return EXIT_OUT_OF_STEP
+    follower.apply(first)
+    stop = trio.Event()
+    exit_code = 0
+
+    async def follow() -> None:
+        nonlocal exit_code
+        try:
+            async for event in events:
+                follower.apply(event)
+        except OutOfStep as error:
+            log.error("worker out of step with the leader", error=str(error))
+            exit_code = EXIT_OUT_OF_STEP
+        stop.set()  # the leader is gone (or we cannot follow it): drain and exit
+
+    async def stop_on_sigterm() -> None:
+        with trio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                stop.set()
+                return
+
+    async with api_application(follower, log, reports, worker=index) as api_app, trio.open_nursery() as nursery:
+        nursery.start_soon(follow)
+        nursery.start_soon(reports.send_to, leader)
+        nursery.start_soon(stop_on_sigterm)
+        await serve_on_socket(api_app, api_socket, stop)
+        nursery.cancel_scope.cancel()
+    return exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="interlock.worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--api-fd", type=int, required=True)
+    parser.add_argument("--leader-fd", type=int, required=True)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    prometheus_client.disable_created_metrics()
+    api_socket = socket.socket(fileno=args.api_fd)
+    leader_socket = socket.socket(fileno=args.leader_fd)
+    return trio.run(run_worker, args.index, api_socket, leader_socket, JsonLog(context={"worker": args.index}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""`serve --workers N`: the leader's side. Worker processes serve the API and follow its events.
+
+The leader (the process the operator starts) owns the probes, the reducer's numbering, the
+event and decision logs, the metrics listener, the signals, and the workers' lifecycle. Each
+worker is a process of its own (`interlock.worker`) serving the API listener, which the leader
+binds once and every worker inherits: a connection waits in one accept queue until a worker that
+is free to take it does, a worker that dies leaves its waiting connections to the others, and a
+restarted worker needs no port of its own. (With SO_REUSEPORT the kernel would hash
+connections to workers whatever their load, and drop the ones queued on a dying worker.)
+
+Each worker has a socketpair to the leader. Down it, the leader sends a checkpoint (its state at
+the moment the worker is registered) and then every numbered event after it, in order, encoded
+as in the event log; the worker applies them with the same `reduce`, so it holds the leader's
+state at every seq. Up it, the worker sends what its requests observed (a node refused a
+connection, or answered again), which the leader numbers like any event, and its decision
+records, which the leader appends to the one decision log.
+
+A worker that exits is started again (after a pause, if it keeps dying) and catches up from a
+new checkpoint. A worker whose leader is gone (its socket ends) drains and exits. SIGTERM to the
+leader drains every worker before the control plane stops.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+import msgspec
+import prometheus_client
+import trio
+
+from controlplane.logs import JsonLog
+from controlplane.runtime import ControlPlane
+from dataplane.decisions import Decision
+from events.log import encode_event
+from events.state import ClusterState
+from events.types import Checkpoint, Event, UpstreamFailed, UpstreamRecovered
+
+RESTART_PAUSE_SECONDS = 1.0
+"""How long the leader waits before starting a worker again that ran for less than this."""
+
+MAX_LAG_EVENTS = 100_000
+"""Events a worker may fall behind before the leader restarts it (it catches up from a checkpoint)."""
+
+STOP_GRACE_SECONDS = 15.0
+"""How long the leader waits for its workers to drain after SIGTERM before it kills them
+(longer than a worker's own drain, `interlock.serve.SHUTDOWN_GRACE_SECONDS`)."""
+
+
+class DecisionMade(msgspec.Struct, frozen=True, tag="decision", tag_field="type"):
+    """A worker's decision record, on its way to the leader's decision log."""
+
+    record: Decision
+
+
+Report = UpstreamFailed | UpstreamRecovered | DecisionMade
+"""What a worker sends its leader."""
+
+encode_report = msgspec.json.Encoder().encode
+decode_report = msgspec.json.Decoder(Report).decode
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (`workers = "auto"`)."""
+    return len(os.sched_getaffinity(0))
+
+
+class WorkerMetrics:
+    """The leader's own metrics about its workers."""
+
+    def __init__(self, registry: prometheus_client.CollectorRegistry) -> None:
+        self.restarts = prometheus_client.Counter(
+            "interlock_worker_restarts_total", "Worker processes started again after they exited", registry=registry
+        )
+        self.running = prometheus_client.Gauge(
+            "interlock_workers_running", "Worker processes running", registry=registry
+        )
+
+
+class _Link:
+    """The leader's end of one worker's socketpair: events go down, reports come up."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self._pending: list[bytes] = []
+        self._wakeup = trio.Event()
+        self.lagging = False
+
+    def push(self, line: bytes) -> None:
+        """Queue one encoded event; never blocks (a worker too far behind is marked lagging)."""
+        if len(self._pending) >= MAX_LAG_EVENTS:
+            self.lagging = True
+            self._wakeup.set()
+            return
+        self._pending.append(line)
+        self._wakeup.set()
+
+    async def send_events(self) -> None:
+        """Send the queued events in order until the worker's end closes, or it lags."""
+        while not self.lagging:
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+            batch, self._pending = self._pending, []
+            if batch:
+                try:
+                    await self.stream.send_all(b"".join(batch))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return
+
+    async def receive_reports(self, handle: Callable[[Report], None]) -> None:
+        """Hand every report line to `handle` until the worker's end closes."""
+        buffered = b""
+        while True:
+            try:
+                data = await self.stream.receive_some(65536)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                return
+            if not data:
+                return
+            *lines, buffered = (buffered + data).split(b"\n")
+            for line in lines:
+                handle(decode_report(line))
+
+
+class WorkerPool:
+    """Starts, feeds, watches and stops the worker processes of one gateway."""
+
+    def __init__(
+        self,
+        control_plane: ControlPlane,
+        api_socket: socket.socket,
+        count: int,
+        *,
+        log: JsonLog,
+        record_decision: Callable[[Decision], None],
+        metrics: WorkerMetrics,
+        metrics_dir: str,
+    ) -> None:
+        self._control_plane = control_plane
+        self._api_socket = api_socket
+        self._count = count
+        self._log = log
+        self._record_decision = record_decision
+        self._metrics = metrics
+        self._metrics_dir = metrics_dir
+        self._links: dict[int, _Link] = {}
+        self._processes: dict[int, trio.Process] = {}
+        self._stopping = False
+        self._finished = trio.Event()
+        control_plane.add_listener(self._fan_out)
+
+    def _fan_out(self, event: Event, state: ClusterState, step: object) -> None:
+        """Every applied event, to every registered worker (called in the reducer task)."""
+        if self._links:
+            line = encode_event(event)
+            for link in self._links.values():
+                link.push(line)
+
+    def _handle_report(self, report: Report) -> None:
+        if isinstance(report, DecisionMade):
+            self._record_decision(report.record)
+        else:
+            self._control_plane.observe(report)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep `count` workers running until `stop()`; `started` once each has been launched."""
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in range(1, self._count + 1):
+                    await nursery.start(self._supervise, index)
+                task_status.started()
+        finally:
+            self._finished.set()
+
+    async def stop(self) -> None:
+        """Drain every worker (SIGTERM), killing those still running after STOP_GRACE_SECONDS."""
+        self._stopping = True
+        for process in self._processes.values():
+            _signal(process, signal.SIGTERM)
+        with trio.move_on_after(STOP_GRACE_SECONDS):
+            await self._finished.wait()
+        for process in self._processes.values():
+            _signal(process, signal.SIGKILL)
+        await self._finished.wait()
+
+    async def _supervise(self, index: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        while not self._stopping:
+            started_at = trio.current_time()
+            exit_code = await self._run_worker(index, task_status)
+            task_status = trio.TASK_STATUS_IGNORED
+            if self._stopping:
+                return
+            self._metrics.restarts.inc()
+            self._log.error("worker exited; starting it again", worker=index, code=exit_code)
+            if trio.current_time() - started_at < RESTART_PAUSE_SECONDS:
+                await trio.sleep(RESTART_PAUSE_SECONDS)
+
+    async def _run_worker(self, index: int, task_status: trio.TaskStatus[None]) -> int:
+        """Start worker `index`, feed it until it exits; its exit code."""
+        leader_end, worker_end = socket.socketpair()
+        link = _Link(trio.SocketStream(trio.socket.from_stdlib_socket(leader_end)))
+        # No checkpoint between reading the snapshot and registering: the worker gets the state
+        # at seq S, then every event after S.
+        link.push(encode_event(Checkpoint.of(self._control_plane.snapshot)))
+        self._links[index] = link
+        try:
+            with worker_end:
+                process = await trio.lowlevel.open_process(
+                    [
+                        sys.executable, "-m", "interlock.worker",
+                        "--index", str(index),
+                        "--api-fd", str(self._api_socket.fileno()),
+                        "--leader-fd", str(worker_end.fileno()),
+                    ],  # fmt: skip
+                    pass_fds=(self._api_socket.fileno(), worker_end.fileno()),
+                    env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": self._metrics_dir},
+                )
+            self._processes[index] = process
+            self._metrics.running.inc()
+            self._log.info("worker started", worker=index, pid=process.pid)
+            task_status.started()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._feed, link, process)
+                nursery.start_soon(link.receive_reports, self._handle_report)
+                try:
+                    await process.wait()
+                finally:
+                    if process.returncode is None:  # cancelled (a forced shutdown): the worker goes too
+                        process.kill()
+                        with trio.CancelScope(shield=True):
+                            await process.wait()
+                nursery.cancel_scope.cancel()
+            return process.returncode
+        finally:
+            del self._links[index]
+            if self._processes.pop(index, None) is not None:
+                self._metrics.running.dec()
+            await link.stream.aclose()
+
+    async def _feed(self, link: _Link, process: trio.Process) -> None:
+        await link.send_events()
+        if link.lagging:
+            self._log.error("worker fell behind the event stream; restarting it", pid=process.pid)
+            _signal(process, signal.SIGKILL)
+
+
+def _signal(process: trio.Process, signum: int) -> None:
+    if process.returncode is None:
+        try:
+            process.send_signal(signum)
+        except ProcessLookupError:
+            pass
