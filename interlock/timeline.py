@@ -22,7 +22,7 @@ from controlplane.replay import replay_steps
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.decisions import Decision, read_decisions
 from events.state import Discovery, Health, NodeState
-from events.types import ConfigReloaded, ReloadRejected, RunStarted, RunStopped
+from events.types import Checkpoint, ConfigReloaded, ReloadRejected, RunStarted, RunStopped
 
 
 class TimelineError(Exception):
@@ -153,8 +153,8 @@ def build_timeline(
         event_count += since is None or event.at >= since
         first_at = event.at if first_at is None else first_at
         last_at = event.at
-        if not step.transitions:
-            continue  # every state change that shows comes with a transition
+        if not step.transitions and not isinstance(event, Checkpoint):
+            continue  # every other state change that shows comes with a transition
         if isinstance(event, RunStopped):
             for recorder in running.values():
                 recorder.close(event.at)

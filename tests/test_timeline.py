@@ -20,6 +20,8 @@ import pytest
 from controlplane.replay import replay, replay_steps
 from controlplane.routing import filter_by_model, plan_route, ring_pool, unavailable_reason
 from dataplane.decisions import read_decisions
+from events.log import encode_event
+from events.types import Checkpoint
 from fixtures import scenarios
 from interlock.cli import main
 from interlock.render import parse_time
@@ -102,7 +104,8 @@ def timeline(tmp_path: Path, capsys, *options: object) -> tuple[Path, str]:
 
 
 def chromium(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess:
-    command = [required_program("chromium", "apt-get install chromium"), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
+    browser = required_program("chromium", "apt-get install chromium")
+    command = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"]
     command += [f"--user-data-dir={tmp_path / 'chromium-profile'}", *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
 
@@ -179,6 +182,22 @@ def test_since_and_until_draw_only_that_window(tmp_path, capsys):
     assert dom.bands_of("10.0.0.3", "health") == [("healthy", 15.0, 45.0)]  # clipped to the window
     # The state at the window's start comes from everything before it: 10.0.0.2 still known.
     assert dom.bands_of("10.0.0.2", "models") == [("known", 15.0, 45.0)]
+
+
+def test_a_log_starting_at_a_checkpoint_draws_the_checkpoints_state_from_its_start(tmp_path, capsys):
+    """The segments that remain of a long log may start with the state as a checkpoint."""
+    steps = list(replay_steps([SCENARIO]))
+    _, at_150, _ = steps[149]
+    log = tmp_path / "events.jsonl"
+    log.write_bytes(encode_event(Checkpoint.of(at_150)) + b"".join(encode_event(event) for event, _, _ in steps[150:]))
+    page = tmp_path / "timeline.html"
+    assert main(["timeline", str(log), "-o", str(page)]) == 0
+    dom = Page(page.read_text())
+    assert dom.lanes == NODES
+    start, end = at_150.at - START, scenarios.STOPPED_AT
+    assert dom.bands_of("10.0.0.4", "models") == [("expired", start, end)]
+    assert dom.bands_of("10.0.0.2", "models") == [("known_empty", start, end)]
+    assert dom.bands_of("10.0.0.3", "health")[0] == ("healthy", start, steps[158][0].at - START)
 
 
 def test_the_page_loads_nothing_from_the_network(tmp_path, capsys):
