@@ -1,7 +1,7 @@
 """Interlock's benchmark: what it costs per request and per streamed chunk, side by side with
 references measured in the same run on the same machine.
 
-    python -m bench [--duration 10] [--quick] [--rows direct,floor,nginx,interlock]
+    python -m bench [--duration 10] [--quick] [--rows direct,floor,nginx,interlock,interlock-x2]
                     [--sections requests,sse,paced,replay,control-plane] [--out bench/results]
 
 Run it from the checkout with the project's virtualenv (`.venv/bin/python -m bench`) on a quiet
@@ -17,6 +17,11 @@ OpenAI-compatible server built to be much faster than anything in front of it):
 - nginx:     nginx as a plain reverse proxy to the upstream;
 - interlock: `interlock serve` with one node (the upstream), probes every second, metrics and
              the event log on.
+- interlock-x2: `interlock serve --workers 2`, the same gateway with a leader and two worker
+             processes. It runs on every core, and so shares the load's core with wrk (or the
+             stream client) and the upstream: its CPU per request counts only its own processes
+             (leader and workers), and its requests/s are what it reaches with the load
+             generator taking its share of that core.
 
 For each row: small non-streaming POSTs (wrk: requests/s, p50/p99 latency, the server's CPU per
 request from /proc, its peak RSS), unpaced 64-chunk SSE responses (CPU per relayed chunk), and
@@ -232,6 +237,8 @@ def _start_row(name: str, processes: Processes, folder: Path, cores: CorePlan, u
         return start_floor(processes, cores.server)
     if name == "nginx":
         return start_nginx(processes, folder, cores.server, upstream)
+    if name == "interlock-x2":
+        return start_interlock(processes, folder, cores.every, upstream, workers=2)
     return start_interlock(processes, folder, cores.server, upstream)
 
 

@@ -33,6 +33,11 @@ class CorePlan:
     server: frozenset[int] | None
     load: frozenset[int] | None
 
+    @property
+    def every(self) -> frozenset[int] | None:
+        """Every core: for a server that uses more than one (the load shares them)."""
+        return None if self.server is None else self.server | self.load
+
     def describe(self) -> str:
         if self.server is None:
             return "not pinned (a single core available)"

@@ -18,12 +18,13 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_FOLDER = PROJECT_ROOT / "bench" / "results"
 MIB = 1024 * 1024
 PACKAGES = ("interlock", "trio", "httpx", "h11", "hypercorn", "quart", "quart-trio", "msgspec", "prometheus-client")
-ROWS = ("direct", "floor", "nginx", "interlock")
+ROWS = ("direct", "floor", "nginx", "interlock", "interlock-x2")
 ROW_NOTES = {
     "direct": "the bench upstream itself, no proxy",
     "floor": "quart-trio + hypercorn answering with the same canned bytes",
     "nginx": "nginx reverse proxy to the upstream (1 worker, keep-alive, no buffering)",
     "interlock": "interlock serve: 1 node (the upstream), probes every 1 s, metrics, event log",
+    "interlock-x2": "interlock serve --workers 2: leader and 2 workers on every core, the load too",
 }
 
 # --- targets (issue 5) -------------------------------------------------------------------------
@@ -37,6 +38,12 @@ MAX_CONTROL_PLANE_CORE_PERCENT = 25.0
 CONTROL_PLANE_NODES = 1000
 MAX_RSS_BYTES = 80 * MIB
 RSS_NODES = 100
+MIN_WORKERS_THROUGHPUT_RATIO = 1.6
+MAX_WORKERS_CPU_RATIO = 1.15
+MIN_WORKERS_PACED_RATIO = 2.0
+MAX_WORKERS_P50_RATIO = 1.1
+"""Two workers against one process (issue 10): requests/s, CPU per request, paced streams held,
+and added p50 latency ("unchanged": within 10 %)."""
 MIN_UPSTREAM_HEADROOM = 5.0
 """The direct row must do at least this many times the gateway's requests/s."""
 KEPT_UP_FRACTION = 0.9
@@ -123,7 +130,48 @@ def evaluate_targets(results: dict) -> list[dict]:
         None if not small else small["peak_rss_bytes"] <= MAX_RSS_BYTES,
         "not measured" if not small else f"{small['peak_rss_bytes'] / MIB:.1f} MiB",
     )
+    targets.extend(_worker_targets(interlock, rows.get("interlock-x2", {})))
     return targets
+
+
+def _worker_targets(one: dict, two: dict) -> list[dict]:
+    """`interlock-x2` against `interlock` (issue 10)."""
+
+    def target(name: str, ours: float | None, theirs: float | None, passes, unit: str = "x") -> dict:
+        if not ours or not theirs:
+            return {"target": name, "verdict": "n/a", "measured": "not measured"}
+        ratio = ours / theirs
+        verdict = "PASS" if passes(ratio) else "MISS"
+        return {"target": name, "verdict": verdict, "measured": f"{ours:,.1f} vs {theirs:,.1f}: {ratio:.2f}{unit}"}
+
+    held_one = paced_streams_held(one["paced"]) if one.get("paced") else None
+    held_two = paced_streams_held(two["paced"]) if two.get("paced") else None
+    return [
+        target(
+            f"2 workers: small requests/s >= {MIN_WORKERS_THROUGHPUT_RATIO}x one process",
+            _get(two, "requests", "requests_per_second"),
+            _get(one, "requests", "requests_per_second"),
+            lambda ratio: ratio >= MIN_WORKERS_THROUGHPUT_RATIO,
+        ),
+        target(
+            f"2 workers: CPU per request <= {MAX_WORKERS_CPU_RATIO}x one process",
+            _get(two, "requests", "cpu_per_request_us"),
+            _get(one, "requests", "cpu_per_request_us"),
+            lambda ratio: ratio <= MAX_WORKERS_CPU_RATIO,
+        ),
+        target(
+            f"2 workers: paced streams held >= {MIN_WORKERS_PACED_RATIO}x one process",
+            held_two,
+            held_one,
+            lambda ratio: ratio >= MIN_WORKERS_PACED_RATIO,
+        ),
+        target(
+            f"2 workers: p50 latency <= {MAX_WORKERS_P50_RATIO}x one process (at 16 connections)",
+            _get(two, "requests", "p50_ms"),
+            _get(one, "requests", "p50_ms"),
+            lambda ratio: ratio <= MAX_WORKERS_P50_RATIO,
+        ),
+    ]
 
 
 def _get(row: dict, section: str, key: str) -> float | None:
@@ -146,7 +194,7 @@ def render(results: dict) -> str:
     for note in results["notes"]:
         lines.append(f"note: {note}")
     rows = {name: row for name, row in results["rows"].items()}
-    lines += ["", "Rows:"] + [f"  {name:<10} {ROW_NOTES[name]}" for name in rows]
+    lines += ["", "Rows:"] + [f"  {name:<12} {ROW_NOTES[name]}" for name in rows]
     for name, row in rows.items():
         if row.get("error"):
             lines.append(f"  {name} failed: {row['error']}")
@@ -258,7 +306,7 @@ def _code_version(machine: dict) -> str:
 
 
 def _columns(first: str, *cells: str, width: int = 14) -> str:
-    return f"  {first:<10}" + "".join(f"{cell:>{width}}" for cell in cells)
+    return f"  {first:<12}" + "".join(f"{cell:>{width}}" for cell in cells)
 
 
 def _mib(size: int | None) -> str:

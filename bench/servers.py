@@ -144,12 +144,14 @@ def interlock_config(folder: Path, port: int, metrics_port: int, upstream: Serve
     )
 
 
-def start_interlock(processes: Processes, folder: Path, cores: frozenset[int] | None, upstream: Server) -> Server:
+def start_interlock(
+    processes: Processes, folder: Path, cores: frozenset[int] | None, upstream: Server, *, workers: int = 1
+) -> Server:
     """`interlock serve`, ready once its /health says the node is healthy and its models listed."""
     port = free_port()
-    config = folder / "interlock.toml"
-    config.write_text(interlock_config(folder, port, free_port(), upstream))
-    argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
+    config = folder / f"interlock-{workers}.toml"
+    config.write_text(interlock_config(folder / f"workers-{workers}", port, free_port(), upstream))
+    argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config), "--workers", str(workers)]
 
     def node_ready(status: int, body: bytes) -> bool:
         if status != 200:
@@ -157,4 +159,5 @@ def start_interlock(processes: Processes, folder: Path, cores: frozenset[int] | 
         health = json.loads(body)
         return health["status"] == "ok" and health["models_ok"] == health["nodes"]
 
-    return _launch(processes, "interlock", argv, port, cores, accept=node_ready)
+    name = "interlock" if workers == 1 else f"interlock-x{workers}"
+    return _launch(processes, name, argv, port, cores, accept=node_ready)

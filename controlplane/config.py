@@ -1,16 +1,23 @@
 """Loading and validating the gateway's config file (plinth §1); the schema is `events.config`.
 
 `load_config` follows plinth's loader step by step: read the file, decode the TOML (unknown keys
-ignored, keys matched to fields case-insensitively, a wrong TOML type is an error), apply the
-loader defaults, parse the Go duration strings, then validate in plinth's order, first failure
-wins. Error messages are plinth's exact texts; `ConfigError` adds the file and the key.
+ignored, but reported with the closest known key; keys matched to fields case-insensitively; a
+wrong TOML type is an error), apply the loader defaults, parse the Go duration strings, then
+validate in plinth's order, first failure wins. Error messages are plinth's exact texts;
+`ConfigError` adds the file and the key. After plinth's checks come Interlock's own, for what
+plinth accepts and the gateway then mishandles: listen addresses, node addresses and ports, a
+model listed twice.
 """
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import os
 import re
 import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -49,17 +56,49 @@ class ConfigError(Exception):
         return f"{self.path}: {self.message}"
 
 
+@dataclass(frozen=True)
+class UnknownKey:
+    """A key of the config file that no setting has (ignored, as plinth does, but reported).
+
+    `key` is its dotted path (`gateway.helth_interval`, `nodes[1].vlm_port`, `gatway`); `closest`
+    the most similar known key at the same place, or "" when none is close.
+    """
+
+    path: str
+    key: str
+    closest: str
+
+    @property
+    def message(self) -> str:
+        return f"unknown key (did you mean {self.closest}?)" if self.closest else "unknown key"
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.key}: {self.message}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
+
+_IGNORED_SECTIONS = ("provision",)
+"""Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
 _DURATION_KEYS = ("health_interval", "probe_timeout")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read, decode, default and validate the config file at `path`; raise ConfigError if bad."""
+def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], None] | None = None) -> Config:
+    """Read, decode, default and validate the config file at `path`; raise ConfigError if bad.
+
+    `warn` is called for each unknown key, in file order, before any validation error is raised
+    (a misspelt key often explains the error: `[[node]]` leaves no nodes configured).
+    """
     path = os.fspath(path)
-    document = _match_field_names(_read_toml(path), msgspec.inspect.type_info(Config))
+
+    def report(key: str, closest: str) -> None:
+        if warn is not None:
+            warn(UnknownKey(path, key, closest))
+
+    document = _match_field_names(_read_toml(path), msgspec.inspect.type_info(Config), "", report)
     document, duration_texts = _split_durations(path, document)
     try:
         config = msgspec.convert(document, Config)
@@ -82,9 +121,13 @@ def _read_toml(path: str) -> dict[str, Any]:
         raise ConfigError(path, "", f"parsing config: {exc}") from None
 
 
-def _match_field_names(table: Any, schema: msgspec.inspect.StructType) -> Any:
+def _match_field_names(
+    table: Any, schema: msgspec.inspect.StructType, prefix: str, report: Callable[[str, str], None]
+) -> Any:
     """Rename a TOML table's keys to the schema's field names, case-insensitively, as go-toml v2
-    does, and drop the keys the schema does not know (plinth ignores them, `[provision]` too).
+    does, and drop the keys the schema does not know (plinth ignores them, `[provision]` too),
+    reporting each but `[provision]` as `report(dotted key, closest known key or "")`. `prefix`
+    is the table's own dotted path ("" for the document).
 
     A value of the wrong shape is left as it is, for msgspec.convert to report with its key.
     """
@@ -95,13 +138,19 @@ def _match_field_names(table: Any, schema: msgspec.inspect.StructType) -> Any:
     for key, value in table.items():
         field = fields.get(key.lower())
         if field is None:
+            if not (prefix == "" and key.lower() in _IGNORED_SECTIONS):
+                closest = difflib.get_close_matches(key.lower(), list(fields), n=1)
+                report(prefix + key, prefix + closest[0] if closest else "")
             continue
         if isinstance(field.type, msgspec.inspect.StructType):
-            value = _match_field_names(value, field.type)
+            value = _match_field_names(value, field.type, f"{prefix}{field.name}.", report)
         elif isinstance(field.type, msgspec.inspect.VarTupleType) and isinstance(value, list):
             item_schema = field.type.item_type
             if isinstance(item_schema, msgspec.inspect.StructType):
-                value = [_match_field_names(item, item_schema) for item in value]
+                value = [
+                    _match_field_names(item, item_schema, f"{prefix}{field.name}[{index}].", report)
+                    for index, item in enumerate(value)
+                ]
         renamed[field.name] = value
     return renamed
 
@@ -161,8 +210,8 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
 
 
 def _validate(path: str, config: Config) -> Config:
-    """plinth's Validate, in its order (first failure wins); returns the config with the size
-    limits' zero values replaced by their defaults, as Validate does.
+    """plinth's Validate, in its order (first failure wins), then Interlock's own checks; returns
+    the config with the size limits' zero values replaced by their defaults, as Validate does.
 
     Interlock's own gateway keys are checked right after plinth's gateway keys.
     """
@@ -219,6 +268,7 @@ def _validate(path: str, config: Config) -> Config:
                 f"model {go_quote(model.name)} has no ring, but every node belongs to a ring",
             )
 
+    _check_addresses_and_models(invalid, config)
     gateway = replace(
         gateway,
         max_buffered_response_bytes=gateway.max_buffered_response_bytes
@@ -226,6 +276,76 @@ def _validate(path: str, config: Config) -> Config:
         max_request_body_bytes=gateway.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
     )
     return replace(config, gateway=gateway)
+
+
+def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
+    """Interlock's checks after plinth's, in file order: what plinth accepts and `serve` would
+    then refuse (a listen address it cannot parse, both listeners on one port) or mishandle (a
+    node address or port no connection can use, a model routed to one place and listed twice)."""
+    gateway = config.gateway
+    bound = {}
+    for key in ("listen", "metrics_listen"):
+        try:
+            bound[key] = parse_listen_address(getattr(gateway, key))
+        except ValueError as exc:
+            raise invalid(f"gateway.{key}", str(exc)) from None
+    (api_host, api_port), (metrics_host, metrics_port) = bound["listen"], bound["metrics_listen"]
+    if api_port == metrics_port != 0 and _hosts_overlap(api_host, metrics_host):
+        raise invalid(
+            "gateway.metrics_listen",
+            f"metrics_listen {go_quote(gateway.metrics_listen)} and listen {go_quote(gateway.listen)} "
+            f"both bind port {api_port}",
+        )
+
+    for index, node in enumerate(config.nodes):
+        problem = _node_address_problem(node.ip)
+        if problem:
+            raise invalid(f"nodes[{index}].ip", f"invalid node IP {go_quote(node.ip)}: {problem}")
+        for key in ("vllm_port", "metrics_port"):
+            port = getattr(node, key)
+            if not 1 <= port <= 65535:
+                raise invalid(f"nodes[{index}].{key}", f"{key} must be between 1 and 65535 (got {port})")
+
+    first_listed: dict[str, int] = {}
+    for index, model in enumerate(config.models.available):
+        earlier = first_listed.setdefault(model.name, index)
+        if earlier != index:
+            entries = config.models.available
+            raise invalid(
+                f"models.available[{index}].name",
+                f"model {go_quote(model.name)} is listed twice: models.available[{earlier}] "
+                f"({_placement(entries[earlier].ring)}) and models.available[{index}] ({_placement(model.ring)})",
+            )
+
+
+def _hosts_overlap(first: str, second: str) -> bool:
+    """Whether listeners on these two hosts (as `parse_listen_address` returns them) and one port
+    would collide: the same host, or the IPv4 wildcard and any IPv4 address or name, or the IPv6
+    wildcard (which takes IPv4 too) and anything."""
+    if first == second or "::" in (first, second):
+        return True
+    return "0.0.0.0" in (first, second) and ":" not in first + second
+
+
+def _node_address_problem(ip: str) -> str:
+    """Why a node's `ip` cannot be connected to, or "". plinth takes any text and host names
+    work; what looks like an IPv4 address must be one, and a colon means an IPv6 address (a
+    port or a scheme written into `ip` would never connect)."""
+    if re.fullmatch(r"[0-9.]+", ip):
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            return "not a valid IPv4 address"
+    elif ":" in ip:
+        try:
+            ipaddress.IPv6Address(ip)
+        except ValueError:
+            return "not a valid IPv6 address (ports go in vllm_port and metrics_port)"
+    return ""
+
+
+def _placement(ring: str) -> str:
+    return f"ring {go_quote(ring)}" if ring else "standalone"
 
 
 # ---------------------------------------------------------------------------------------------

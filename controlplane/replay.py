@@ -10,15 +10,16 @@ filters the transitions. The `interlock` CLI parses the arguments and renders th
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
-from controlplane.transitions import Transition
+from controlplane.transitions import Step, Transition
 from events.log import read_events
 from events.state import ClusterState
+from events.types import Event
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,14 +38,15 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.last_at if self.last_at is not None else 0.0
 
 
-def replay(
+def replay_steps(
     paths: Iterable[str | os.PathLike],
     *,
     until_seq: int | None = None,
     until_at: float | None = None,
     warn: Callable[[str], None] | None = None,
-) -> ReplayResult:
-    """Apply the events of the given segments (or logs) in order, as the live reducer did.
+) -> Iterator[tuple[Event, ClusterState, Step]]:
+    """Apply the events of the given segments (or logs) in order, as the live reducer did, and
+    yield each event with the state after it and its step.
 
     Stops before the first event numbered above `until_seq` or observed after `until_at`. A
     torn last line, and a gap or a step back in the numbering (events the live run could not
@@ -52,18 +54,30 @@ def replay(
     other bad lines raise EventLogError.
     """
     state = INITIAL_STATE
-    transitions: list[Transition] = []
-    event_count = 0
-    last_at = None
     for event in read_events(paths, warn):
         if (until_seq is not None and event.seq > until_seq) or (until_at is not None and event.at > until_at):
             break
         if warn is not None and state.seq and event.seq != state.seq + 1:
             warn(_numbering_warning(state.seq, event.seq))
         state, step = reduce(state, event)
+        yield event, state, step
+
+
+def replay(
+    paths: Iterable[str | os.PathLike],
+    *,
+    until_seq: int | None = None,
+    until_at: float | None = None,
+    warn: Callable[[str], None] | None = None,
+) -> ReplayResult:
+    """The state after the last applied event and every transition on the way (`replay_steps`)."""
+    state = INITIAL_STATE
+    transitions: list[Transition] = []
+    event_count = 0
+    for _, state, step in replay_steps(paths, until_seq=until_seq, until_at=until_at, warn=warn):
         transitions.extend(step.transitions)
         event_count += 1
-        last_at = event.at
+    last_at = state.at if event_count else None
     return ReplayResult(state=state, transitions=tuple(transitions), event_count=event_count, last_at=last_at)
 
 

@@ -26,18 +26,19 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
+from functools import partial
 
 import msgspec
 import prometheus_client
 import trio
 
-from controlplane.config import ConfigError, load_config
+from controlplane.config import ConfigError, UnknownKey, load_config
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
-from events.config import NodeConfig
+from events.config import Config, NodeConfig
 from events.log import EventLogWriter, encode_event, last_seq
 from events.state import ClusterState
 from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
@@ -59,7 +60,24 @@ every few events made the trip)."""
 STOP_TIMEOUT = 30.0
 """How long `open_control_plane` waits for a clean stop when its caller is being cancelled."""
 
+HANDLED_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+"""The signals `ControlPlane.serve_signals` handles."""
+
 Listener = Callable[[Event, ClusterState, Step], None]
+
+
+async def load_config_logging_unknown_keys(config_path: str, log: JsonLog) -> Config:
+    """`load_config` in a worker thread; each unknown key is logged as a warning (`unknown config
+    key`: file, key and the closest known key), also when the file is then rejected."""
+    unknown_keys: list[UnknownKey] = []
+    try:
+        return await trio.to_thread.run_sync(partial(load_config, config_path, warn=unknown_keys.append))
+    finally:
+        for unknown in unknown_keys:
+            fields = {"file": unknown.path, "key": unknown.key}
+            if unknown.closest:
+                fields["did_you_mean"] = unknown.closest
+            log.warn("unknown config key", **fields)
 
 
 class ControlPlane:
@@ -70,11 +88,15 @@ class ControlPlane:
         config_path: str | os.PathLike[str],
         *,
         version: str,
+        config: Config | None = None,
         log: JsonLog | None = None,
         registry: prometheus_client.CollectorRegistry | None = None,
         now: Callable[[], float] = time.time,
     ) -> None:
+        """`config` is the file at `config_path` already loaded (by `serve`, which needs the
+        listen addresses first); without it, `run` loads the file."""
         self.config_path = os.fspath(config_path)
+        self._initial_config = config
         self.version = version
         self._clock = now
         self.log = log if log is not None else JsonLog(clock=now)
@@ -89,6 +111,7 @@ class ControlPlane:
         self._started = False
         self._stopping = False
         self._reloading = False
+        self._shutting_down = False
         self._finished = trio.Event()
 
     @property
@@ -127,13 +150,16 @@ class ControlPlane:
     # --- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Load the config (a ConfigError propagates before `started`), apply RunStarted, start
-        probing, and apply events until `stop()`; returns once the event log is flushed."""
+        """Load the config unless given (a ConfigError propagates before `started`), apply
+        RunStarted, start probing, and apply events until `stop()`; returns once the event log is
+        flushed."""
         if self._started or self._stopping:
             raise RuntimeError("a ControlPlane runs only once")
         self._started = True
         try:
-            config = await trio.to_thread.run_sync(load_config, self.config_path)
+            config = self._initial_config
+            if config is None:
+                config = await load_config_logging_unknown_keys(self.config_path, self.log)
             gateway = config.gateway
             if gateway.event_log:
                 self._seq = await trio.to_thread.run_sync(_last_seq_or_zero, gateway.event_log)
@@ -182,12 +208,12 @@ class ControlPlane:
         if self._reloading:
             self.log.info("config reload already in progress; ignoring SIGHUP")
             return False
-        if self._stopping or not self._started:
+        if self._shutting_down or self._stopping or not self._started:
             return False
         self._reloading = True
         try:
             try:
-                config = await trio.to_thread.run_sync(load_config, self.config_path)
+                config = await load_config_logging_unknown_keys(self.config_path, self.log)
             except ConfigError as exc:
                 event: Event = ReloadRejected(at=self.now(), config_path=self.config_path, error=str(exc))
             else:
@@ -204,26 +230,51 @@ class ControlPlane:
 
     async def serve_signals(
         self,
+        signals: AsyncIterator[int] | None = None,
         *,
         before_stop: Callable[[], Awaitable[None]] | None = None,
+        force: Callable[[], None] | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """SIGHUP → reload(); SIGTERM or SIGINT → log `shutting down`, await `before_stop()`,
-        stop(), and return. `before_stop` is the gateway draining its listeners: the requests
-        in flight still have a running control plane to report to.
-        (hypercorn installs no signal handlers; this is the gateway's only one.)"""
-        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
-            async with trio.open_nursery() as reloads:
-                task_status.started()
-                async for signum in signals:
-                    if signum == signal.SIGHUP:
-                        reloads.start_soon(self.reload)
-                    else:
-                        self.log.info("shutting down")
-                        if before_stop is not None:
-                            await before_stop()
-                        await self.stop()
-                        return
+        """Handle the gateway's signals until the control plane has stopped, then return.
+
+        - SIGHUP: reload() (ignored once shutting down, as in plinth);
+        - the first SIGTERM or SIGINT: log `shutting down`, await `before_stop()` (the gateway
+          draining its listeners: requests in flight still have a running control plane to
+          report to), stop();
+        - a second SIGTERM or SIGINT: log `forced shutdown`, call `force()`, which ends the drain
+          at once; the stop goes on as before. Any more are ignored.
+
+        `signals` is a receiver of HANDLED_SIGNALS opened by the caller (`serve` opens it before
+        anything starts, so that no signal is lost); without it, serve_signals opens its own.
+        (hypercorn installs no signal handlers; this is the gateway's only one.)
+        """
+        if signals is None:
+            with trio.open_signal_receiver(*HANDLED_SIGNALS) as own_signals:
+                await self.serve_signals(own_signals, before_stop=before_stop, force=force, task_status=task_status)
+            return
+        forced = False
+        async with trio.open_nursery() as nursery:
+
+            async def shut_down() -> None:
+                if before_stop is not None:
+                    await before_stop()
+                await self.stop()
+                nursery.cancel_scope.cancel()  # stop handling signals: the gateway has stopped
+
+            task_status.started()
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    nursery.start_soon(self.reload)
+                elif not self._shutting_down:
+                    self._shutting_down = True
+                    self.log.info("shutting down")
+                    nursery.start_soon(shut_down)
+                elif not forced:
+                    forced = True
+                    self.log.warn("forced shutdown", reason=f"second {signal.Signals(signum).name}")
+                    if force is not None:
+                        force()
 
     # --- the reducer task --------------------------------------------------------------------
 

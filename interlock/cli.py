@@ -2,11 +2,12 @@
 
     interlock demo [--config PATH] [--once] [--quiet]
     interlock serve [--config PATH]
-    interlock check-config PATH
+    interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
     interlock explain [LOG…] --request-id ID --decisions FILE [--json]
     interlock audit LOG… [--node IP] [--since T] [--until T] [--kind KIND[,KIND]]
+    interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
@@ -24,7 +25,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from controlplane.config import ConfigError, describe_config, load_config
+from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
+from controlplane.logs import format_timestamp
 from controlplane.replay import audit, explain, replay
 from dataplane.decisions import DecisionLogError, find_decisions
 from events.log import EventLogError
@@ -37,6 +39,7 @@ from interlock.render import (
     render_state,
     state_to_builtins,
 )
+from interlock.timeline import TimelineError, build_timeline, render_html
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -80,7 +83,8 @@ def _error(args: argparse.Namespace, message: str) -> int:
 
 
 def _warner(args: argparse.Namespace) -> Callable[[str], None]:
-    """Reports a skipped torn line on stderr; the command carries on."""
+    """Reports something the command skips (a torn line, an unknown config key) on stderr; the
+    command carries on."""
     return lambda message: print(f"{args.prog}: warning: {message}", file=sys.stderr)
 
 
@@ -88,16 +92,34 @@ def _warner(args: argparse.Namespace) -> Callable[[str], None]:
 
 
 def add_check_config(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("check-config", help="validate a config file and summarize it")
+    parser = commands.add_parser(
+        "check-config",
+        help="validate a config file and summarize it",
+        description="Validate a config file and summarize it. Keys the gateway does not know are ignored, "
+        "as plinth does, with a warning naming the closest known key.",
+    )
     parser.add_argument("path", metavar="PATH", help="the gateway's TOML config file")
+    parser.add_argument("--strict", action="store_true", help="unknown keys are errors (exit code 2)")
     parser.set_defaults(run=run_check_config)
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    unknown_keys: list[UnknownKey] = []
+    warn = _warner(args)
+
+    def report(unknown: UnknownKey) -> None:
+        unknown_keys.append(unknown)
+        if args.strict:
+            print(unknown, file=sys.stderr)
+        else:
+            warn(str(unknown))
+
     try:
-        config = load_config(args.path)
+        config = load_config(args.path, warn=report)
     except ConfigError as err:
         print(err, file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.strict and unknown_keys:
         return EXIT_BAD_INPUT
     print("ok")
     print(describe_config(config))
@@ -213,11 +235,69 @@ def run_audit(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- timeline --------------------------------------------------------------------------------
+
+
+def add_timeline(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "timeline", help="draw a recorded run as one self-contained HTML page: a lane per node, every transition"
+    )
+    _add_log_arguments(parser, moment=False)
+    time = _argument_type(parse_time)
+    parser.add_argument("--since", type=time, metavar="T", help="start here (default: the log's first event)")
+    parser.add_argument("--until", type=time, metavar="T", help="end here (default: the log's last event)")
+    parser.add_argument(
+        "--decisions", metavar="FILE", help="the decision log (gateway.decision_log): request and 5xx rates on top"
+    )
+    parser.add_argument("-o", "--output", required=True, metavar="FILE", help="the HTML file to write")
+    parser.set_defaults(run=run_timeline)
+
+
+def run_timeline(args: argparse.Namespace) -> int:
+    if args.since is not None and args.until is not None and args.since >= args.until:
+        return _error(args, "argument --since: must be before --until")
+    try:
+        timeline = build_timeline(
+            args.logs, since=args.since, until=args.until, decisions=args.decisions, warn=_warner(args)
+        )
+    except TimelineError as err:
+        return _error(args, str(err))
+    with open(args.output, "w", encoding="utf-8") as page:
+        page.write(render_html(timeline))
+    window = f"from {format_timestamp(timeline.start)} to {format_timestamp(timeline.end)}"
+    print(f"wrote {args.output}: {len(timeline.lanes)} nodes {window}")
+    return EXIT_OK
+
+
 # --- serve -----------------------------------------------------------------------------------
 
 
+SERVE_SIGNALS_HELP = """\
+signals:
+  SIGHUP            reload the config file (listen addresses and the event log
+                    settings need a restart); an invalid file is rejected and
+                    the running config stays in force
+  SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
+                    and streams in flight finish (for up to 10 s), write the
+                    decision and event logs, log `gateway stopped`, exit 0
+  a second one      forced shutdown: connections still open are closed at once
+                    (worker processes are killed), the logs are still written,
+                    exit 0; any more are ignored
+
+exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
+invalid config file, an address it cannot listen on)"""
+"""What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
+the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
+
+
 def add_serve(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("serve", help="run the gateway (exit code 1 if it cannot start)")
+    parser = commands.add_parser(
+        "serve",
+        help="run the gateway (exit code 1 if it cannot start)",
+        description="Run the gateway: probe the nodes, serve the API and the metrics.",
+        epilog=SERVE_SIGNALS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
     )
@@ -264,7 +344,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # --- the program -----------------------------------------------------------------------------
 
-SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit]
+SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline]
 
 
 def build_parser() -> argparse.ArgumentParser:

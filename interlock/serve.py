@@ -1,19 +1,27 @@
 """`interlock serve`: the composition root of a running gateway (plinth §7).
 
-The control plane runs around everything else: the API listener (`gateway.listen`), the metrics
-listener (`gateway.metrics_listen`), the decision-log writer, and the control plane's signal
-handler (SIGHUP reloads). SIGTERM/SIGINT shut down in plinth's order: log `shutting down`, drain
-both listeners (streams in flight finish, for up to SHUTDOWN_GRACE_SECONDS) and the decision
-log, then stop the control plane (`gateway stopped`), so requests finishing during the drain
-still report to a running control plane.
+Start-up, in this order: handle signals (from the start, so none is lost), load the config,
+bind both listen addresses, and only then start the control plane (probes, event log), so a
+gateway that cannot bind probes nothing and writes nothing. The control plane runs around
+everything else: the API listener (`gateway.listen`, served here or by worker processes), the
+metrics listener (`gateway.metrics_listen`), the decision-log writer, and the control plane's
+signal handler.
 
-Exit codes: 0 after a signalled shutdown; 1 when the config cannot be loaded (`fatal: loading
-config: …` on stderr) or a listener cannot bind (`server error`).
+Signals, as `interlock serve --help` documents them: SIGHUP reloads. SIGTERM/SIGINT shut down
+in plinth's order: log `shutting down`, drain both listeners (streams in flight finish, for up
+to SHUTDOWN_GRACE_SECONDS) and the decision log, then stop the control plane (`gateway
+stopped`), so requests finishing during the drain still report to a running control plane. A
+second SIGTERM/SIGINT during the drain closes the connections still open at once (and kills the
+workers); the rest of the shutdown is the same.
+
+Exit codes: 0 after a signalled shutdown, graceful or forced; 1 when the config cannot be
+loaded (`fatal: loading config: …` on stderr) or a listener cannot bind (`server error`).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import tempfile
@@ -33,13 +41,13 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from controlplane.config import ConfigError, parse_listen_address
 from controlplane.logs import JsonLog
-from controlplane.runtime import ControlPlane, open_control_plane
+from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionLog, DecisionRecorder
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
-from events.config import Config, Workers
+from events.config import Config, GatewayConfig, Workers
 from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
 
 EXIT_OK = 0
@@ -50,6 +58,9 @@ SHUTDOWN_GRACE_SECONDS = 10.0
 
 KEEP_ALIVE_SECONDS = 90.0
 """How long an idle client connection stays open (hypercorn's default is 5 s)."""
+
+LISTEN_BACKLOG = 100
+"""Connections the kernel queues before a listener accepts them (hypercorn's default)."""
 
 
 @dataclass(frozen=True)
@@ -75,19 +86,32 @@ async def serve(
 
     `workers` overrides `gateway.workers`. `ready` is called once both listeners accept
     connections and signals are handled; `log` replaces the JSON log on stdout, and the two
-    timeouts plinth's, for tests.
+    timeouts plinth's, for tests. Signals that come before the gateway is serving wait for it;
+    those left when it returns are re-raised (see `run_serve`).
     """
     log = log if log is not None else JsonLog()
-    registry = CollectorRegistry()
-    timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
-    try:
-        async with open_control_plane(config_path, version=version, log=log, registry=registry) as control_plane:
-            configured = control_plane.snapshot.config.gateway.workers
-            count = worker_count(workers if workers is not None else configured)
-            return await _run(control_plane, registry, log, ready, count, timeouts)
-    except ConfigError as error:
-        print(f"fatal: loading config: {error}", file=sys.stderr)
-        return EXIT_FAILURE
+    with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
+        try:
+            config = await load_config_logging_unknown_keys(config_path, log)
+        except ConfigError as error:
+            print(f"fatal: loading config: {error}", file=sys.stderr)
+            return EXIT_FAILURE
+        try:
+            sockets = _bind_listeners(config.gateway)
+        except ListenError as error:
+            log.error("server error", error=str(error))
+            return EXIT_FAILURE
+        try:
+            registry = CollectorRegistry()
+            count = worker_count(workers if workers is not None else config.gateway.workers)
+            timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
+            async with open_control_plane(
+                config_path, config=config, version=version, log=log, registry=registry
+            ) as control_plane:
+                return await _run(control_plane, signals, sockets, registry, log, ready, count, timeouts)
+        finally:
+            for sock in sockets:
+                sock.close()
 
 
 def worker_count(workers: Workers) -> int:
@@ -123,6 +147,8 @@ async def api_application(
 
 async def _run(
     control_plane: ControlPlane,
+    signals: AsyncIterator[int],
+    sockets: tuple[socket.socket, socket.socket],
     registry: CollectorRegistry,
     log: JsonLog,
     ready: Callable[[Listening], None] | None,
@@ -160,41 +186,44 @@ async def _run(
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)
-                task_status.started(api_socket.getsockname()[:2])
+                task_status.started()
                 await stop_listening.wait()
                 await pool.stop()
 
-    exit_code = EXIT_OK
+    api_socket, metrics_socket = sockets
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as serving:
             serving.start_soon(decisions.run)
             async with trio.open_nursery() as listeners:
-                try:
-                    api = await listeners.start(serve_api, listening_socket(config.gateway.listen))
-                    log.info("api server listening", addr=config.gateway.listen)
-                    metrics = await listeners.start(
-                        _listen, metrics_app(registry), config.gateway.metrics_listen, stop_listening
-                    )
-                    log.info("metrics server listening", addr=config.gateway.metrics_listen)
-                except (OSError, ValueError) as error:
-                    log.error("server error", error=str(error))
-                    exit_code = EXIT_FAILURE
-                    stop_listening.set()
-                else:
-                    await nursery.start(partial(control_plane.serve_signals, before_stop=drain))
-                    if ready is not None:
-                        ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
+                await listeners.start(serve_api, api_socket)
+                log.info("api server listening", addr=config.gateway.listen)
+                await listeners.start(serve_on_socket, metrics_app(registry), metrics_socket, stop_listening)
+                log.info("metrics server listening", addr=config.gateway.metrics_listen)
+                handle_signals = partial(
+                    control_plane.serve_signals, signals, before_stop=drain, force=listeners.cancel_scope.cancel
+                )
+                await nursery.start(handle_signals)
+                if ready is not None:
+                    api, metrics = (sock.getsockname()[:2] for sock in sockets)
+                    ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
             decisions.close()  # the listeners are done: no request records any more
         drained.set()
-    return exit_code
+    return EXIT_OK
 
 
-async def _listen(
-    app, address: str, stopped: trio.Event, *, task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Serve `app` on `address` until `stopped` is set, then drain. Binding errors (OSError, or
-    ValueError for a malformed address) are raised before `started`."""
-    await serve_on_socket(app, listening_socket(address), stopped, task_status=task_status)
+class ListenError(Exception):
+    """A listen address that cannot be bound: `cannot listen on ADDRESS (KEY): REASON`."""
+
+
+def _bind_listeners(gateway: GatewayConfig) -> tuple[socket.socket, socket.socket]:
+    """The listening sockets of `gateway.listen` and `gateway.metrics_listen` (both validated by
+    the config loader)."""
+    api = listening_socket(gateway.listen, "listen")
+    try:
+        return api, listening_socket(gateway.metrics_listen, "metrics_listen")
+    except ListenError:
+        api.close()
+        raise
 
 
 def _hypercorn_config() -> HypercornConfig:
@@ -208,14 +237,21 @@ def _hypercorn_config() -> HypercornConfig:
     return config
 
 
-def listening_socket(address: str) -> socket.socket:
-    """A socket bound to `address` and listening. Raises OSError, or ValueError for a malformed
-    address."""
+def listening_socket(address: str, key: str) -> socket.socket:
+    """A socket bound to `address` (a valid listen address, the value of `gateway.<key>`) and
+    listening, set up as hypercorn sets up its own. ListenError names the address and the key."""
     host, port = parse_listen_address(address)
-    config = _hypercorn_config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
-    listening = config.create_sockets().insecure_sockets[0]
-    listening.listen(config.backlog)
+    listening = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listening.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listening.bind((host, port))
+        listening.listen(LISTEN_BACKLOG)
+    except OSError as error:
+        listening.close()
+        reason = error.strerror or str(error)
+        raise ListenError(f"cannot listen on {address} ({key}): {reason[:1].lower()}{reason[1:]}") from None
+    listening.setblocking(False)
     return listening
 
 
@@ -224,34 +260,22 @@ async def serve_on_socket(
     listening: socket.socket,
     stopped: trio.Event,
     *,
-    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on a listening socket until `stopped` is set, then drain."""
     config = _hypercorn_config()
-    bound = listening.getsockname()
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,
         sockets=Sockets(secure_sockets=[], insecure_sockets=[listening], quic_sockets=[]),
         shutdown_trigger=stopped.wait,
-        task_status=_Started(task_status, (bound[0], bound[1])),
+        task_status=task_status,
     )
 
 
 _hypercorn_errors = logging.getLogger("interlock.hypercorn")
 """hypercorn's own messages: warnings and errors only (its `Running on …` lines are ours)."""
 _hypercorn_errors.setLevel(logging.WARNING)
-
-
-class _Started:
-    """Reports the bound address, not hypercorn's list of URLs, to `nursery.start`."""
-
-    def __init__(self, task_status: trio.TaskStatus[tuple[str, int]], address: tuple[str, int]) -> None:
-        self._task_status = task_status
-        self._address = address
-
-    def started(self, _binds: object = None) -> None:
-        self._task_status.started(self._address)
 
 
 def _log_topology(log: JsonLog, config: Config) -> None:
@@ -272,6 +296,14 @@ def _log_topology(log: JsonLog, config: Config) -> None:
 
 
 def run_serve(config_path: str, version: str, workers: Workers | None = None) -> int:
-    """The `interlock serve` entry point."""
+    """The `interlock serve` entry point.
+
+    The handled signals are `serve`'s. Outside its signal receiver (the instant before it opens,
+    and once the gateway has stopped, when the receiver re-raises the signals it has not
+    handled) they are ignored: a late SIGINT or SIGTERM must end neither in a KeyboardInterrupt
+    traceback nor in death by signal.
+    """
     prometheus_client.disable_created_metrics()  # plinth exposes no `_created` series
+    for signum in HANDLED_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
     return trio.run(partial(serve, config_path, version=version, workers=workers))

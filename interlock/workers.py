@@ -225,7 +225,13 @@ class WorkerPool:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._feed, link, process)
                 nursery.start_soon(link.receive_reports, self._handle_report)
-                await process.wait()
+                try:
+                    await process.wait()
+                finally:
+                    if process.returncode is None:  # cancelled (a forced shutdown): the worker goes too
+                        process.kill()
+                        with trio.CancelScope(shield=True):
+                            await process.wait()
                 nursery.cancel_scope.cancel()
             return process.returncode
         finally:

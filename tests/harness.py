@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import pytest
 import trio
 
 from controlplane.logs import JsonLog
@@ -30,6 +33,17 @@ from interlock.serve import Listening, serve
 
 MODEL = "test-model"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+def required_program(name: str, install: str) -> str:
+    """The path of a program a test drives (a browser, systemd's tools, podman). Without it the
+    test skips, except in CI (`.ci/run` sets CI and installs the program), where it fails."""
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"{name} is not installed (.ci/run installs it: {install})")
+        pytest.skip(f"{name} is not installed ({install})")
+    return path
 
 
 def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) -> list[NodeSpec]:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from controlplane.config import (
     ConfigError,
+    UnknownKey,
     describe_config,
     format_go_duration,
     go_quote,
@@ -135,6 +136,90 @@ def test_empty_node_ip_is_not_validated(tmp_path: Path) -> None:
     assert load_text(tmp_path, "[[nodes]]\nname = 'no-ip'\n").nodes[0].ip == ""
 
 
+# --- Interlock's checks after plinth's ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "message"),
+    [
+        (gateway_with('listen = "8000"'), "gateway.listen", 'invalid listen address "8000": missing port in address'),
+        (
+            gateway_with('metrics_listen = "localhost:99999"'),
+            "gateway.metrics_listen",
+            'invalid listen address "localhost:99999": invalid port "99999"',
+        ),
+        (
+            gateway_with('listen = ":9100"\nmetrics_listen = ":9100"'),
+            "gateway.metrics_listen",
+            'metrics_listen ":9100" and listen ":9100" both bind port 9100',
+        ),
+        (
+            gateway_with('listen = ":8000"\nmetrics_listen = "127.0.0.1:8000"'),
+            "gateway.metrics_listen",
+            'metrics_listen "127.0.0.1:8000" and listen ":8000" both bind port 8000',
+        ),
+        (
+            gateway_with('listen = "[::]:8000"\nmetrics_listen = "127.0.0.1:8000"'),
+            "gateway.metrics_listen",
+            'metrics_listen "127.0.0.1:8000" and listen "[::]:8000" both bind port 8000',
+        ),
+        (
+            ONE_NODE + '[[nodes]]\nip = "10.0.0.2"\n[[nodes]]\nip = "10.0.0.256"\n',
+            "nodes[2].ip",
+            'invalid node IP "10.0.0.256": not a valid IPv4 address',
+        ),
+        ('[[nodes]]\nip = "10.0.0"\n', "nodes[0].ip", 'invalid node IP "10.0.0": not a valid IPv4 address'),
+        (
+            '[[nodes]]\nip = "10.0.0.1:8000"\n',
+            "nodes[0].ip",
+            'invalid node IP "10.0.0.1:8000": not a valid IPv6 address (ports go in vllm_port and metrics_port)',
+        ),
+        (
+            '[[nodes]]\nip = "http://gpu-1"\n',
+            "nodes[0].ip",
+            'invalid node IP "http://gpu-1": not a valid IPv6 address (ports go in vllm_port and metrics_port)',
+        ),
+        (ONE_NODE + "vllm_port = 70000\n", "nodes[0].vllm_port", "vllm_port must be between 1 and 65535 (got 70000)"),
+        (
+            ONE_NODE + "metrics_port = -1\n",
+            "nodes[0].metrics_port",
+            "metrics_port must be between 1 and 65535 (got -1)",
+        ),
+        (
+            '[[nodes]]\nip = "10.0.0.1"\n[[nodes]]\nip = "10.0.0.3"\nring = "ring-a"\n'
+            '[[models.available]]\nname = "big"\n[[models.available]]\nname = "small"\n'
+            '[[models.available]]\nname = "big"\nring = "ring-a"\n',
+            "models.available[2].name",
+            'model "big" is listed twice: models.available[0] (standalone) and models.available[2] (ring "ring-a")',
+        ),
+    ],
+)
+def test_addresses_ports_and_models_plinth_accepts_and_serve_cannot_use(
+    tmp_path: Path, text: str, key: str, message: str
+) -> None:
+    error = load_error(tmp_path, text)
+    assert (error.key, error.message) == (key, message)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        gateway_with('listen = "127.0.0.1:0"\nmetrics_listen = "127.0.0.1:0"'),  # two free ports
+        gateway_with('listen = "127.0.0.1:8000"\nmetrics_listen = "127.0.0.2:8000"'),
+        gateway_with('listen = "[::1]:8000"\nmetrics_listen = "localhost:9090"'),
+        '[[nodes]]\nip = "gpu-node-1.cluster.internal"\n[[nodes]]\nip = "fe80::1"\n[[nodes]]\nip = ""\n',
+        ONE_NODE + "vllm_port = 65535\nmetrics_port = 1\n",
+    ],
+)
+def test_addresses_and_ports_serve_can_use_are_accepted(tmp_path: Path, text: str) -> None:
+    load_text(tmp_path, text)
+
+
+def test_plinths_checks_come_first(tmp_path: Path) -> None:
+    text = gateway_with('listen = "8000"') + '[[models.available]]\nname = "m"\nring = "nowhere"\n'
+    assert load_error(tmp_path, text).key == "models.available[0].ring"
+
+
 # --- validation order -------------------------------------------------------------------------
 
 
@@ -252,7 +337,15 @@ def test_wrong_toml_type_names_the_key(tmp_path: Path, text: str, key: str, mess
     assert str(error) == f"{error.path}: {key}: parsing config: {message}"
 
 
-def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
+def load_reporting_unknown_keys(tmp_path: Path, text: str) -> tuple[Config, list[tuple[str, str]]]:
+    path = write_config(tmp_path, text)
+    unknown: list[UnknownKey] = []
+    config = load_config(path, warn=unknown.append)
+    assert {key.path for key in unknown} <= {str(path)}
+    return config, [(key.key, key.closest) for key in unknown]
+
+
+def test_unknown_keys_are_ignored_and_reported(tmp_path: Path) -> None:
     text = (
         'top_level = 1\n[cluster]\nname = "c"\nregion = "eu"\n'
         "[gateway]\nrequest_overload_threshold = 3\n"
@@ -260,10 +353,45 @@ def test_unknown_keys_are_ignored(tmp_path: Path) -> None:
         '[[models.available]]\nname = "m"\nquantization = "q4"\n'
         "[telemetry]\nenabled = true\n"
     )
-    config = load_text(tmp_path, text)
+    config, unknown = load_reporting_unknown_keys(tmp_path, text)
     assert config.cluster.name == "c"
     assert config.nodes == (NodeConfig(ip="10.0.0.1"),)
     assert config.models.available == (ModelEntry(name="m"),)
+    assert unknown == [
+        ("top_level", ""),
+        ("cluster.region", ""),
+        ("gateway.request_overload_threshold", ""),
+        ("nodes[0].gpu_count", ""),
+        ("models.available[0].quantization", ""),
+        ("telemetry", ""),
+    ]
+
+
+def test_misspelt_keys_are_reported_with_the_closest_known_key(tmp_path: Path) -> None:
+    text = (
+        '[gateway]\nhelth_interval = "1s"\nListen = ":8100"\n'
+        '[gatway]\nlisten = ":8200"\n'
+        '[[nodes]]\nip = "10.0.0.1"\n[[nodes]]\nip = "10.0.0.2"\nvlm_port = 8001\n'
+        '[models]\ndefualt = "m"\n'
+    )
+    config, unknown = load_reporting_unknown_keys(tmp_path, text)
+    assert config.gateway.health_interval == 3.0  # the misspelt key is ignored, as plinth does
+    assert config.nodes[1].vllm_port == 8000
+    assert unknown == [
+        ("gateway.helth_interval", "gateway.health_interval"),
+        ("gatway", "gateway"),
+        ("nodes[1].vlm_port", "nodes[1].vllm_port"),
+        ("models.defualt", "models.default"),
+    ]
+
+
+def test_unknown_keys_are_reported_before_a_validation_error(tmp_path: Path) -> None:
+    path = write_config(tmp_path, '[[node]]\nip = "10.0.0.1"\n')
+    unknown: list[UnknownKey] = []
+    with pytest.raises(ConfigError) as caught:
+        load_config(path, warn=unknown.append)
+    assert caught.value.message == "at least one node must be configured"
+    assert [str(key) for key in unknown] == [f"{path}: node: unknown key (did you mean nodes?)"]
 
 
 def test_keys_match_case_insensitively(tmp_path: Path) -> None:
@@ -288,9 +416,16 @@ def test_wrong_type_under_a_differently_cased_key_names_the_field(tmp_path: Path
     assert error.key == "gateway.listen"
 
 
-def test_provision_section_is_ignored(tmp_path: Path) -> None:
-    text = ONE_NODE + '[provision]\nssh_port = 70000\nssh_key = 5\nweights_dir = "~/weights"\n'
-    assert load_text(tmp_path, text).nodes[0].ip == "10.0.0.1"
+def test_provision_section_is_ignored_without_a_warning(tmp_path: Path) -> None:
+    text = ONE_NODE + '[Provision]\nssh_port = 70000\nssh_key = 5\nweights_dir = "~/weights"\n'
+    config, unknown = load_reporting_unknown_keys(tmp_path, text)
+    assert config.nodes[0].ip == "10.0.0.1"
+    assert unknown == []
+
+
+def test_keys_matched_case_insensitively_are_not_unknown(tmp_path: Path) -> None:
+    text = '[GATEWAY]\nListen = ":8100"\n[[Nodes]]\nIP = "10.0.0.1"\n[Models]\n[[Models.Available]]\nNAME = "m"\n'
+    assert load_reporting_unknown_keys(tmp_path, text)[1] == []
 
 
 # --- defaults ---------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""`interlock serve`: startup, SIGHUP reload under a running stream, graceful SIGTERM shutdown,
-and the exit codes of a gateway that cannot start. Signals are real (sent to this process, or
-to an `interlock serve` subprocess)."""
+"""`interlock serve`: startup, SIGHUP reload under a running stream, graceful SIGTERM shutdown
+and the forced one on a second signal, unknown config keys, and the exit codes of a gateway that
+cannot start. Signals are real (sent to this process, or to an `interlock serve` subprocess)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,19 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import msgspec
+import pytest
 import trio
 
+from events.log import list_segments, read_events
+from events.types import RunStopped
 from fixtures.node import serve_nodes
-from interlock.serve import serve
+from interlock.serve import SHUTDOWN_GRACE_SECONDS, serve
 
 from harness import MODEL, CapturedLog, chat, completions_to, config_text, node_specs, nodes_and_gateway, sse_events
 
@@ -95,25 +100,6 @@ async def test_a_request_in_flight_at_sigterm_still_reports_to_the_control_plane
     )
 
 
-async def test_a_listener_that_cannot_bind_is_a_server_error_and_exit_1(tmp_path):
-    async with serve_nodes(node_specs(1)) as nodes:
-        with socket.socket() as taken:
-            taken.bind(("127.0.0.1", 0))
-            taken.listen()
-            port = taken.getsockname()[1]
-            config_path = tmp_path / "gateway.toml"
-            text = config_text(nodes).replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{port}"')
-            config_path.write_text(text)
-            log = CapturedLog()
-            with trio.fail_after(10):
-                code = await serve(str(config_path), version="test", log=log)
-    assert code == 1
-    lines = log.records()
-    [error] = [line for line in lines if line["msg"] == "server error"]
-    assert error["level"] == "error" and "in use" in error["error"].lower()
-    assert [line["addr"] for line in lines if line["msg"] == "api server listening"] == ["127.0.0.1:0"]
-
-
 async def test_an_invalid_config_is_fatal_with_exit_1(tmp_path, capsys):
     config_path = tmp_path / "gateway.toml"
     config_path.write_text("[gateway]\nhealth_fail_threshold = -1\n")
@@ -186,3 +172,189 @@ async def test_interlock_serve_starts_logs_plinths_lines_and_stops_on_sigterm(tm
         ("metrics server listening", {"addr": f"127.0.0.1:{metrics_port}"}),
     ]
     assert [line["msg"] for line in lines][-2:] == ["shutting down", "gateway stopped"]
+
+
+# --- `interlock serve` as a subprocess -----------------------------------------------------------
+
+
+class ServeProcess:
+    """An `interlock serve --config PATH` subprocess; its stdout (the JSON log) read on demand."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.output = b""
+
+    def messages(self) -> list[str]:
+        """The `msg` of each complete line written so far."""
+        return [msgspec.json.decode(line)["msg"] for line in self.output.split(b"\n")[:-1]]
+
+    async def wait_for_log(self, msg: str) -> None:
+        """Read stdout until a line with this `msg` has been written."""
+        with trio.fail_after(15):
+            while msg not in self.messages():
+                chunk = await self.process.stdout.receive_some()
+                assert chunk, f"stdout closed before {msg!r}: {self.output.decode()}"
+                self.output += chunk
+
+    async def exit(self) -> tuple[int, list[dict], str]:
+        """Wait for the exit: the exit code, the log lines and stderr."""
+        with trio.fail_after(30):
+            while chunk := await self.process.stdout.receive_some():
+                self.output += chunk
+            errors = b""
+            while chunk := await self.process.stderr.receive_some():
+                errors += chunk
+            code = await self.process.wait()
+        return code, [msgspec.json.decode(line) for line in self.output.splitlines()], errors.decode()
+
+
+@asynccontextmanager
+async def serve_process(config_path: Path) -> AsyncIterator[ServeProcess]:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=PROJECT_ROOT,
+    )
+    try:
+        yield ServeProcess(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+def _listening_on(text: str, key: str, address: str) -> str:
+    return text.replace(f'{key} = "127.0.0.1:0"', f'{key} = "{address}"', 1)
+
+
+@pytest.mark.parametrize("key", ["listen", "metrics_listen"])
+async def test_an_address_in_use_names_address_and_key_and_exits_1_before_probing_or_logging(tmp_path, key):
+    event_log = tmp_path / "events.jsonl"
+    async with serve_nodes(node_specs(1)) as nodes:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            address = f"127.0.0.1:{taken.getsockname()[1]}"
+            config_path = tmp_path / "gateway.toml"
+            config_path.write_text(_listening_on(config_text(nodes, event_log=str(event_log)), key, address))
+            async with serve_process(config_path) as gateway:
+                code, lines, errors = await gateway.exit()
+        assert list(nodes[0].requests) == []
+    assert (code, errors) == (1, "")
+    assert [(line["level"], line["msg"], line["error"]) for line in lines] == [
+        ("error", "server error", f"cannot listen on {address} ({key}): address already in use")
+    ]
+    assert list_segments(event_log) == []
+
+
+async def test_a_listen_address_serve_cannot_use_is_a_config_error(tmp_path):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text(_listening_on(config_text([]) + '[[nodes]]\nip = "10.0.0.1"\n', "listen", "8000"))
+    async with serve_process(config_path) as gateway:
+        code, lines, errors = await gateway.exit()
+    assert (code, lines) == (1, [])
+    why = 'gateway.listen: invalid listen address "8000": missing port in address'
+    assert errors == f"fatal: loading config: {config_path}: {why}\n"
+
+
+async def test_unknown_keys_are_warned_at_start_and_on_reload(tmp_path):
+    async with serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes, helth_interval="1s") + "[provision]\nssh_port = 22\n")
+        async with serve_process(config_path) as gateway:
+            await gateway.wait_for_log("metrics server listening")
+            config_path.write_text(config_text(nodes).replace("vllm_port", "vlm_port") + '[gatway]\nlisten = ":1"\n')
+            gateway.process.send_signal(signal.SIGHUP)
+            await gateway.wait_for_log("config reloaded")
+            gateway.process.send_signal(signal.SIGTERM)
+            code, lines, errors = await gateway.exit()
+    assert (code, errors) == (0, "")
+    warnings = [
+        (line["msg"], {key: value for key, value in line.items() if key not in ("msg", "timestamp")})
+        for line in lines
+        if line["level"] == "warn" and line["msg"] != "node reports no models"
+    ]
+    path = str(config_path)
+    assert warnings == [
+        (
+            "unknown config key",
+            {"level": "warn", "file": path, "key": "gateway.helth_interval", "did_you_mean": "gateway.health_interval"},
+        ),
+        (
+            "unknown config key",
+            {"level": "warn", "file": path, "key": "nodes[0].vlm_port", "did_you_mean": "nodes[0].vllm_port"},
+        ),
+        ("unknown config key", {"level": "warn", "file": path, "key": "gatway", "did_you_mean": "gateway"}),
+    ]
+    messages = [line["msg"] for line in lines]
+    assert messages.index("metrics server listening") < messages.index("config reloaded")
+    assert messages[-1] == "gateway stopped"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(("signum", "workers"), [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 2)])
+async def test_a_second_signal_during_the_drain_forces_the_shutdown_and_still_exits_0(tmp_path, signum, workers):
+    # A stream of 1,000 tokens at 20 a second keeps the drain busy far longer than the test.
+    async with serve_nodes(node_specs(1, tokens=1000, tpot=0.05)) as nodes:
+        api_port = _free_port()
+        config_path = tmp_path / "gateway.toml"
+        event_log = tmp_path / "events.jsonl"
+        text = config_text(nodes, event_log=str(event_log), workers=workers)
+        config_path.write_text(_listening_on(text, "listen", f"127.0.0.1:{api_port}"))
+        async with serve_process(config_path) as gateway:
+            await gateway.wait_for_log("metrics server listening")
+            received = b""
+            async with httpx.AsyncClient(timeout=30) as client:
+                url = f"http://127.0.0.1:{api_port}{CHAT}"
+                async with client.stream("POST", url, json=chat(stream=True)) as stream:
+                    chunks = stream.aiter_bytes()
+                    received += await chunks.__anext__()
+                    gateway.process.send_signal(signum)
+                    await gateway.wait_for_log("shutting down")
+                    gateway.process.send_signal(signum)
+                    await gateway.wait_for_log("forced shutdown")
+                    gateway.process.send_signal(signum)  # a late one: ignored, or re-raised into SIG_IGN
+                    with pytest.raises(httpx.RemoteProtocolError):
+                        async for chunk in chunks:
+                            received += chunk
+            code, lines, errors = await gateway.exit()
+    assert (code, errors) == (0, "")
+    assert b"[DONE]" not in received
+    messages = [line["msg"] for line in lines]
+    assert messages.index("shutting down") < messages.index("forced shutdown") < messages.index("gateway stopped")
+    assert messages[-1] == "gateway stopped"
+    [forced] = [line for line in lines if line["msg"] == "forced shutdown"]
+    assert (forced["level"], forced["reason"]) == ("warn", f"second {signum.name}")
+    assert isinstance(list(read_events([event_log]))[-1], RunStopped)  # the event log was flushed
+    worker_pids = [int(line["pid"]) for line in lines if line["msg"] == "worker started"]
+    assert len(worker_pids) == (workers if workers > 1 else 0)
+    assert not any(_running(pid) for pid in worker_pids)  # killed, not left draining
+
+
+def test_serve_help_documents_the_signals_and_exit_codes():
+    result = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=PROJECT_ROOT,
+    )
+    assert result.returncode == 0
+    help_text = " ".join(result.stdout.split())
+    for promise in [
+        "SIGHUP reload the config file",
+        "SIGTERM, SIGINT graceful shutdown",
+        f"finish (for up to {SHUTDOWN_GRACE_SECONDS:g} s)",
+        "a second one forced shutdown: connections still open are closed at once",
+        "any more are ignored",
+        "exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start",
+    ]:
+        assert promise in help_text

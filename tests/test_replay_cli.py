@@ -327,6 +327,72 @@ def test_check_config_error_exits_2_with_the_message(capsys, tmp_path):
     assert one_error_line(err) == f"{path}: nodes: at least one node must be configured"
 
 
+MISSPELT_CONFIG = VALID_CONFIG + (
+    '[gateway]\nhelth_interval = "1s"\n[gatway]\nlisten = ":1"\n[provision]\nssh_port = 22\n'
+)
+
+
+def test_check_config_warns_for_each_unknown_key_with_the_closest_known_key(capsys, tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(MISSPELT_CONFIG)
+    code, out, err = run_cli(capsys, "check-config", path)
+    assert code == 0 and out.startswith("ok\n")
+    assert err.splitlines() == [
+        f"interlock check-config: warning: {path}: gateway.helth_interval: unknown key "
+        "(did you mean gateway.health_interval?)",
+        f"interlock check-config: warning: {path}: gatway: unknown key (did you mean gateway?)",
+    ]
+
+
+def test_check_config_strict_makes_unknown_keys_errors(capsys, tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(MISSPELT_CONFIG)
+    code, out, err = run_cli(capsys, "check-config", "--strict", path)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        f"{path}: gateway.helth_interval: unknown key (did you mean gateway.health_interval?)",
+        f"{path}: gatway: unknown key (did you mean gateway?)",
+    ]
+    path.write_text(VALID_CONFIG + "[provision]\nssh_port = 22\n")
+    assert run_cli(capsys, "check-config", "--strict", path)[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ('[gateway]\nlisten = "8000"\n', 'gateway.listen: invalid listen address "8000": missing port in address'),
+        (
+            '[gateway]\nlisten = "localhost:99999"\n',
+            'gateway.listen: invalid listen address "localhost:99999": invalid port "99999"',
+        ),
+        (
+            '[gateway]\nlisten = ":8000"\nmetrics_listen = ":8000"\n',
+            'gateway.metrics_listen: metrics_listen ":8000" and listen ":8000" both bind port 8000',
+        ),
+        (
+            '[[nodes]]\nip = "10.0.0.256"\n',
+            'nodes[1].ip: invalid node IP "10.0.0.256": not a valid IPv4 address',
+        ),
+        (
+            '[[nodes]]\nip = "10.0.0.2"\nvllm_port = 70000\n',
+            "nodes[1].vllm_port: vllm_port must be between 1 and 65535 (got 70000)",
+        ),
+        (
+            '[[models.available]]\nname = "m"\n[[nodes]]\nip = "10.0.0.2"\nring = "r"\n'
+            '[[models.available]]\nname = "m"\nring = "r"\n',
+            'models.available[1].name: model "m" is listed twice: models.available[0] (standalone) '
+            'and models.available[1] (ring "r")',
+        ),
+    ],
+)
+def test_check_config_rejects_what_serve_cannot_use(capsys, tmp_path, text, error):
+    path = tmp_path / "gateway.toml"
+    path.write_text(VALID_CONFIG + text)
+    code, out, err = run_cli(capsys, "check-config", path)
+    assert (code, out) == (2, "")
+    assert one_error_line(err) == f"{path}: {error}"
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 

@@ -100,17 +100,22 @@ async def test_a_node_that_dies_under_load_is_avoided_by_every_worker(tmp_path):
         dead_at = next(
             int(line["seq"]) for line in gateway.logged("node health changed") if line["node"] == dying and line["to"] == "dead"
         )
+        # New connections until both workers have routed requests since the node died (the kernel
+        # hands each connection to whichever worker accepts it first).
         async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
-            for _ in range(40):
-                statuses.append((await http.post(gateway.url + CHAT, json=chat())).status_code)
-        # The workers' records reach the leader's log in batches.
-        await gateway.wait_for(lambda: decisions.exists() and len(decisions.read_bytes().splitlines()) == 360)
+            for _ in range(300):
+                response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
+                statuses.append(response.status_code)
+                await trio.sleep(0.01)  # the records reach the leader's log in batches
+                after = [record for record in read_decisions(decisions) if record.seq >= dead_at]
+                if {record.worker for record in after} == {1, 2}:
+                    break
+        await gateway.wait_for(lambda: len(decisions.read_bytes().splitlines()) == len(statuses))
     records = list(read_decisions(decisions))
     after = [record for record in records if record.seq >= dead_at]
     assert {record.worker for record in after} == {1, 2}
     assert all(attempt.node != dying for record in after for attempt in record.attempts)
-    assert len(records) == len(statuses) == 360
-    assert statuses.count(200) >= 360 - 8  # at most the requests in flight on the node as it died
+    assert statuses.count(200) >= len(statuses) - 8  # at most the requests in flight on the node as it died
 
 
 async def test_a_killed_worker_is_started_again_and_catches_up(tmp_path):
