@@ -196,7 +196,7 @@ class Exchange:
 
     __slots__ = (
         "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts",
-        "skipped",
+        "skipped", "attempt_started",
     )  # fmt: skip
 
     def __init__(
@@ -223,6 +223,8 @@ class Exchange:
         self.at = at
         self.started = started
         self.attempts: list[AttemptRecord] = []
+        self.attempt_started = started
+        """When the attempt in progress began (attempts are made one after another)."""
         self.skipped: list[Exclusion] = []
         """The candidates the attempt loop passed over (dead or offline when it picked), once each."""
 
@@ -389,6 +391,8 @@ class Proxy:
         port = exchange.view.config.ports[node.ip]
         target = _TARGETS[exchange.path]
         upstream: UpstreamResponse | None = None
+        exchange.attempt_started = time.perf_counter()
+        self._metrics.node_attempt_started(node.ip)
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
@@ -536,8 +540,11 @@ class Proxy:
         elif kind == CLIENT_GONE and outcome.committed:
             self._log.error("client write failed after commit", node=node.ip, error=error)
             self._metrics.client_write_failure(exchange.model)
+        self._metrics.node_attempt_ended(node.ip)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
-            self._metrics.attempt(exchange.model, outcome.status or 502)
+            status = outcome.status or 502
+            self._metrics.attempt(exchange.model, status)
+            self._metrics.node_attempt(node.ip, status, time.perf_counter() - exchange.attempt_started)
         exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
 
     def _error(self, exchange: Exchange, error: ApiError) -> Reply:

@@ -37,7 +37,6 @@ from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from controlplane.config import ConfigError, parse_listen_address
 from controlplane.logs import JsonLog
@@ -48,7 +47,7 @@ from dataplane.decisions import DecisionLog, DecisionRecorder
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import Config, GatewayConfig, Workers
-from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
+from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -174,7 +173,7 @@ async def _run(
                 await serve_on_socket(app, api_socket, stop_listening, task_status=task_status)
             return
         with tempfile.TemporaryDirectory(prefix="interlock-metrics-") as metrics_dir:
-            MultiProcessCollector(registry, path=metrics_dir)
+            WorkerSamples(registry, path=metrics_dir)
             pool = WorkerPool(
                 control_plane,
                 api_socket,
