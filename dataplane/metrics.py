@@ -72,6 +72,11 @@ class RequestMetrics:
                 registry=registry,
             )
         )
+        self._node_retries = counter(
+            "interlock_node_retries_total",
+            "Attempts on a node that failed before anything was sent to the client, after which the next node was tried",
+            "node",
+        )
         # With `serve --workers N` each worker counts its own: the leader's /metrics sums the
         # workers alive (a dead worker's requests are no longer in flight).
         self._node_in_flight = _Children(
@@ -104,6 +109,9 @@ class RequestMetrics:
         """One attempt on `node` counted, as `attempt` counts it by model."""
         self._node_requests(node, status).inc()
         self._node_duration(node).observe(seconds)
+
+    def retried(self, node: str) -> None:
+        self._node_retries(node).inc()
 
     def passthrough(self, model: str, reason: str) -> None:
         self._passthrough(model, reason).inc()

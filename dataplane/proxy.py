@@ -524,6 +524,7 @@ class Proxy:
                 self._log.info("retrying after streaming failure before first chunk", node=node.ip, error=error)
             else:
                 self._log.info("retrying after connection failure", node=node.ip, error=error)
+            self._metrics.retried(node.ip)
             self._mark_offline(node.ip, error)
         elif kind == FAILED:
             self._log.error("node response truncated or connection lost", node=node.ip, error=error)

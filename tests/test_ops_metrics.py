@@ -66,6 +66,19 @@ async def test_attempts_are_counted_and_timed_by_node_and_status(tmp_path):
         assert await gateway.metric(in_flight(ok)) == 0
 
 
+async def test_an_attempt_on_a_node_that_refuses_is_counted_as_a_retry_of_that_node(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(2)) as (nodes, gateway):
+        await gateway.discovered()
+        refusing = nodes[1].host
+        nodes[1].behaviour.refuse = True  # seen by the next request sent to it (probes are 30 s apart)
+        for _ in range(4):
+            assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        assert len(gateway.logged("retrying after connection failure")) == 1
+        assert await gateway.metric(f'interlock_node_retries_total{{node="{refusing}"}}') == 1
+        assert await gateway.metric(f'interlock_node_requests_total{{node="{refusing}",status="502"}}') == 1
+        assert await gateway.metric(f'interlock_node_retries_total{{node="{nodes[0].host}"}}') is None
+
+
 async def test_a_stream_is_in_flight_on_its_node_until_the_client_leaves(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(1, ttft=60.0), **FAST) as (nodes, gateway):
         await gateway.discovered()
