@@ -6,7 +6,8 @@ files, the leader's /metrics merges them).
 
 Each mode runs in a fresh interpreter (the mode is chosen when prometheus_client is imported).
 Increments: a counter child and a histogram, as `dataplane.metrics.RequestMetrics` counts one
-request; and what one attempt adds by node (in flight up and down, a counter, a histogram). Scrape: rendering /metrics after `--models` models x 3 statuses were counted by each of
+request; and what one attempt adds by node (in flight up and down, a counter, a histogram).
+Scrape: rendering /metrics after `--models` models x 3 statuses were counted by each of
 `--workers` processes.
 """
 

@@ -85,7 +85,8 @@ async def test_every_dashboard_query_has_data_from_a_real_prometheus_scraping_a_
     specs[1].behaviour.completion = "close_mid_stream"  # truncates streams
     specs[3].behaviour.models = "empty"  # excluded by the model filter
     specs[4].behaviour.completion = "hang"  # its requests time out and are retried on another node
-    async with nodes_and_gateway(tmp_path, specs, health_interval="0.3s", response_header_timeout=0.3) as (nodes, gateway):
+    config = {"health_interval": "0.3s", "response_header_timeout": 0.3}
+    async with nodes_and_gateway(tmp_path, specs, **config) as (nodes, gateway):
         truncating, dying = nodes[1].host, nodes[2].host
         await gateway.discovered()
         nodes[2].behaviour.refuse = True
