@@ -36,6 +36,7 @@ from dataplane.control import ControlPlaneView
 from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
 from dataplane.proxy import (
     COMPLETION_PATHS,
+    ConfigView,
     Exchange,
     Proxy,
     SnapshotView,
@@ -80,18 +81,12 @@ class ApiApp:
             await self._quart(scope, receive, send)
             return
         view = self._views.current()
-        if view.config.api_key_digests and not self._open_without_key(scope, view):
-            if not key_accepted(scope["headers"], view.config.api_key_digests):
-                await _refuse(receive, send, error_reply(UNAUTHORIZED, close=True))
-                return
-        if scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+        if view.config.api_key_digests and not _admitted(scope, view.config):
+            await _refuse(receive, send, error_reply(UNAUTHORIZED, close=True))
+        elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
             await self._completion(scope, receive, send, view)
         else:
             await self._quart(scope, receive, send)
-
-    @staticmethod
-    def _open_without_key(scope, view: SnapshotView) -> bool:
-        return view.config.health_open and scope["path"] == "/health"
 
     async def _completion(self, scope, receive, send, view: SnapshotView) -> None:
         started = time.perf_counter()
@@ -171,6 +166,13 @@ async def _read_body(receive, declared_length: int | None, limit: int) -> bytes 
             pieces.append(piece)
         if not message["more_body"]:
             return b"".join(pieces)
+
+
+def _admitted(scope, config: ConfigView) -> bool:
+    """With client keys configured: whether the request holds one, or needs none (an open /health)."""
+    if config.health_open and scope["path"] == "/health":
+        return True
+    return key_accepted(scope["headers"], config.api_key_digests)
 
 
 async def _refuse(receive, send, reply: Reply) -> None:
