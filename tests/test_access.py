@@ -323,3 +323,24 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def test_a_log_recorded_before_the_access_keys_existed_replays_the_same(tmp_path):
+    """The scenario with every access key taken out of its configs, as an older gateway wrote it."""
+    scenario = PROJECT_ROOT / "fixtures" / "logs" / "scenario.jsonl"
+    access_keys = (
+        "api_key_hashes", "api_key_file", "health_requires_api_key", "health_hides_errors", "upstream_api_key_file"
+    )  # fmt: skip
+    older = tmp_path / "older.jsonl"
+    lines = []
+    for line in scenario.read_bytes().splitlines():
+        event = msgspec.json.decode(line)
+        if "config" in event:
+            for key in access_keys:
+                del event["config"]["gateway"][key]
+            for node in event["config"]["nodes"]:
+                del node["api_key_file"]
+        lines.append(msgspec.json.encode(event))
+    older.write_bytes(b"\n".join(lines) + b"\n")
+    assert b"api_key" not in older.read_bytes()
+    assert replay([older]).transitions == replay([scenario]).transitions
