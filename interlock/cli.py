@@ -1,7 +1,8 @@
 """The `interlock` command line.
 
     interlock demo [--config PATH] [--once] [--quiet]
-    interlock serve [--config PATH]
+    interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
+                    [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
     interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
@@ -25,10 +26,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
+from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.replay import audit, explain, replay
 from dataplane.decisions import DecisionLogError, find_decisions
+from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
 from events.log import EventLogError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
@@ -285,29 +287,80 @@ signals:
                     exit 0; any more are ignored
 
 exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
-invalid config file, an address it cannot listen on)"""
+invalid config file, an address it cannot listen on), 2 for invalid options"""
 """What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
 the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
+
+
+CONFIG_ENV = "INTERLOCK_CONFIG"
+DEFAULT_CONFIG = "config/gateway.toml"
 
 
 def add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve",
         help="run the gateway (exit code 1 if it cannot start)",
-        description="Run the gateway: probe the nodes, serve the API and the metrics.",
+        description="Run the gateway: probe the nodes, serve the API and the metrics.\n"
+        "Each option but --config overrides a setting of the config file, at start and at every\n"
+        "reload; without it, the file's setting holds (its default in parentheses).",
         epilog=SERVE_SIGNALS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
+        "--config",
+        default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG,
+        metavar="PATH",
+        help=f"the gateway's TOML config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG})",
+    )
+    address = _argument_type(_listen_address)
+    api = parser.add_mutually_exclusive_group()
+    api.add_argument(
+        "--listen",
+        type=address,
+        metavar="HOST:PORT",
+        help=f"the API's address; :PORT is all interfaces, [::1]:PORT IPv6 (gateway.listen: {DEFAULT_LISTEN})",
+    )
+    api.add_argument("--host", metavar="HOST", help="as vLLM's --host: the API's host, with gateway.listen's port")
+    parser.add_argument(
+        "--port",
+        type=_argument_type(_port),
+        metavar="PORT",
+        help="as vLLM's --port: the API's port, with gateway.listen's host (or --host)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        type=address,
+        metavar="HOST:PORT",
+        help=f"the Prometheus metrics' address (gateway.metrics_listen: {DEFAULT_METRICS_LISTEN})",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        help=f"the least severe lines logged (gateway.log_level: {LOG_LEVELS[0]})",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help=f"json: plinth's JSON lines; text: for a terminal (gateway.log_format: {LOG_FORMATS[0]})",
     )
     parser.add_argument(
         "--workers",
         type=_argument_type(parse_workers),
         metavar="N|auto",
-        help="processes serving the API (overrides gateway.workers; auto: one per usable core)",
+        help="processes serving the API; auto: one per usable core (gateway.workers: 1)",
     )
     parser.set_defaults(run=run_serve)
+
+
+def _listen_address(text: str) -> str:
+    parse_listen_address(text)
+    return text
+
+
+def _port(text: str) -> int:
+    if text.isdigit() and 1 <= int(text) <= 65535:
+        return int(text)
+    raise ValueError(f"invalid port {text!r}: a number from 1 to 65535")
 
 
 def parse_workers(text: str) -> int | str:
@@ -321,7 +374,17 @@ def parse_workers(text: str) -> int | str:
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
-    return serve_gateway(args.config, package_version(), workers=args.workers)
+    if args.listen is not None and args.port is not None:
+        return _error(args, "argument --port: not allowed with argument --listen (its address has a port)")
+    overrides = Overrides(
+        listen=args.listen,
+        metrics_listen=args.metrics_listen,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    return serve_gateway(args.config, package_version(), workers=args.workers, overrides=overrides)
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -358,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help()  # a bare `interlock`: what it can do
+        return EXIT_OK
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit:  # --help, --version, or a usage error already reported
