@@ -124,6 +124,8 @@ class ConfigView:
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
         self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
         """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
+        self.model_bodies = {model["id"]: msgspec.json.encode(model) for model in listed}
+        """`GET /v1/models/{id}`: each configured model's object, as the list has it."""
 
 
 class Route:
