@@ -85,7 +85,8 @@ class Overrides:
     the file's at start and at every reload, so a reload never sees them change; the config the
     event log records is the one in force. None leaves the file's setting.
 
-    `host` and `port` (vLLM's `--host`/`--port`) each replace one half of `listen`.
+    `host` and `port` (vLLM's `--host`/`--port`) each replace one half of `listen`. The demo
+    places the event and decision logs in its own directory with `event_log` and `decision_log`.
     """
 
     listen: str | None = None
@@ -94,11 +95,13 @@ class Overrides:
     port: int | None = None
     log_level: str | None = None
     log_format: str | None = None
+    event_log: str | None = None
+    decision_log: str | None = None
 
     def apply(self, gateway: GatewayConfig) -> GatewayConfig:
         given = {
             key: value
-            for key in ("listen", "metrics_listen", "log_level", "log_format")
+            for key in ("listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log")
             if (value := getattr(self, key)) is not None
         }
         if self.host is not None or self.port is not None:

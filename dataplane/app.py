@@ -15,8 +15,8 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from dataplane.control import ControlPlaneView
 from controlplane.logs import clipped
+from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
 from dataplane.proxy import COMPLETION_PATHS, SnapshotViews
 from events.state import Health

@@ -1,6 +1,6 @@
 """The `interlock` command line.
 
-    interlock demo [--config PATH] [--once] [--quiet]
+    interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr]
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
     interlock check-config PATH [--strict]
@@ -23,6 +23,7 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
@@ -394,15 +395,30 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="simulated nodes and the gateway, with one request through it")
     parser.add_argument("--config", default=None, metavar="PATH", help="the demo's TOML config (default: config/demo.toml)")
     parser.add_argument("--once", action="store_true", help="stop after the first request instead of serving on")
-    parser.add_argument("--quiet", action="store_true", help="do not print the gateway's JSON log (on stderr)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        metavar="PATH",
+        help="where the gateway's log and the config's relative log paths go "
+        "(default: $XDG_STATE_HOME/interlock/demo, else ~/.local/state/interlock/demo)",
+    )
+    parser.add_argument(
+        "--log-to-stderr", action="store_true", help="the gateway's log lines on stderr instead of DIR/gateway.log"
+    )
     parser.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from interlock.demo import DEMO_CONFIG  # the server stack, imported only to serve
+    from interlock.demo import DEMO_CONFIG, default_directory  # the server stack, imported only to serve
     from interlock.demo import run_demo as demo
 
-    return demo(args.config or str(DEMO_CONFIG), package_version(), once=args.once, quiet=args.quiet)
+    return demo(
+        args.config or str(DEMO_CONFIG),
+        package_version(),
+        once=args.once,
+        directory=args.dir or default_directory(),
+        log_to_stderr=args.log_to_stderr,
+    )
 
 
 # --- the program -----------------------------------------------------------------------------

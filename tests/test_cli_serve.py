@@ -138,15 +138,16 @@ async def test_workers_log_at_the_leaders_level_and_format(tmp_path):
                         if response is not None and response.status_code == 200:
                             break
                         await trio.sleep(0.1)
-                    assert (await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat("unserved"))).status_code == 503
+                    unserved = await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat("unserved"))
+                    assert unserved.status_code == 503
             await gateway.read_until(" no node serves requested model ")
             code, output, errors = await gateway.stop()
     assert (code, errors) == (0, "")
     lines = output.splitlines()
     assert all(TEXT_LINE.fullmatch(line) for line in lines), output
     assert not [line for line in lines if " INFO " in line], output  # the leader's and the workers'
-    [unserved] = [line for line in lines if " no node serves requested model " in line]
-    assert re.search(r" WARN  no node serves requested model  worker=[12] model=unserved request_id=\w+$", unserved), unserved
+    [warning] = [line for line in lines if " no node serves requested model " in line]
+    assert re.search(r" WARN  no node serves requested model  worker=[12] model=unserved request_id=\w+$", warning)
 
 
 def test_serve_help_shows_each_default_and_a_bare_interlock_lists_the_commands():
