@@ -4,10 +4,10 @@
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
     interlock check-config PATH [--strict]
-    interlock replay LOG… [--until-seq N | --at TIME] [--json]
-    interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
-    interlock explain [LOG…] --request-id ID --decisions FILE [--json]
-    interlock audit LOG… [--node IP] [--since T] [--until T] [--kind KIND[,KIND]]
+    interlock replay LOG… [--until-seq N | --at TIME] [--json] [--skip-invalid]
+    interlock explain LOG… --model M [--until-seq N | --at TIME] [--json] [--skip-invalid]
+    interlock explain [LOG…] --request-id ID --decisions FILE [--json] [--skip-invalid]
+    interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
@@ -29,7 +29,7 @@ import msgspec
 
 from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
 from controlplane.logs import format_timestamp
-from controlplane.replay import audit, explain, replay
+from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from dataplane.decisions import DecisionLogError, find_decisions
 from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
 from events.log import EventLogError
@@ -38,6 +38,7 @@ from interlock.render import (
     explanation_to_builtins,
     parse_kinds,
     parse_time,
+    parse_time_through,
     render_explanation,
     render_state,
     state_to_builtins,
@@ -135,25 +136,54 @@ def run_check_config(args: argparse.Namespace) -> int:
 _LOGS_HELP = "event log segments in order, or a log's name for all its segments"
 
 
+_THROUGH_HELP = "(RFC 3339 or UNIX seconds; a whole second includes the events within it)"
+
+
 def _add_log_arguments(parser: argparse.ArgumentParser, *, moment: bool, optional: bool = False) -> None:
     parser.add_argument("logs", nargs="*" if optional else "+", metavar="LOG", help=_LOGS_HELP)
     if moment:
         when = parser.add_mutually_exclusive_group()
         when.add_argument("--until-seq", type=int, metavar="N", help="stop after the event numbered N")
         when.add_argument(
-            "--at", type=_argument_type(parse_time), metavar="TIME", help="the moment (RFC 3339 or UNIX seconds)"
+            "--at", type=_argument_type(parse_time_through), metavar="TIME", help=f"the moment {_THROUGH_HELP}"
         )
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_skip_invalid(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip lines of a damaged log that are not valid events (each one reported) instead of stopping",
+    )
+
+
+def _replay(args: argparse.Namespace, **limits: float | int | None) -> ReplayResult:
+    """`replay` of the command's logs: warnings on stderr; with --skip-invalid, each invalid line
+    is reported as it is skipped, and their count at the end."""
+    warn = _warner(args)
+    skipped: list[str] = []
+
+    def skip(message: str) -> None:
+        skipped.append(message)
+        warn(message)
+
+    result = replay(args.logs, warn=warn, skip_invalid=skip if args.skip_invalid else None, **limits)
+    if skipped:
+        count = f"{len(skipped)} invalid line{'' if len(skipped) == 1 else 's'}"
+        warn(f"skipped {count}: from the first one on, the state may differ from the live gateway's")
+    return result
 
 
 def add_replay(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("replay", help="rebuild the cluster state recorded in an event log")
     _add_log_arguments(parser, moment=True)
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_replay)
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
+    result = _replay(args, until_seq=args.until_seq, until_at=args.at)
     now = result.moment(args.at)
     if args.json:
         _print_json(state_to_builtins(result, now))
@@ -171,6 +201,7 @@ def add_explain(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", metavar="M", help="the requested model, exactly as sent (unless --request-id)")
     parser.add_argument("--request-id", metavar="ID", help="explain this recorded request instead")
     parser.add_argument("--decisions", metavar="FILE", help="the decision log (gateway.decision_log) to find it in")
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_explain)
 
 
@@ -183,7 +214,7 @@ def run_explain(args: argparse.Namespace) -> int:
         return _error(args, "the following arguments are required: --model")
     if not args.logs:
         return _error(args, "the following arguments are required: LOG")
-    result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
+    result = _replay(args, until_seq=args.until_seq, until_at=args.at)
     explanation = explain(result, args.model, args.at)
     if args.json:
         _print_json(explanation_to_builtins(explanation))
@@ -204,7 +235,7 @@ def _explain_request(args: argparse.Namespace) -> int:
         return _error(args, f"no request with id {args.request_id!r} in the decision log {args.decisions}")
     *earlier, decision = records
     # The control plane as the request saw it: the log replayed up to the snapshot it was routed on.
-    result = replay(args.logs, until_seq=decision.seq, warn=_warner(args)) if args.logs else None
+    result = _replay(args, until_seq=decision.seq) if args.logs else None
     if args.json:
         _print_json(request_to_builtins(decision, result))
     elif result is None:
@@ -217,9 +248,13 @@ def _explain_request(args: argparse.Namespace) -> int:
 def add_audit(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("audit", help="print the transition log lines the live gateway printed")
     _add_log_arguments(parser, moment=False)
-    parser.add_argument("--node", metavar="IP", help="only transitions of this node")
-    parser.add_argument("--since", type=_argument_type(parse_time), metavar="T", help="only from this time on")
-    parser.add_argument("--until", type=_argument_type(parse_time), metavar="T", help="only up to this time")
+    parser.add_argument("--node", metavar="IP|NAME", help="only transitions of this node (its IP, or its name)")
+    parser.add_argument(
+        "--since", type=_argument_type(parse_time), metavar="T", help="only from this time on (RFC 3339, UNIX seconds)"
+    )
+    parser.add_argument(
+        "--until", type=_argument_type(parse_time_through), metavar="T", help=f"only up to this time {_THROUGH_HELP}"
+    )
     parser.add_argument(
         "--kind",
         dest="kinds",
@@ -228,13 +263,22 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
         metavar="KIND[,KIND]",
         help="only these kinds: run, reload, health, models, offline",
     )
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_audit)
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    result = replay(args.logs, warn=_warner(args))
-    lines = audit(result.transitions, node=args.node, since=args.since, until=args.until, kinds=args.kinds)
+    result = _replay(args)
+    nodes = None
+    if args.node is not None:
+        nodes = node_ips(result, args.node)
+        if not nodes:
+            known = ", ".join(sorted(f"{ip} ({name})" if name else ip for ip, name in result.configured_nodes))
+            return _error(args, f"argument --node: no node {args.node!r} in the log (its nodes: {known or 'none'})")
+    lines = audit(result.transitions, nodes=nodes, since=args.since, until=args.until, kinds=args.kinds)
     sys.stdout.write("".join(transition.log_line() + "\n" for transition in lines))
+    if not lines:
+        print(f"{args.prog}: no transition of the log's {len(result.transitions)} matches", file=sys.stderr)
     return EXIT_OK
 
 
