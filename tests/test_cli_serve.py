@@ -16,8 +16,10 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import pytest
 import trio
 
+from controlplane.config import ConfigError, Overrides, load_config
 from events.log import read_events
 from fixtures.node import serve_nodes
 
@@ -207,3 +209,26 @@ def test_an_unknown_log_level_names_the_key_and_the_levels(tmp_path):
         2,
         f'{config_path}: gateway.log_level: log_level must be one of info, warn, error (got "debug")\n',
     )
+
+
+@pytest.mark.parametrize(
+    ("listen", "overrides", "expected"),
+    [
+        (":8000", Overrides(port=8001), ":8001"),  # all interfaces stay all interfaces
+        ("10.1.2.3:8000", Overrides(host="127.0.0.1"), "127.0.0.1:8000"),
+        ("10.1.2.3:8000", Overrides(host="::1", port=9000), "[::1]:9000"),
+        ("[::1]:8000", Overrides(port=9000), "[::1]:9000"),
+        ("10.1.2.3:8000", Overrides(listen="127.0.0.1:7000"), "127.0.0.1:7000"),
+    ],
+)
+def test_host_and_port_each_replace_one_half_of_the_files_listen(tmp_path, listen, overrides, expected):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text(f'[gateway]\nlisten = "{listen}"\n[[nodes]]\nip = "10.0.0.1"\n')
+    assert load_config(config_path, overrides=overrides).gateway.listen == expected
+
+
+def test_an_override_that_collides_with_the_file_is_refused_by_the_loader(tmp_path):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text('[gateway]\nmetrics_listen = ":9090"\n[[nodes]]\nip = "10.0.0.1"\n')
+    with pytest.raises(ConfigError, match='metrics_listen: metrics_listen ":9090" and listen ":9090" both bind'):
+        load_config(config_path, overrides=Overrides(port=9090))
