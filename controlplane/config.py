@@ -442,6 +442,7 @@ def describe_config(config: Config) -> str:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:
         lines.append("unanswered requests: 502 (retry_unanswered = false)")
+    lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
 
 
