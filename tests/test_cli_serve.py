@@ -122,13 +122,14 @@ async def test_port_keeps_the_files_host_and_log_format_text_writes_a_line_for_a
     assert lines[-1].endswith("INFO  gateway stopped  seq=" + lines[-1].rsplit("=", 1)[1])
 
 
-async def test_workers_log_at_the_leaders_level_and_format(tmp_path):
+@pytest.mark.parametrize("level", ["warn", "error"])
+async def test_workers_log_at_the_leaders_level_and_format(tmp_path, level):
     api = free_port()
     async with serve_nodes(node_specs(1)) as nodes:
         config_path = tmp_path / "gateway.toml"
-        # A configured model that no node serves: each request for it is a warning, from the worker.
+        # A configured model that no node serves: a request for it is a warning, from its worker.
         config_path.write_text(config_text(nodes, models=[(MODEL, ""), ("unserved", "")], workers=2))
-        options = ("--config", str(config_path), "--port", str(api), "--log-format", "text", "--log-level", "warn")
+        options = ("--config", str(config_path), "--port", str(api), "--log-format", "text", "--log-level", level)
         async with interlock_serve(*options) as gateway:
             async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
                 with trio.fail_after(20):
@@ -140,16 +141,19 @@ async def test_workers_log_at_the_leaders_level_and_format(tmp_path):
                         if response is not None and response.status_code == 200:
                             break
                         await trio.sleep(0.1)
-                    unserved = await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat("unserved"))
-                    assert unserved.status_code == 503
-            await gateway.read_until(" no node serves requested model ")
+                unserved = await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat("unserved"))
+                assert unserved.status_code == 503  # its warning was written before the answer
             code, output, errors = await gateway.stop()
     assert (code, errors) == (0, "")
     lines = output.splitlines()
     assert all(TEXT_LINE.fullmatch(line) for line in lines), output
     assert not [line for line in lines if " INFO " in line], output  # the leader's and the workers'
-    [warning] = [line for line in lines if " no node serves requested model " in line]
-    assert re.search(r" WARN  no node serves requested model  worker=[12] model=unserved request_id=\w+$", warning)
+    warnings = [line for line in lines if " no node serves requested model " in line]
+    if level == "error":
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert re.search(r" WARN  no node serves requested model  worker=[12] model=unserved request_id=\w+$", warning)
 
 
 def test_serve_help_shows_each_default_and_a_bare_interlock_lists_the_commands():
