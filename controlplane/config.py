@@ -82,7 +82,7 @@ class UnknownKey:
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout")
+_DURATION_KEYS = ("health_interval", "probe_timeout", "event_log_retain_age", "decision_log_retain_age")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
@@ -196,6 +196,7 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         metrics_listen=gateway.metrics_listen or DEFAULT_METRICS_LISTEN,
         health_fail_threshold=gateway.health_fail_threshold or DEFAULT_HEALTH_FAIL_THRESHOLD,
         event_log_max_bytes=gateway.event_log_max_bytes or DEFAULT_EVENT_LOG_MAX_BYTES,
+        decision_log_max_bytes=gateway.decision_log_max_bytes or DEFAULT_DECISION_LOG_MAX_BYTES,
         **durations,
     )
     nodes = tuple(
@@ -238,8 +239,13 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
-    if gateway.event_log_max_bytes <= 0:
-        raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
+    for log in ("event_log", "decision_log"):
+        if getattr(gateway, f"{log}_max_bytes") <= 0:
+            raise invalid(f"gateway.{log}_max_bytes", f"{log}_max_bytes must be greater than zero")
+        if getattr(gateway, f"{log}_retain_bytes") < 0:
+            raise invalid(f"gateway.{log}_retain_bytes", f"{log}_retain_bytes must be non-negative (0: no bound)")
+        if getattr(gateway, f"{log}_retain_age") < 0:
+            raise invalid(f"gateway.{log}_retain_age", f"{log}_retain_age must be non-negative (0: no bound)")
     if gateway.workers != "auto" and gateway.workers < 1:
         raise invalid("gateway.workers", 'workers must be at least 1, or "auto" (one per usable core)')
 

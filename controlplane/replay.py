@@ -19,7 +19,7 @@ from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, 
 from controlplane.transitions import Step, Transition
 from events.log import read_events
 from events.state import ClusterState
-from events.types import Event
+from events.types import Checkpoint, Event
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +30,10 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     event_count: int
     last_at: float | None
     """`at` of the last applied event; None when no event was applied."""
+    from_seq: int = 0
+    """The replay starts from the state after this seq: 0 for a log read from its first event,
+    else the seq of the checkpoint (or the one before the run_started) the remaining segments
+    begin with."""
 
     def moment(self, at: float | None = None) -> float:
         """The time to judge the state at: `at` if given, else the last applied event's time."""
@@ -48,19 +52,31 @@ def replay_steps(
     """Apply the events of the given segments (or logs) in order, as the live reducer did, and
     yield each event with the state after it and its step.
 
-    Stops before the first event numbered above `until_seq` or observed after `until_at`. A
-    torn last line, and a gap or a step back in the numbering (events the live run could not
-    write: the state from there on may differ from the live one), are reported through `warn`;
-    other bad lines raise EventLogError.
+    Stops before the first event numbered above `until_seq` or observed after `until_at`. A log
+    whose older segments are gone starts at a checkpoint (the whole state at its seq), and says
+    so through `warn`. A torn last line, and a gap or a step back in the numbering (events the
+    live run could not write: the state may differ from the live one until the next
+    checkpoint), are reported through `warn`; other bad lines raise LogFileError.
     """
     state = INITIAL_STATE
+    first = True
     for event in read_events(paths, warn):
         if (until_seq is not None and event.seq > until_seq) or (until_at is not None and event.at > until_at):
             break
-        if warn is not None and state.seq and event.seq != state.seq + 1:
-            warn(_numbering_warning(state.seq, event.seq))
+        if warn is not None:
+            if first and isinstance(event, Checkpoint):
+                warn(f"the log starts at the checkpoint of seq {event.seq} (its older segments are gone)")
+            elif not first and event.seq != state.seq + (0 if isinstance(event, Checkpoint) else 1):
+                warn(_numbering_warning(state.seq, event))
+        first = False
         state, step = reduce(state, event)
         yield event, state, step
+
+
+def starting_seq(event: Event) -> int:
+    """The seq of the state a log beginning with `event` starts from (a checkpoint carries the
+    state after its seq; any other event follows the one before it)."""
+    return event.seq if isinstance(event, Checkpoint) else event.seq - 1
 
 
 def replay(
@@ -74,14 +90,23 @@ def replay(
     state = INITIAL_STATE
     transitions: list[Transition] = []
     event_count = 0
-    for _, state, step in replay_steps(paths, until_seq=until_seq, until_at=until_at, warn=warn):
+    from_seq = 0
+    for event, state, step in replay_steps(paths, until_seq=until_seq, until_at=until_at, warn=warn):
+        if not event_count:
+            from_seq = starting_seq(event)
         transitions.extend(step.transitions)
         event_count += 1
     last_at = state.at if event_count else None
-    return ReplayResult(state=state, transitions=tuple(transitions), event_count=event_count, last_at=last_at)
+    return ReplayResult(
+        state=state, transitions=tuple(transitions), event_count=event_count, last_at=last_at, from_seq=from_seq
+    )
 
 
-def _numbering_warning(previous: int, seq: int) -> str:
+def _numbering_warning(previous: int, event: Event) -> str:
+    seq = event.seq
+    if isinstance(event, Checkpoint) and seq > previous:
+        missing = f"event {seq} is" if seq == previous + 1 else f"events {previous + 1}-{seq} are"
+        return f"{missing} missing from the log; the checkpoint at seq {seq} restores the state"
     if seq == previous + 2:
         return f"event {previous + 1} is missing from the log (seq {seq} follows {previous})"
     if seq > previous:

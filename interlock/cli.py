@@ -28,8 +28,8 @@ import msgspec
 from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
 from controlplane.logs import format_timestamp
 from controlplane.replay import audit, explain, replay
-from dataplane.decisions import DecisionLogError, find_decisions
-from events.log import EventLogError
+from dataplane.decisions import find_decisions
+from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
     explanation_to_builtins,
@@ -274,7 +274,7 @@ def run_timeline(args: argparse.Namespace) -> int:
 
 SERVE_SIGNALS_HELP = """\
 signals:
-  SIGHUP            reload the config file (listen addresses and the event log
+  SIGHUP            reload the config file (listen addresses and the log
                     settings need a restart); an invalid file is rejected and
                     the running config stays in force
   SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`interlock audit … | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (EventLogError, DecisionLogError, OSError) as err:
+    except (LogFileError, OSError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

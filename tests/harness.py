@@ -27,6 +27,8 @@ import trio
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
+from dataplane.decisions import Decision, read_decisions
+from events.jsonl import list_segments
 from events.state import Discovery, NodeState
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
 from interlock.serve import Listening, serve
@@ -326,6 +328,11 @@ async def post_cut_short(http: httpx.AsyncClient, url: str, body: dict) -> tuple
         except httpx.RemoteProtocolError:
             return response, received
     raise AssertionError(f"the answer ended complete: {received[-200:]!r}")
+
+
+def decision_records(path: Path) -> list[Decision]:
+    """The records of the decision log at `path` written so far (none before its first segment)."""
+    return list(read_decisions(path)) if list_segments(path) else []
 
 
 def error_message(response: httpx.Response) -> str:
