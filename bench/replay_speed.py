@@ -19,9 +19,9 @@ from pathlib import Path
 
 import msgspec
 
+from controlplane.appender import SegmentedFile
 from controlplane.replay import replay
 from events.config import DEFAULT_EVENT_LOG_MAX_BYTES, Config, ModelEntry, ModelsConfig, NodeConfig
-from controlplane.appender import SegmentedFile
 from events.jsonl import list_segments
 from events.log import encode_event
 from events.types import (

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from events.config import ClusterConfig, Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
 from controlplane.appender import SegmentedFile
+from events.config import ClusterConfig, Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
 from events.jsonl import LogFileError, expand_log_paths, list_segments
 from events.log import decode_event, encode_event, last_seq, read_events
 from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeState
