@@ -15,18 +15,33 @@ import socket
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 import trio
+from prometheus_client import CollectorRegistry, Counter
 
+from controlplane.appender import LogAppender, SegmentedFile
+from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.replay import replay
+from controlplane.runtime import segment_head
 from dataplane.decisions import read_decisions
 from events.jsonl import list_segments, segment_lines
-from events.log import decode_event, read_events
-from events.types import Checkpoint, RunStarted, RunStopped
+from events.log import decode_event, encode_event, read_events
+from events.types import Checkpoint, HealthProbed, RunStarted, RunStopped
 from fixtures.node import serve_nodes
 from interlock.cli import main
 
-from harness import MODEL, chat, config_text, decision_records, node_specs, nodes_and_gateway, serve_process
+from builders import T0, encode_state, make_config, node_ip, run_started
+from harness import (
+    MODEL,
+    CapturedLog,
+    chat,
+    config_text,
+    decision_records,
+    node_specs,
+    nodes_and_gateway,
+    serve_process,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -270,3 +285,61 @@ async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audi
     assert main(["explain", str(event_log), "--request-id", kept.request_id, "--decisions", str(decision_log)]) == 0
     out, err = capsys.readouterr()
     assert kept.request_id in out
+
+
+# --- a backlog that overflows ----------------------------------------------------------------
+
+
+async def test_a_full_backlog_drops_the_newest_and_what_follows_the_gap_opens_a_segment_with_a_checkpoint(tmp_path):
+    """The appender alone, on real files: while the disk refuses writes, three events wait and
+    two more are dropped; once it writes again, the events after the gap open a new segment
+    with the state they follow, so both segments replay to the live state."""
+    config = make_config(2)
+    events = [run_started(config)] + [
+        HealthProbed(at=T0 + i, node=node_ip(1 + i % 2), ok=i % 3 != 0, status=200) for i in range(1, 8)
+    ]
+    numbered, states = [], [INITIAL_STATE]
+    for seq, event in enumerate(events, start=1):
+        numbered.append(msgspec.structs.replace(event, seq=seq))
+        states.append(reduce(states[-1], numbered[-1])[0])
+    blocker = tmp_path / "var"
+    blocker.write_text("")  # where the log's folder should be: every write fails
+    registry = CollectorRegistry()
+    log = CapturedLog()
+    appender = LogAppender(
+        SegmentedFile(blocker / "events.jsonl", "event log", max_segment_bytes=1 << 20),
+        log=log,
+        write_errors=Counter("write_errors", "", registry=registry),
+        dropped=Counter("dropped", "", registry=registry),
+        backlog_limit=3,
+        head=segment_head,
+        batch_seconds=0.01,
+    )
+
+    def submit(first: int, last: int) -> None:  # the events numbered first..last
+        for seq in range(first, last + 1):
+            appender.submit(encode_event(numbered[seq - 1]), base=states[seq - 1])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(appender.run)
+        submit(1, 3)
+        with trio.fail_after(5):
+            while not registry.get_sample_value("write_errors_total"):
+                await trio.sleep(0.01)
+        submit(4, 5)  # the backlog is full: dropped
+        blocker.unlink()
+        with trio.fail_after(5):
+            while "event log write recovered" not in log.messages():
+                await trio.sleep(0.01)
+        submit(6, 8)
+        nursery.cancel_scope.cancel()
+    await appender.aclose()
+
+    assert registry.get_sample_value("dropped_total") == 2
+    first, second = list_segments(blocker / "events.jsonl")
+    assert [event.seq for event in read_events([first])] == [1, 2, 3]
+    assert list(read_events([second])) == [Checkpoint.of(states[5]), *numbered[5:]]
+    warnings: list[str] = []
+    result = replay([blocker / "events.jsonl"], warn=warnings.append)
+    assert warnings == ["events 4-5 are missing from the log; the checkpoint at seq 5 restores the state"]
+    assert encode_state(result.state) == encode_state(states[-1])
