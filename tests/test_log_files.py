@@ -69,7 +69,11 @@ class GatewayFile:
 
 @pytest.mark.parametrize(
     ("logs", "named"),
-    [(("event_log",), "event log"), (("event_log", "decision_log"), "decision log"), (("decision_log",), "decision log")],
+    [
+        (("event_log",), "event log"),
+        (("event_log", "decision_log"), "decision log"),
+        (("decision_log",), "decision log"),
+    ],
 )
 async def test_a_second_gateway_on_the_same_logs_exits_1_naming_the_log_and_its_holder_and_writes_nothing(
     tmp_path, logs, named
@@ -138,7 +142,9 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
 
             async def request() -> None:
                 nonlocal sent
-                response = await http.post(f"http://{config.api}{CHAT}", json=chat(), headers={"X-Request-Id": f"r{sent}"})
+                response = await http.post(
+                    f"http://{config.api}{CHAT}", json=chat(), headers={"X-Request-Id": f"r{sent}"}
+                )
                 assert response.status_code == 200
                 sent += 1
 
@@ -192,7 +198,9 @@ async def test_a_segment_deleted_or_moved_away_is_noticed_and_the_logs_go_on_in_
     config = {"event_log": str(event_log), "decision_log": str(decision_log), "health_interval": "200ms"}
     async with nodes_and_gateway(tmp_path, node_specs(2), **config) as (_, gateway):
         await gateway.discovered()
-        assert (await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "before"})).status_code == 200
+        assert (
+            await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "before"})
+        ).status_code == 200
         await gateway.wait_for(lambda: decision_records(decision_log) and list_segments(event_log))
         [first_events] = list_segments(event_log)
         [first_decisions] = list_segments(decision_log)
@@ -208,7 +216,9 @@ async def test_a_segment_deleted_or_moved_away_is_noticed_and_the_logs_go_on_in_
         moved = "decision log segment deleted or moved; the next write starts a new segment"
         await gateway.wait_for(lambda: gateway.logged(moved))
         assert gateway.logged(moved)[0]["path"] == str(first_decisions)
-        assert (await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "after"})).status_code == 200
+        assert (
+            await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "after"})
+        ).status_code == 200
         await gateway.wait_for(lambda: decision_records(decision_log))
         assert [record.request_id for record in decision_records(decision_log)] == ["after"]
         assert [record.request_id for record in read_decisions(rotated)] == ["before"]
@@ -227,9 +237,7 @@ async def test_a_segment_deleted_or_moved_away_is_noticed_and_the_logs_go_on_in_
 # --- retention -------------------------------------------------------------------------------
 
 
-async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audit_work_on_the_rest(
-    tmp_path, capsys
-):
+async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audit_work_on_the_rest(tmp_path, capsys):
     event_log, decision_log = tmp_path / "events.jsonl", tmp_path / "decisions.jsonl"
     config = {
         "event_log": str(event_log),
@@ -248,7 +256,9 @@ async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audi
                 gateway.logged("event log segment removed by retention")
                 and gateway.logged("decision log segment removed by retention")
             ):
-                response = await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": f"r{sent}"})
+                response = await gateway.http.post(
+                    gateway.url + CHAT, json=chat(), headers={"X-Request-Id": f"r{sent}"}
+                )
                 assert response.status_code == 200
                 sent += 1
                 await trio.sleep(0.05)
@@ -266,12 +276,15 @@ async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audi
     assert main(["replay", str(event_log)]) == 0
     out, err = capsys.readouterr()
     assert f"replayed from seq {start}" in out.splitlines()[0]
-    assert err == f"interlock replay: warning: the log starts at the checkpoint of seq {start} (its older segments are gone)\n"
+    assert (
+        err
+        == f"interlock replay: warning: the log starts at the checkpoint of seq {start} (its older segments are gone)\n"
+    )
     assert Checkpoint.of(replay([event_log]).state).digest() == Checkpoint.of(live).digest()
 
     assert main(["audit", str(event_log)]) == 0
     out, err = capsys.readouterr()
-    assert "\"msg\":\"gateway stopped\"" in out.splitlines()[-1]
+    assert '"msg":"gateway stopped"' in out.splitlines()[-1]
     assert f"checkpoint of seq {start}" in err
 
     assert main(["explain", str(event_log), "--model", MODEL]) == 0
