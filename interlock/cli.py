@@ -285,7 +285,8 @@ signals:
                     exit 0; any more are ignored
 
 exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
-invalid config file, an address it cannot listen on)"""
+invalid config file, an address it cannot listen on, an event or decision log
+another gateway holds)"""
 """What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
 the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
 

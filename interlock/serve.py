@@ -1,8 +1,9 @@
 """`interlock serve`: the composition root of a running gateway (plinth §7).
 
 Start-up, in this order: handle signals (from the start, so none is lost), load the config,
-bind both listen addresses, and only then start the control plane (probes, event log), so a
-gateway that cannot bind probes nothing and writes nothing. The control plane runs around
+bind both listen addresses, lock the decision log, and only then start the control plane (it
+locks the event log before probing or writing), so a gateway that cannot bind, or whose logs
+another gateway holds, probes nothing and writes nothing. The control plane runs around
 everything else: the API listener (`gateway.listen`, served here or by worker processes), the
 metrics listener (`gateway.metrics_listen`), the decision-log writer, and the control plane's
 signal handler.
@@ -15,7 +16,8 @@ second SIGTERM/SIGINT during the drain closes the connections still open at once
 workers); the rest of the shutdown is the same.
 
 Exit codes: 0 after a signalled shutdown, graceful or forced; 1 when the config cannot be
-loaded (`fatal: loading config: …` on stderr) or a listener cannot bind (`server error`).
+loaded (`fatal: loading config: …` on stderr), a listener cannot bind (`server error`), or a log
+is locked by another gateway (`fatal: event log X is in use by another process (pid N)`).
 """
 
 from __future__ import annotations
