@@ -25,6 +25,7 @@ import msgspec.inspect
 from msgspec.structs import replace
 
 from events.config import (
+    DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
     DEFAULT_HEALTH_FAIL_THRESHOLD,
     DEFAULT_LISTEN,
@@ -34,6 +35,7 @@ from events.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_VLLM_PORT,
     Config,
+    GatewayConfig,
 )
 
 
@@ -350,6 +352,20 @@ def _node_address_problem(ip: str) -> str:
     return ""
 
 
+def _describe_log(gateway: GatewayConfig, key: str) -> str:
+    """`gateway.<key>` (a log) with its segment size and retention, as `check-config` shows it."""
+    path = getattr(gateway, key)
+    if not path:
+        return "none"
+    kept = []
+    if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
+        kept.append(f"up to {retain_bytes} bytes")
+    if retain_age := getattr(gateway, f"{key}_retain_age"):
+        kept.append(f"for {_seconds_text(retain_age)}")
+    retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
+    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
+
+
 def _placement(ring: str) -> str:
     return f"ring {go_quote(ring)}" if ring else "standalone"
 
@@ -377,13 +393,8 @@ def describe_config(config: Config) -> str:
     for model in config.models.available:
         ring = f"ring {model.ring}" if model.ring else "standalone"
         lines.append(f"  {model.name}  {ring}")
-    if gateway.event_log:
-        lines.append(
-            f"event log: {gateway.event_log} (segments of {gateway.event_log_max_bytes} bytes)"
-        )
-    else:
-        lines.append("event log: none")
-    lines.append(f"decision log: {gateway.decision_log or 'none'}")
+    for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
+        lines.append(f"{what}: {_describe_log(gateway, key)}")
     if gateway.retry_unanswered:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:
