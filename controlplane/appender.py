@@ -60,6 +60,7 @@ def lock_path(log_path: str | os.PathLike) -> Path:
 class Note:
     """Something the file side did that the log should say (the trio side logs it)."""
 
+    level: str
     msg: str
     path: Path
 
@@ -142,7 +143,7 @@ class SegmentedFile:
         notes: list[Note] = []
         self.lock()
         if self._segment is not None and self._segment_is_gone():
-            notes.append(Note(f"{self.what} segment deleted or moved; starting a new segment", self._segment))
+            notes.append(Note("warn", f"{self.what} segment deleted or moved; starting a new segment", self._segment))
             self.close_segment()
         full = self._size and self._size + len(lines) > self.max_segment_bytes
         if self._fd is None or new_segment or full:
@@ -160,7 +161,7 @@ class SegmentedFile:
             return []
         segment = self._segment
         self.close_segment()
-        return [Note(f"{self.what} segment deleted or moved; the next write starts a new segment", segment)]
+        return [Note("warn", f"{self.what} segment deleted or moved; the next write starts a new segment", segment)]
 
     def close_segment(self) -> None:
         if self._fd is not None:
@@ -244,7 +245,7 @@ class SegmentedFile:
             except FileNotFoundError:
                 pass
             total -= stat.st_size
-            notes.append(Note(f"{self.what} segment removed by retention", segment))
+            notes.append(Note("info", f"{self.what} segment removed by retention", segment))
         return notes
 
 
@@ -359,7 +360,7 @@ class LogAppender:
         self._batches[:0] = batches[written:]
         self._backlog -= sum(len(batch.lines) for batch in batches[:written])
         for note in notes:
-            self._log.info(note.msg, path=str(note.path))
+            self._log.log(note.level, note.msg, path=str(note.path))
         what, path = self.file.what, str(self.file.log_path)
         if error is not None:
             self._write_errors.inc()

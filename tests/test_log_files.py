@@ -208,7 +208,7 @@ async def test_a_segment_deleted_or_moved_away_is_noticed_and_the_logs_go_on_in_
         first_events.unlink()  # deleted: noticed at the next write
         await gateway.wait_for(lambda: gateway.logged("event log segment deleted or moved; starting a new segment"))
         [notice] = gateway.logged("event log segment deleted or moved; starting a new segment")
-        assert notice["path"] == str(first_events)
+        assert (notice["level"], notice["path"]) == ("warn", str(first_events))
 
         rotated = first_decisions.with_name("decisions.jsonl.1")
         first_decisions.rename(rotated)  # logrotate's move, then its SIGHUP
