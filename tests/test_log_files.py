@@ -356,3 +356,24 @@ async def test_a_full_backlog_drops_the_newest_and_what_follows_the_gap_opens_a_
     result = replay([blocker / "events.jsonl"], warn=warnings.append)
     assert warnings == ["events 4-5 are missing from the log; the checkpoint at seq 5 restores the state"]
     assert encode_state(result.state) == encode_state(states[-1])
+
+
+def test_retention_by_age_removes_segments_last_written_too_long_ago(tmp_path):
+    """When a segment is started, those last written before the age bound are removed, oldest
+    first, and never the one being written; by size, the oldest go until the rest fit."""
+    log = tmp_path / "decisions.jsonl"
+    now = [T0]
+    file = SegmentedFile(log, "decision log", max_segment_bytes=10, retain_seconds=3600, clock=lambda: now[0])
+    for number in range(3):
+        file.write(b'{"n":%d}\n' % number, new_segment=True)
+    first, second, third = list_segments(log)
+    os.utime(first, (T0 - 7200, T0 - 7200))
+    os.utime(second, (T0 - 60, T0 - 60))
+    os.utime(third, (T0 - 7200, T0 - 7200))  # old too, but after a recent one: segments go in order
+    notes = file.write(b'{"n":3}\n', new_segment=True)
+    assert [(note.msg, note.path) for note in notes] == [("decision log segment removed by retention", first)]
+    assert list_segments(log)[:2] == [second, third]
+    file.retain_bytes = 20  # two segments of 8 bytes fit, with the new one being written
+    file.write(b'{"n":4}\n', new_segment=True)
+    assert [segment.read_bytes() for segment in list_segments(log)] == [b'{"n":3}\n', b'{"n":4}\n']
+    file.close()
