@@ -241,6 +241,8 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
+    if gateway.decision_log and gateway.decision_log == gateway.event_log:
+        raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
     for log in ("event_log", "decision_log"):
         if getattr(gateway, f"{log}_max_bytes") <= 0:
             raise invalid(f"gateway.{log}_max_bytes", f"{log}_max_bytes must be greater than zero")

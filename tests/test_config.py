@@ -88,6 +88,7 @@ def gateway_with(line: str) -> str:
         ("decision_log_retain_bytes = -1", "decision_log_retain_bytes must be non-negative (0: no bound)"),
         ('decision_log_retain_age = "-1s"', "decision_log_retain_age must be non-negative (0: no bound)"),
         ('decision_log_retain_age = "a week"', 'parsing decision_log_retain_age: time: invalid duration "a week"'),
+        ('decision_log = "var/log.jsonl"\nevent_log = "var/log.jsonl"', "decision_log must not be the event log's path"),
         ('health_interval = "3"', 'parsing health_interval: time: missing unit in duration "3"'),
         ('health_interval = "soon"', 'parsing health_interval: time: invalid duration "soon"'),
         ('probe_timeout = "5x"', 'parsing probe_timeout: time: unknown unit "x" in duration "5x"'),
