@@ -26,6 +26,7 @@ import msgspec.inspect
 from msgspec.structs import replace
 
 from events.config import (
+    DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
     DEFAULT_HEALTH_FAIL_THRESHOLD,
     DEFAULT_LISTEN,
@@ -34,7 +35,10 @@ from events.config import (
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
     DEFAULT_VLLM_PORT,
+    LOG_FORMATS,
+    LOG_LEVELS,
     Config,
+    GatewayConfig,
 )
 
 
@@ -77,18 +81,68 @@ class UnknownKey:
         return f"{self.path}: {self.key}: {self.message}"
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """Gateway settings given on the command line (`interlock serve --listen …`). They win over
+    the file's at start and at every reload, so a reload never sees them change; the config the
+    event log records is the one in force. None leaves the file's setting.
+
+    `host` and `port` (vLLM's `--host`/`--port`) each replace one half of `listen`. The demo
+    places the event and decision logs in its own directory with `event_log` and `decision_log`.
+    """
+
+    listen: str | None = None
+    metrics_listen: str | None = None
+    host: str | None = None
+    port: int | None = None
+    log_level: str | None = None
+    log_format: str | None = None
+    event_log: str | None = None
+    decision_log: str | None = None
+
+    def apply(self, gateway: GatewayConfig) -> GatewayConfig:
+        given = {
+            key: value
+            for key in ("listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log")
+            if (value := getattr(self, key)) is not None
+        }
+        if self.host is not None or self.port is not None:
+            listen = given.get("listen", gateway.listen)
+            try:
+                _, port = parse_listen_address(listen)
+            except ValueError:
+                pass  # the file's address is invalid: validation names it
+            else:
+                host_part = listen[: listen.rfind(":")]  # as written: "" (all interfaces) stays ""
+                given["listen"] = (
+                    join_host_port(self.host, port if self.port is None else self.port)
+                    if self.host is not None
+                    else f"{host_part}:{self.port}"
+                )
+        return replace(gateway, **given)
+
+
+NO_OVERRIDES = Overrides()
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout")
+_DURATION_KEYS = ("health_interval", "probe_timeout", "event_log_retain_age", "decision_log_retain_age")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
-def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], None] | None = None) -> Config:
-    """Read, decode, default and validate the config file at `path`; raise ConfigError if bad.
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    warn: Callable[[UnknownKey], None] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
+) -> Config:
+    """Read, decode, default and validate the config file at `path`, with `overrides` applied
+    before validation; raise ConfigError if bad.
 
     `warn` is called for each unknown key, in file order, before any validation error is raised
     (a misspelt key often explains the error: `[[node]]` leaves no nodes configured).
@@ -108,6 +162,7 @@ def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], No
         message, key = _split_validation_error(exc)
         raise ConfigError(path, key, f"parsing config: {message}") from None
     config = _apply_loader_defaults(path, config, duration_texts)
+    config = replace(config, gateway=overrides.apply(config.gateway))
     return _with_access_keys(path, _validate(path, config), inline_key_hashes)
 
 
@@ -215,6 +270,9 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         metrics_listen=gateway.metrics_listen or DEFAULT_METRICS_LISTEN,
         health_fail_threshold=gateway.health_fail_threshold or DEFAULT_HEALTH_FAIL_THRESHOLD,
         event_log_max_bytes=gateway.event_log_max_bytes or DEFAULT_EVENT_LOG_MAX_BYTES,
+        log_level=gateway.log_level or LOG_LEVELS[0],
+        log_format=gateway.log_format or LOG_FORMATS[0],
+        decision_log_max_bytes=gateway.decision_log_max_bytes or DEFAULT_DECISION_LOG_MAX_BYTES,
         **durations,
     )
     nodes = tuple(
@@ -257,10 +315,21 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
-    if gateway.event_log_max_bytes <= 0:
-        raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
+    if gateway.decision_log and gateway.decision_log == gateway.event_log:
+        raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
+    for log in ("event_log", "decision_log"):
+        if getattr(gateway, f"{log}_max_bytes") <= 0:
+            raise invalid(f"gateway.{log}_max_bytes", f"{log}_max_bytes must be greater than zero")
+        if getattr(gateway, f"{log}_retain_bytes") < 0:
+            raise invalid(f"gateway.{log}_retain_bytes", f"{log}_retain_bytes must be non-negative (0: no bound)")
+        if getattr(gateway, f"{log}_retain_age") < 0:
+            raise invalid(f"gateway.{log}_retain_age", f"{log}_retain_age must be non-negative (0: no bound)")
     if gateway.workers != "auto" and gateway.workers < 1:
         raise invalid("gateway.workers", 'workers must be at least 1, or "auto" (one per usable core)')
+    for key, allowed in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        value = getattr(gateway, key)
+        if value not in allowed:
+            raise invalid(f"gateway.{key}", f"{key} must be one of {', '.join(allowed)} (got {go_quote(value)})")
 
     if not config.nodes:
         raise invalid("nodes", "at least one node must be configured")
@@ -438,6 +507,20 @@ def _node_address_problem(ip: str) -> str:
     return ""
 
 
+def _describe_log(gateway: GatewayConfig, key: str) -> str:
+    """`gateway.<key>` (a log) with its segment size and retention, as `check-config` shows it."""
+    path = getattr(gateway, key)
+    if not path:
+        return "none"
+    kept = []
+    if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
+        kept.append(f"up to {retain_bytes} bytes")
+    if retain_age := getattr(gateway, f"{key}_retain_age"):
+        kept.append(f"for {_seconds_text(retain_age)}")
+    retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
+    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
+
+
 def _placement(ring: str) -> str:
     return f"ring {go_quote(ring)}" if ring else "standalone"
 
@@ -465,13 +548,8 @@ def describe_config(config: Config) -> str:
     for model in config.models.available:
         ring = f"ring {model.ring}" if model.ring else "standalone"
         lines.append(f"  {model.name}  {ring}")
-    if gateway.event_log:
-        lines.append(
-            f"event log: {gateway.event_log} (segments of {gateway.event_log_max_bytes} bytes)"
-        )
-    else:
-        lines.append("event log: none")
-    lines.append(f"decision log: {gateway.decision_log or 'none'}")
+    for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
+        lines.append(f"{what}: {_describe_log(gateway, key)}")
     if gateway.api_key_hashes:
         health = "needs one too" if gateway.health_requires_api_key else "stays open"
         lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
@@ -484,6 +562,7 @@ def describe_config(config: Config) -> str:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:
         lines.append("unanswered requests: 502 (retry_unanswered = false)")
+    lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
 
 
@@ -528,6 +607,11 @@ def parse_listen_address(address: str) -> tuple[str, int]:
     if not re.fullmatch(r"[0-9]{1,5}", port_text) or int(port_text) > 65535:
         raise invalid(f"invalid port {go_quote(port_text)}")
     return host or "0.0.0.0", int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """A listen address from its halves (Go's net.JoinHostPort): an IPv6 host is bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ---------------------------------------------------------------------------------------------
