@@ -50,6 +50,11 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def written(folder: Path, log: str) -> str:
+    """The text of every segment of the log `folder/<log>.jsonl`."""
+    return "".join(path.read_text() for path in sorted(folder.glob(f"{log}.*.jsonl")))
+
+
 def assert_no_secret(text: str, *secrets: str) -> None:
     for secret in secrets:
         assert secret not in text
@@ -147,14 +152,15 @@ async def test_client_keys_guard_every_route_but_an_open_health(tmp_path):
 
         answer = await http.post(gateway.url + CHAT, json=chat(), headers=bearer(CLIENT_KEY))
         assert answer.status_code == 200
+        await gateway.wait_for(lambda: answer.headers["x-request-id"] in written(tmp_path, "decisions"))
         lowercase = await http.post(gateway.url + CHAT, json=chat(), headers={"Authorization": f"bearer {CLIENT_KEY}"})
         assert lowercase.status_code == 200
         assert (await http.get(gateway.url + "/v1/models", headers=bearer(CLIENT_KEY))).json()["data"][0]["id"] == MODEL
         metrics = await gateway.metrics()
     assert_no_secret("\n".join(gateway.log.lines()), CLIENT_KEY, "sk-wrong")
     assert_no_secret(metrics, CLIENT_KEY, "sk-wrong")
-    assert_no_secret(decisions.read_text(), CLIENT_KEY)
-    recorded = "".join(path.read_text() for path in tmp_path.glob("events.*.jsonl"))
+    assert_no_secret(written(tmp_path, "decisions"), CLIENT_KEY)
+    recorded = written(tmp_path, "events")
     assert digest(CLIENT_KEY) in recorded
     assert_no_secret(recorded, CLIENT_KEY)
     assert replay([str(events)]).transitions  # the recorded config (digests only) replays
@@ -220,7 +226,7 @@ async def test_protected_nodes_are_discovered_and_routed_with_their_keys(tmp_pat
         guarded = [request for request in list(node.requests)[first:] if request.path.startswith("/v1/")]
         assert {request.path for request in guarded} == {"/v1/models", CHAT}
         assert {request.header("authorization") for request in guarded} == {f"Bearer {key}"}
-    recorded = "".join(path.read_text() for path in tmp_path.glob("events.*.jsonl"))
+    recorded = written(tmp_path, "events")
     assert str(cluster_key) in recorded
     assert_no_secret(recorded + log, UPSTREAM_KEY, NODE_KEY)
 
@@ -275,9 +281,8 @@ async def test_serve_with_workers_checks_client_keys_and_sends_upstream_keys(tmp
                 gateway.kill()
                 await gateway.wait()
     assert gateway.returncode == 0, output.read_text()
-    recorded = "".join(path.read_text() for path in tmp_path.glob("events.*.jsonl"))
-    written = output.read_text() + recorded + decisions.read_text()
-    assert_no_secret(written, CLIENT_KEY, OTHER_CLIENT_KEY, UPSTREAM_KEY)
+    everything = output.read_text() + written(tmp_path, "events") + written(tmp_path, "decisions")
+    assert_no_secret(everything, CLIENT_KEY, OTHER_CLIENT_KEY, UPSTREAM_KEY)
     assert [event.config.gateway.api_key_hashes for event in read_events([events]) if hasattr(event, "config")] == [
         (digest(CLIENT_KEY),),
         (digest(OTHER_CLIENT_KEY),),
@@ -311,7 +316,7 @@ async def answered_by_every_worker(http: httpx.AsyncClient, url: str, decisions:
                 await trio.sleep(0.05)
                 continue
             while True:
-                records = list(read_decisions(decisions)) if decisions.exists() else []
+                records = list(read_decisions(decisions)) if written(decisions.parent, "decisions") else []
                 found = [record for record in records if record.request_id == request_id]
                 if found:
                     answered.add(found[0].worker)
