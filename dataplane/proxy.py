@@ -407,9 +407,12 @@ class Proxy:
         target = _TARGETS[exchange.path]
         headers = exchange.headers
         authorization = exchange.view.config.upstream_authorizations.get(node.ip)
-        if authorization is not None:
+        if authorization is not None or exchange.view.config.api_key_digests:
+            # The client's key is the gateway's (when it checks keys) and not the node's: it
+            # goes no further, and the node's own key, if it has one, takes its place.
             headers = [header for header in headers if header[0] != b"authorization"]
-            headers.append((b"authorization", authorization))
+            if authorization is not None:
+                headers.append((b"authorization", authorization))
         upstream: UpstreamResponse | None = None
         try:
             try:

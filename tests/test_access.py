@@ -156,6 +156,7 @@ async def test_client_keys_guard_every_route_but_an_open_health(tmp_path):
         lowercase = await http.post(gateway.url + CHAT, json=chat(), headers={"Authorization": f"bearer {CLIENT_KEY}"})
         assert lowercase.status_code == 200
         assert (await http.get(gateway.url + "/v1/models", headers=bearer(CLIENT_KEY))).json()["data"][0]["id"] == MODEL
+        assert [request.header("authorization") for request in completions_to(nodes[0])] == [None, None]
         metrics = await gateway.metrics()
     assert_no_secret("\n".join(gateway.log.lines()), CLIENT_KEY, "sk-wrong")
     assert_no_secret(metrics, CLIENT_KEY, "sk-wrong")
