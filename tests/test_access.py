@@ -232,6 +232,21 @@ async def test_protected_nodes_are_discovered_and_routed_with_their_keys(tmp_pat
     assert_no_secret(recorded + log, UPSTREAM_KEY, NODE_KEY)
 
 
+async def test_a_reload_reads_a_rotated_upstream_key(tmp_path):
+    key_file = tmp_path / "upstream-key"
+    key_file.write_text(UPSTREAM_KEY)
+    specs = [NodeSpec(name="n1", host="127.0.0.2", models=[MODEL], api_key=UPSTREAM_KEY)]
+    async with nodes_and_gateway(tmp_path, specs, upstream_api_key_file=str(key_file)) as ([node], gateway):
+        await gateway.discovered()
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        node.spec.api_key = NODE_KEY  # the node restarted with a new key
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 401
+        key_file.write_text(NODE_KEY)
+        assert await gateway.control_plane.reload()
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        assert completions_to(node)[-1].header("authorization") == f"Bearer {NODE_KEY}"
+
+
 # --- the real CLI, with workers -----------------------------------------------------------------
 
 
