@@ -140,6 +140,7 @@ async def test_client_keys_guard_every_route_but_an_open_health(tmp_path):
                 await http.post(gateway.url + CHAT, json=chat(), headers=headers),
                 await http.post(gateway.url + CHAT, json=chat(stream=True), headers=headers),
                 await http.get(gateway.url + "/v1/models", headers=headers),
+                await http.get(gateway.url + f"/v1/models/{MODEL}", headers=headers),
                 await http.get(gateway.url + "/nowhere", headers=headers),
             ):
                 assert response.status_code == 401
@@ -156,6 +157,7 @@ async def test_client_keys_guard_every_route_but_an_open_health(tmp_path):
         lowercase = await http.post(gateway.url + CHAT, json=chat(), headers={"Authorization": f"bearer {CLIENT_KEY}"})
         assert lowercase.status_code == 200
         assert (await http.get(gateway.url + "/v1/models", headers=bearer(CLIENT_KEY))).json()["data"][0]["id"] == MODEL
+        assert (await http.get(gateway.url + f"/v1/models/{MODEL}", headers=bearer(CLIENT_KEY))).json()["id"] == MODEL
         assert [request.header("authorization") for request in completions_to(nodes[0])] == [None, None]
         metrics = await gateway.metrics()
     assert_no_secret("\n".join(gateway.log.lines()), CLIENT_KEY, "sk-wrong")
