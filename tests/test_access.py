@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import msgspec
+import openai
 import pytest
 import trio
 
@@ -167,6 +168,27 @@ async def test_client_keys_guard_every_route_but_an_open_health(tmp_path):
     assert digest(CLIENT_KEY) in recorded
     assert_no_secret(recorded, CLIENT_KEY)
     assert replay([str(events)]).transitions  # the recorded config (digests only) replays
+
+
+async def test_the_openai_sdk_sends_its_api_key_and_raises_authentication_error(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), api_keys=[CLIENT_KEY]) as (nodes, gateway):
+        await gateway.discovered()
+        for key in (CLIENT_KEY, "sk-wrong"):
+            async with openai.AsyncOpenAI(
+                base_url=gateway.url + "/v1",
+                api_key=key,
+                max_retries=2,
+                http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
+            ) as client:
+                if key == CLIENT_KEY:
+                    completion = await client.chat.completions.create(model=MODEL, messages=chat()["messages"])
+                    assert completion.model == MODEL
+                    assert [model.id async for model in client.models.list()] == [MODEL]
+                else:
+                    with pytest.raises(openai.AuthenticationError) as raised:
+                        await client.chat.completions.create(model=MODEL, messages=chat()["messages"])
+                    assert raised.value.code == "invalid_api_key"
+        assert len(completions_to(nodes[0])) == 1
 
 
 async def test_health_can_require_a_key_and_hide_error_texts(tmp_path):
