@@ -246,7 +246,7 @@ async def test_protected_nodes_are_discovered_and_routed_with_their_keys(tmp_pat
             stream = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True), headers=bearer(CLIENT_KEY))
             assert stream.status_code == 200
             assert "[DONE]" in stream.text
-            log = "\n".join(gateway.log.lines())
+            log = "\n".join(gateway.log.lines()) + await gateway.metrics()
     for node, key, first in zip(nodes, (UPSTREAM_KEY, NODE_KEY), before, strict=True):
         guarded = [request for request in list(node.requests)[first:] if request.path.startswith("/v1/")]
         assert {request.path for request in guarded} == {"/v1/models", CHAT}
