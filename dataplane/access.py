@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from dataplane.errors import ApiError
+from dataplane.errors import ApiError, Reply, error_reply
 
 UNAUTHORIZED = ApiError(
     401,
@@ -19,7 +19,11 @@ UNAUTHORIZED = ApiError(
 )
 """OpenAI's 401 shape (`invalid_request_error`, code `invalid_api_key`), which the SDKs raise as
 AuthenticationError and do not retry."""
-UNAUTHORIZED.headers.append((b"www-authenticate", b"Bearer"))
+
+
+def unauthorized_reply() -> Reply:
+    """The 401 with its challenge; the connection is closed, as the request body is left unread."""
+    return error_reply(UNAUTHORIZED, (b"www-authenticate", b"Bearer"), close=True)
 
 _BEARER = b"bearer "
 

@@ -30,7 +30,7 @@ import time
 import msgspec
 import trio
 
-from dataplane.access import UNAUTHORIZED, key_accepted
+from dataplane.access import key_accepted, unauthorized_reply
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
@@ -82,7 +82,7 @@ class ApiApp:
             return
         view = self._views.current()
         if view.config.api_key_digests and not _admitted(scope, view.config):
-            await _refuse(receive, send, error_reply(UNAUTHORIZED, close=True))
+            await _refuse(receive, send, unauthorized_reply())
         elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
             await self._completion(scope, receive, send, view)
         else:
