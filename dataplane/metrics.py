@@ -74,7 +74,7 @@ class RequestMetrics:
         )
         self._node_retries = counter(
             "interlock_node_retries_total",
-            "Attempts on a node that failed before anything was sent to the client, after which the next node was tried",
+            "Attempts on a node that failed before anything was sent to the client, then tried on the next node",
             "node",
         )
         # With `serve --workers N` each worker counts its own: the leader's /metrics sums the
