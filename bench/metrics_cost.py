@@ -52,7 +52,8 @@ start = time.process_time()
 for _ in range(rounds):
     page = generate_latest(scrape_registry)
 scrape = (time.process_time() - start) / rounds
-print(json.dumps({"increment_us": increment * 1e6, "node_attempt_us": node_attempt * 1e6, "scrape_ms": scrape * 1e3, "bytes": len(page)}))
+figures = {"increment_us": increment * 1e6, "node_attempt_us": node_attempt * 1e6, "scrape_ms": scrape * 1e3}
+print(json.dumps({**figures, "bytes": len(page)}))
 """
 
 
