@@ -1,11 +1,9 @@
 """The lean HTTP/1.1 client (transport/http11.py) against real servers: the simulated node,
-and small raw trio servers written here for the edge cases a well-behaved server never shows."""
+and small raw trio servers (tests/raw_http.py) for the edge cases a well-behaved server never shows."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -25,106 +23,9 @@ from transport.http11 import (
     parse_head,
 )
 
-HOST = "127.0.0.1"
+from raw_http import HOST, Handler, RawServer, ServerConnection, answer_each, raw_server
+
 OK_HELLO = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
-
-# --- raw servers --------------------------------------------------------------------------------
-
-
-class ServerConnection:
-    """One accepted connection of a RawServer, as its handler sees it."""
-
-    def __init__(self, stream: trio.SocketStream, server: RawServer, number: int) -> None:
-        self.stream = stream
-        self.server = server
-        self.number = number
-        self._buffer = b""
-
-    async def request(self) -> bytes | None:
-        """The next request (head and Content-Length body) as received; None once the client closed."""
-        while b"\r\n\r\n" not in self._buffer:
-            data = await self._receive()
-            if not data:
-                return None
-            self._buffer += data
-        head, _, rest = self._buffer.partition(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        while len(rest) < length:
-            rest += await self._receive()
-        request, self._buffer = head + b"\r\n\r\n" + rest[:length], rest[length:]
-        self.server.requests.append((self.number, request))
-        return request
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def wait_closed_by_client(self) -> None:
-        """Return once the client has closed its end (or reset it)."""
-        while await self._receive():
-            pass
-        self.server.closed_by_client += 1
-
-    async def _receive(self) -> bytes:
-        try:
-            return await self.stream.receive_some(65536)
-        except trio.BrokenResourceError:
-            return b""
-
-
-Handler = Callable[[ServerConnection], Awaitable[None]]
-
-
-class RawServer:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.connections = 0
-        self.closed_by_client = 0
-        self.requests: list[tuple[int, bytes]] = []
-        """(connection number, request bytes), in order of arrival."""
-        self.handlers_done = 0
-
-
-@asynccontextmanager
-async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
-    """A TCP server on 127.0.0.1 running `handler` for each connection (closed when it returns)."""
-    [listener] = await trio.open_tcp_listeners(0, host=HOST)
-    server = RawServer(listener.socket.getsockname()[1])
-
-    async def serve(stream: trio.SocketStream) -> None:
-        server.connections += 1
-        async with stream:
-            await handler(ServerConnection(stream, server, server.connections))
-        server.handlers_done += 1
-
-    failure: Exception | None = None  # re-raised as it is, not wrapped in an ExceptionGroup
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, serve, [listener])
-        try:
-            yield server
-        except Exception as exc:
-            failure = exc
-        finally:
-            nursery.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-
-
-def answer_each(*responses: bytes) -> Handler:
-    """A keep-alive handler: the n-th request on a connection gets responses[n] (the last one
-    repeats); it stops when the client closes."""
-
-    async def handler(connection: ServerConnection) -> None:
-        served = 0
-        while await connection.request() is not None:
-            await connection.send(responses[min(served, len(responses) - 1)])
-            served += 1
-        connection.server.closed_by_client += 1
-
-    return handler
 
 
 async def get(client: HttpClient, server: RawServer, target: bytes = b"/", **options) -> tuple[int, bytes]:
