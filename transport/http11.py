@@ -641,7 +641,9 @@ def _chunk_size(line: bytes) -> int:
     size, semicolon, extensions = line.partition(b";")  # extensions are ignored
     if not semicolon:
         size = size.rstrip(b" \t")
-    if not size or len(size) > 16 or size.strip(_HEX_DIGITS) or b"\n" in extensions or b"\r" in extensions:
+    elif extensions.find(b"\n") >= 0 or extensions.find(b"\r") >= 0:
+        raise ProtocolError(f"bare CR or LF in chunk size line {line[:100]!r}")
+    if not size or len(size) > 16 or size.strip(_HEX_DIGITS):
         raise ProtocolError(f"bad chunk size line {line[:100]!r}")
     return int(size, 16)
 
