@@ -19,8 +19,15 @@ request bodies, and timeouts. Callers bound the waits that must end with trio ca
 only connecting has a deadline of its own (`connect_timeout`), so that a dial failure
 (ConnectFailed, nothing sent) can be told apart from a later one.
 
+What it refuses (ProtocolError): a response that is not well-formed HTTP/1.1 (a status outside
+100-999, a header name that is not a token, a control byte in the head, line ends of a bare
+LF: refused as soon as one arrives), or whose body it cannot frame (a transfer-coding other than
+`chunked`, Content-Length values that disagree). tests/test_http11_against_h11.py checks the
+parser against h11's, and names where it is stricter.
+
 Connections: a response hands its connection back to its pool once its body has been read to
-the end, unless either side said `Connection: close` or the body was delimited by the close;
+the end, unless either side said `Connection: close`, the body was delimited by the close, or
+bytes came that the framing does not account for (after the body, or a 204 that declares one);
 anything else (an error, a cancellation, a body left unread, `close()`) closes it. A pool keeps
 at most `max_idle_per_host` idle connections per (host, port), each for at most `idle_seconds`
 (checked when one is taken or returned: there is no reaper task). An idle connection the server
@@ -333,7 +340,7 @@ class _Connection:
             if end < 0:
                 if len(data) > MAX_HEAD_BYTES:
                     raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
-                if data.count(b"\n") != data.count(b"\r\n"):
+                if data and data.count(b"\n") != data.count(b"\r\n"):  # at once: no CRLF CRLF will come
                     raise ProtocolError(f"bare LF in the response head {data[:100]!r}")
                 searched = max(0, len(data) - 3)
                 more = await self._receive_head_bytes(first=not data and not interim, reused=reused)
