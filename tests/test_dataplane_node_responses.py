@@ -137,3 +137,29 @@ async def test_the_headers_the_nodes_connection_header_names_are_not_passed_on(t
         response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=stream))
         assert response.status_code == 200 and response.text == "data: [DONE]\n\n"
         assert response.headers["x-kept"] == "yes" and "x-hop" not in response.headers
+
+
+async def test_a_stream_whose_node_sends_a_refused_head_goes_to_the_next_node(tmp_path):
+    # Before its first chunk, a stream moves on after any failure, a refused response included.
+    decision_log = tmp_path / "decisions.jsonl"
+    bad = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: gzip, chunked\r\n\r\n" + chunked(
+        gzip.compress(b"data: [DONE]\n\n")
+    )
+    good = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n" + chunked(
+        b"data: [DONE]\n\n"
+    )
+    async with (
+        raw_node(bad, host="127.0.0.2", name="n1") as first,
+        raw_node(good, host="127.0.0.3", name="n2") as second,
+        running_gateway(tmp_path, [first, second], decision_log=str(decision_log)) as gateway,
+    ):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+        assert response.status_code == 200 and response.text == "data: [DONE]\n\n"
+        await gateway.wait_for(lambda: decision_log.exists() and decision_log.read_text().endswith("\n"))
+        [decision] = read_decisions(decision_log)
+        assert [(attempt.node, attempt.outcome) for attempt in decision.attempts] == [
+            ("127.0.0.2", "retried"),
+            ("127.0.0.3", "completed"),
+        ]
+        assert "unsupported Transfer-Encoding" in decision.attempts[0].error
+        assert decision.status == 200
