@@ -3,8 +3,8 @@
     python -m bench.http11_compare [--base main] [--rounds 7] [--sections parser,client,gateway]
                                    [--duration 5]
 
-"old" is `transport/http11.py` as it is at `--base` (read with `git show`, loaded as a module of
-its own); "new" is this checkout's. Each section measures them in alternating pairs (old then
+"old" is `transport/http11.py` as it is at `--base` (read with `git show`), "new" is this
+checkout's, each loaded the same way as a module of its own. Each section measures them in alternating pairs (old then
 new, new then old, …), so that a machine that gets busier or quieter meanwhile weighs on both,
 and prints each one's median, the ratio of the medians and the median of the pairs' ratios.
 
@@ -23,6 +23,7 @@ The machine's load average is printed: figures taken on a busy machine are noisy
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -38,7 +39,6 @@ from pathlib import Path
 
 import trio
 
-import transport.http11 as new_http11
 from bench.__main__ import SMALL_REQUEST, SSE_REQUEST
 from bench.processes import Processes, cpu_seconds, pin, plan_cores
 from bench.report import load_average
@@ -47,25 +47,31 @@ from bench.upstream import STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
 
 SECTIONS = ("parser", "client", "gateway")
+TRANSPORT = "transport/http11.py"
 HEAD = (
     b"HTTP/1.1 200 OK\r\ndate: Thu, 03 Dec 2026 06:00:00 GMT\r\nserver: uvicorn\r\ncontent-length: 412\r\n"
     b"content-type: application/json\r\nx-request-id: 5f0c6d1e8a7b4c3d9e2f1a0b6c5d4e3f"
 )
 """A vLLM node's response head (uvicorn's headers), without its final CRLF CRLF."""
-CLIENT_REQUESTS = 2000
-CLIENT_STREAMS = 100
+CLIENT_REQUESTS = 4000
+CLIENT_STREAMS = 200
 WRK_CONNECTIONS = 16
 
 
 def main() -> None:
     args = _parse_args()
-    old_http11 = load_module(args.base, "transport/http11.py", "http11_at_base")
+    old_source = subprocess.run(
+        ["git", "show", f"{args.base}:{TRANSPORT}"], cwd=PROJECT_ROOT, capture_output=True, check=True
+    ).stdout
+    variants = {
+        "old": load_module(old_source, f"{args.base}:{TRANSPORT}", "http11_old"),
+        "new": load_module((PROJECT_ROOT / TRANSPORT).read_bytes(), str(PROJECT_ROOT / TRANSPORT), "http11_new"),
+    }
     cores = plan_cores()
     print(f"old: transport/http11.py at {args.base}; new: this checkout ({PROJECT_ROOT})")
     print(f"load average at start: {load_average()}; cores: {cores.describe()}")
     if cores.server is not None:
         os.sched_setaffinity(0, cores.server)
-    variants = {"old": old_http11, "new": new_http11}
     if "parser" in args.sections:
         report("parse_head, ns per head", alternate(args.rounds, {k: parser_cost(m) for k, m in variants.items()}))
     with tempfile.TemporaryDirectory(prefix="http11-compare-") as folder_name:
@@ -105,15 +111,12 @@ def _parse_args() -> argparse.Namespace:
     return args
 
 
-def load_module(revision: str, path: str, name: str) -> types.ModuleType:
-    """The module `path` as it is at `revision`, loaded as `name` (it must import nothing of the project)."""
-    source = subprocess.run(
-        ["git", "show", f"{revision}:{path}"], cwd=PROJECT_ROOT, capture_output=True, check=True
-    ).stdout
+def load_module(source: bytes, origin: str, name: str) -> types.ModuleType:
+    """`source` as a module of its own, `name` (it must import nothing of the project)."""
     module = types.ModuleType(name)
-    module.__file__ = f"{revision}:{path}"
+    module.__file__ = origin
     sys.modules[name] = module
-    exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 (our own file, at another revision)
+    exec(compile(source, origin, "exec"), module.__dict__)  # noqa: S102 (our own file, at some revision)
     return module
 
 
@@ -134,6 +137,7 @@ def alternate(rounds: int, measures: dict[str, Callable[[], float]]) -> dict[str
     names = list(measures)
     for round_number in range(rounds):
         for name in names if round_number % 2 == 0 else reversed(names):
+            gc.collect()  # neither inherits the other's garbage
             figures[name].append(measures[name]())
     return figures
 
