@@ -33,7 +33,10 @@ from events.config import (
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
     DEFAULT_VLLM_PORT,
+    LOG_FORMATS,
+    LOG_LEVELS,
     Config,
+    GatewayConfig,
 )
 
 
@@ -76,6 +79,50 @@ class UnknownKey:
         return f"{self.path}: {self.key}: {self.message}"
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """Gateway settings given on the command line (`interlock serve --listen …`). They win over
+    the file's at start and at every reload, so a reload never sees them change; the config the
+    event log records is the one in force. None leaves the file's setting.
+
+    `host` and `port` (vLLM's `--host`/`--port`) each replace one half of `listen`. The demo
+    places the event and decision logs in its own directory with `event_log` and `decision_log`.
+    """
+
+    listen: str | None = None
+    metrics_listen: str | None = None
+    host: str | None = None
+    port: int | None = None
+    log_level: str | None = None
+    log_format: str | None = None
+    event_log: str | None = None
+    decision_log: str | None = None
+
+    def apply(self, gateway: GatewayConfig) -> GatewayConfig:
+        given = {
+            key: value
+            for key in ("listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log")
+            if (value := getattr(self, key)) is not None
+        }
+        if self.host is not None or self.port is not None:
+            listen = given.get("listen", gateway.listen)
+            try:
+                _, port = parse_listen_address(listen)
+            except ValueError:
+                pass  # the file's address is invalid: validation names it
+            else:
+                host_part = listen[: listen.rfind(":")]  # as written: "" (all interfaces) stays ""
+                given["listen"] = (
+                    join_host_port(self.host, port if self.port is None else self.port)
+                    if self.host is not None
+                    else f"{host_part}:{self.port}"
+                )
+        return replace(gateway, **given)
+
+
+NO_OVERRIDES = Overrides()
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -86,8 +133,14 @@ _DURATION_KEYS = ("health_interval", "probe_timeout")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
-def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], None] | None = None) -> Config:
-    """Read, decode, default and validate the config file at `path`; raise ConfigError if bad.
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    warn: Callable[[UnknownKey], None] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
+) -> Config:
+    """Read, decode, default and validate the config file at `path`, with `overrides` applied
+    before validation; raise ConfigError if bad.
 
     `warn` is called for each unknown key, in file order, before any validation error is raised
     (a misspelt key often explains the error: `[[node]]` leaves no nodes configured).
@@ -106,6 +159,7 @@ def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], No
         message, key = _split_validation_error(exc)
         raise ConfigError(path, key, f"parsing config: {message}") from None
     config = _apply_loader_defaults(path, config, duration_texts)
+    config = replace(config, gateway=overrides.apply(config.gateway))
     return _validate(path, config)
 
 
@@ -196,6 +250,8 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         metrics_listen=gateway.metrics_listen or DEFAULT_METRICS_LISTEN,
         health_fail_threshold=gateway.health_fail_threshold or DEFAULT_HEALTH_FAIL_THRESHOLD,
         event_log_max_bytes=gateway.event_log_max_bytes or DEFAULT_EVENT_LOG_MAX_BYTES,
+        log_level=gateway.log_level or LOG_LEVELS[0],
+        log_format=gateway.log_format or LOG_FORMATS[0],
         **durations,
     )
     nodes = tuple(
@@ -242,6 +298,10 @@ def _validate(path: str, config: Config) -> Config:
         raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
     if gateway.workers != "auto" and gateway.workers < 1:
         raise invalid("gateway.workers", 'workers must be at least 1, or "auto" (one per usable core)')
+    for key, allowed in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        value = getattr(gateway, key)
+        if value not in allowed:
+            raise invalid(f"gateway.{key}", f"{key} must be one of {', '.join(allowed)} (got {go_quote(value)})")
 
     if not config.nodes:
         raise invalid("nodes", "at least one node must be configured")
@@ -382,6 +442,7 @@ def describe_config(config: Config) -> str:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:
         lines.append("unanswered requests: 502 (retry_unanswered = false)")
+    lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
 
 
@@ -426,6 +487,11 @@ def parse_listen_address(address: str) -> tuple[str, int]:
     if not re.fullmatch(r"[0-9]{1,5}", port_text) or int(port_text) > 65535:
         raise invalid(f"invalid port {go_quote(port_text)}")
     return host or "0.0.0.0", int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """A listen address from its halves (Go's net.JoinHostPort): an IPv6 host is bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import msgspec
 import prometheus_client
 import trio
 
-from controlplane.config import ConfigError, UnknownKey, load_config
+from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
@@ -66,12 +66,15 @@ HANDLED_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
 Listener = Callable[[Event, ClusterState, Step], None]
 
 
-async def load_config_logging_unknown_keys(config_path: str, log: JsonLog) -> Config:
+async def load_config_logging_unknown_keys(
+    config_path: str, log: JsonLog, overrides: Overrides = NO_OVERRIDES
+) -> Config:
     """`load_config` in a worker thread; each unknown key is logged as a warning (`unknown config
     key`: file, key and the closest known key), also when the file is then rejected."""
     unknown_keys: list[UnknownKey] = []
     try:
-        return await trio.to_thread.run_sync(partial(load_config, config_path, warn=unknown_keys.append))
+        load = partial(load_config, config_path, warn=unknown_keys.append, overrides=overrides)
+        return await trio.to_thread.run_sync(load)
     finally:
         for unknown in unknown_keys:
             fields = {"file": unknown.path, "key": unknown.key}
@@ -89,14 +92,17 @@ class ControlPlane:
         *,
         version: str,
         config: Config | None = None,
+        overrides: Overrides = NO_OVERRIDES,
         log: JsonLog | None = None,
         registry: prometheus_client.CollectorRegistry | None = None,
         now: Callable[[], float] = time.time,
     ) -> None:
         """`config` is the file at `config_path` already loaded (by `serve`, which needs the
-        listen addresses first); without it, `run` loads the file."""
+        listen addresses first); without it, `run` loads the file. `overrides` (the command
+        line's) apply to every load, reloads included."""
         self.config_path = os.fspath(config_path)
         self._initial_config = config
+        self._overrides = overrides
         self.version = version
         self._clock = now
         self.log = log if log is not None else JsonLog(clock=now)
@@ -159,7 +165,7 @@ class ControlPlane:
         try:
             config = self._initial_config
             if config is None:
-                config = await load_config_logging_unknown_keys(self.config_path, self.log)
+                config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
             gateway = config.gateway
             if gateway.event_log:
                 self._seq = await trio.to_thread.run_sync(_last_seq_or_zero, gateway.event_log)
@@ -213,7 +219,7 @@ class ControlPlane:
         self._reloading = True
         try:
             try:
-                config = await load_config_logging_unknown_keys(self.config_path, self.log)
+                config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
             except ConfigError as exc:
                 event: Event = ReloadRejected(at=self.now(), config_path=self.config_path, error=str(exc))
             else:
@@ -309,8 +315,10 @@ class ControlPlane:
         self._snapshot = state
         if self._event_log is not None:
             self._event_log.submit(encode_event(event))
+        if isinstance(event, (RunStarted, ConfigReloaded)):
+            self.log.configure(state.config.gateway)
         for transition in step.transitions:
-            self.log.write_line(transition.log_line())
+            self.log.write(transition.at, transition.level, transition.msg, transition.log_fields())
         self.metrics.record(event, state, step)
         for listener in self._listeners:
             try:

@@ -56,7 +56,7 @@ from dataplane.errors import (
     model_not_found,
 )
 from dataplane.metrics import RequestMetrics
-from events.config import Config
+from events.config import Config, NodeConfig
 from events.state import ClusterState, NodeState
 from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
@@ -91,7 +91,7 @@ _HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"x-request-id"}
 """Request headers that describe the client's connection, or that the gateway (or its HTTP
 client: Host and Content-Length) sets itself."""
-_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id"}
+_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id", b"x-interlock-node"}
 """Response headers that describe the node's connection, or that the gateway sets itself
 (hypercorn writes the Date)."""
 _NOT_RETURNED_WITH_BODY = _NOT_RETURNED | {b"content-length"}
@@ -121,9 +121,20 @@ class ConfigView:
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
+        self.node_headers = {node.ip: _node_header(node) for node in config.nodes}
+        """The header naming the node that served a request (a node's own header may say anything)."""
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
         self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
         """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
+        self.model_bodies = {model["id"]: msgspec.json.encode(model) for model in listed}
+        """`GET /v1/models/{id}`: each configured model's object, as the list has it."""
+
+
+def _node_header(node: NodeConfig) -> tuple[bytes, bytes]:
+    """`X-Interlock-Node`: the node's configured name, or its IP when the name is empty or not
+    printable ASCII (which a header cannot carry as it is)."""
+    named = node.name and node.name.isascii() and node.name.isprintable()
+    return (b"x-interlock-node", (node.name if named else node.ip).encode("ascii", "replace"))
 
 
 class Route:
@@ -433,7 +444,7 @@ class Proxy:
             return self._failed(exchange, UpstreamTimeout("timed out waiting for first stream chunk"))
         if not first:
             # An empty body (a bodiless 201, say) is complete: commit it as it is.
-            return self._complete(exchange, upstream, b"")
+            return self._complete(exchange, node, upstream, b"")
         return self._commit(exchange, node, upstream, [first])
 
     async def _buffer(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Outcome:
@@ -453,10 +464,10 @@ class Proxy:
         except Exception as error:
             return self._failed(exchange, error)
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
-        return self._complete(exchange, upstream, body)
+        return self._complete(exchange, node, upstream, body)
 
-    def _complete(self, exchange: Exchange, upstream: UpstreamResponse, body: bytes) -> Outcome:
-        headers = _client_headers(upstream, exchange.request_id, with_length=False)
+    def _complete(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, body: bytes) -> Outcome:
+        headers = _client_headers(upstream, exchange, node, with_length=False)
         return Outcome(COMPLETED, status=upstream.status, reply=Reply(upstream.status, headers, body))
 
     def _pass_through(
@@ -474,7 +485,7 @@ class Proxy:
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
         """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
-        reply = Reply(upstream.status, _client_headers(upstream, exchange.request_id, with_length=True), b"")
+        reply = Reply(upstream.status, _client_headers(upstream, exchange, node, with_length=True), b"")
         reply.body = self._relay(exchange, node, upstream, first, reply)
         return Outcome(COMMITTED, status=upstream.status, reply=reply)
 
@@ -585,12 +596,14 @@ class Proxy:
             self._control_plane.observe(UpstreamRecovered(node=ip, at=now))
 
 
-def _client_headers(upstream: UpstreamResponse, request_id: str, *, with_length: bool) -> Headers:
+def _client_headers(upstream: UpstreamResponse, exchange: Exchange, node: NodeState, *, with_length: bool) -> Headers:
     """The node's headers (names lower-case) for the client, less those its Connection header
-    names; a complete body is sent with its own Content-Length."""
+    names, with the request id and the node's name; a complete body is sent with its own
+    Content-Length."""
     dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
     if upstream.connection_options:
         dropped = dropped.union(upstream.connection_options)
     headers = [(name, value) for name, value in upstream.headers if name not in dropped]
-    headers.append(request_id_header(request_id))
+    headers.append(request_id_header(exchange.request_id))
+    headers.append(exchange.view.config.node_headers[node.ip])
     return headers

@@ -22,6 +22,10 @@ DEFAULT_PROBE_TIMEOUT = 5.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_VLLM_PORT = 8000
 DEFAULT_METRICS_PORT = 9100
+LOG_LEVELS = ("info", "warn", "error")
+"""plinth's levels, least severe first: `gateway.log_level` drops the lines below the one it names."""
+LOG_FORMATS = ("json", "text")
+"""`gateway.log_format`: plinth's JSON lines, or text for a terminal."""
 
 
 Workers = int | Literal["auto"]
@@ -56,6 +60,10 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     retry_unanswered: bool = False
     """Retry a non-streaming request on another node when its connection broke before any byte
     of the response arrived (plinth answers 502)."""
+    log_level: str = LOG_LEVELS[0]
+    """The least severe level logged, one of LOG_LEVELS."""
+    log_format: str = LOG_FORMATS[0]
+    """One of LOG_FORMATS."""
 
     @property
     def response_buffer_limit(self) -> int:

@@ -72,12 +72,14 @@ def expand_log_paths(paths: Iterable[str | os.PathLike]) -> list[Path]:
 def read_events(
     paths: Iterable[str | os.PathLike],
     warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
 ) -> Iterator[Event]:
     """Yield the events of the given segments in order.
 
     A last line that is not even JSON is a torn write (a crash): it is skipped and reported
     through `warn`. Any other bad line, a complete last line of an unknown event type included,
-    raises EventLogError naming the file and line number.
+    raises EventLogError naming the file and line number; or, given `skip_invalid`, is skipped
+    and reported to it (for a damaged log).
     """
     for path in expand_log_paths(paths):
         lines = _segment_lines(path)
@@ -89,6 +91,9 @@ def read_events(
                 if number == last and _is_torn(line):
                     if warn is not None:
                         warn(f"{path}:{number}: skipping torn last line ({err})")
+                    continue
+                if skip_invalid is not None:
+                    skip_invalid(f"{path}:{number}: skipping invalid line ({err})")
                     continue
                 raise EventLogError(f"{path}:{number}: {err}") from None
 

@@ -39,7 +39,7 @@ from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from controlplane.config import ConfigError, parse_listen_address
+from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
@@ -47,7 +47,7 @@ from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionLog, DecisionRecorder
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
-from events.config import Config, GatewayConfig, Workers
+from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
 
 EXIT_OK = 0
@@ -77,6 +77,7 @@ async def serve(
     *,
     version: str,
     workers: Workers | None = None,
+    overrides: Overrides = NO_OVERRIDES,
     ready: Callable[[Listening], None] | None = None,
     log: JsonLog | None = None,
     response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
@@ -84,18 +85,21 @@ async def serve(
 ) -> int:
     """Run the gateway until SIGTERM or SIGINT; returns the exit code.
 
-    `workers` overrides `gateway.workers`. `ready` is called once both listeners accept
-    connections and signals are handled; `log` replaces the JSON log on stdout, and the two
+    `workers` overrides `gateway.workers`, `overrides` the other settings the command line
+    gives. `ready` is called once both listeners accept connections and signals are handled;
+    `log` replaces the log on stdout (which follows the config's log settings), and the two
     timeouts plinth's, for tests. Signals that come before the gateway is serving wait for it;
     those left when it returns are re-raised (see `run_serve`).
     """
-    log = log if log is not None else JsonLog()
+    if log is None:
+        log = JsonLog(level=overrides.log_level or LOG_LEVELS[0], format=overrides.log_format or LOG_FORMATS[0])
     with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
         try:
-            config = await load_config_logging_unknown_keys(config_path, log)
+            config = await load_config_logging_unknown_keys(config_path, log, overrides)
         except ConfigError as error:
             print(f"fatal: loading config: {error}", file=sys.stderr)
             return EXIT_FAILURE
+        log.configure(config.gateway)
         try:
             sockets = _bind_listeners(config.gateway)
         except ListenError as error:
@@ -106,7 +110,7 @@ async def serve(
             count = worker_count(workers if workers is not None else config.gateway.workers)
             timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
             async with open_control_plane(
-                config_path, config=config, version=version, log=log, registry=registry
+                config_path, config=config, overrides=overrides, version=version, log=log, registry=registry
             ) as control_plane:
                 return await _run(control_plane, signals, sockets, registry, log, ready, count, timeouts)
         finally:
@@ -295,7 +299,9 @@ def _log_topology(log: JsonLog, config: Config) -> None:
             log.info("model routed to ring", model=model.name, ring=model.ring)
 
 
-def run_serve(config_path: str, version: str, workers: Workers | None = None) -> int:
+def run_serve(
+    config_path: str, version: str, workers: Workers | None = None, overrides: Overrides = NO_OVERRIDES
+) -> int:
     """The `interlock serve` entry point.
 
     The handled signals are `serve`'s. Outside its signal receiver (the instant before it opens,
@@ -306,4 +312,4 @@ def run_serve(config_path: str, version: str, workers: Workers | None = None) ->
     prometheus_client.disable_created_metrics()  # plinth exposes no `_created` series
     for signum in HANDLED_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    return trio.run(partial(serve, config_path, version=version, workers=workers))
+    return trio.run(partial(serve, config_path, version=version, workers=workers, overrides=overrides))

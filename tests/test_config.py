@@ -621,6 +621,7 @@ def test_describe_config() -> None:
         "3 consecutive failures",
         "event log: none",
         "unanswered requests: 502 (retry_unanswered = false)",
+        "log: json lines, info and above",
     ]:
         assert expected in summary
     gateway = GatewayConfig(event_log="/tmp/events.jsonl", health_interval=90.0)
