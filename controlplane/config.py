@@ -25,6 +25,7 @@ import msgspec.inspect
 from msgspec.structs import replace
 
 from events.config import (
+    DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
     DEFAULT_HEALTH_FAIL_THRESHOLD,
     DEFAULT_LISTEN,
@@ -129,7 +130,7 @@ NO_OVERRIDES = Overrides()
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout")
+_DURATION_KEYS = ("health_interval", "probe_timeout", "event_log_retain_age", "decision_log_retain_age")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
@@ -252,6 +253,7 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         event_log_max_bytes=gateway.event_log_max_bytes or DEFAULT_EVENT_LOG_MAX_BYTES,
         log_level=gateway.log_level or LOG_LEVELS[0],
         log_format=gateway.log_format or LOG_FORMATS[0],
+        decision_log_max_bytes=gateway.decision_log_max_bytes or DEFAULT_DECISION_LOG_MAX_BYTES,
         **durations,
     )
     nodes = tuple(
@@ -294,8 +296,15 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
-    if gateway.event_log_max_bytes <= 0:
-        raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
+    if gateway.decision_log and gateway.decision_log == gateway.event_log:
+        raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
+    for log in ("event_log", "decision_log"):
+        if getattr(gateway, f"{log}_max_bytes") <= 0:
+            raise invalid(f"gateway.{log}_max_bytes", f"{log}_max_bytes must be greater than zero")
+        if getattr(gateway, f"{log}_retain_bytes") < 0:
+            raise invalid(f"gateway.{log}_retain_bytes", f"{log}_retain_bytes must be non-negative (0: no bound)")
+        if getattr(gateway, f"{log}_retain_age") < 0:
+            raise invalid(f"gateway.{log}_retain_age", f"{log}_retain_age must be non-negative (0: no bound)")
     if gateway.workers != "auto" and gateway.workers < 1:
         raise invalid("gateway.workers", 'workers must be at least 1, or "auto" (one per usable core)')
     for key, allowed in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
@@ -404,6 +413,20 @@ def _node_address_problem(ip: str) -> str:
     return ""
 
 
+def _describe_log(gateway: GatewayConfig, key: str) -> str:
+    """`gateway.<key>` (a log) with its segment size and retention, as `check-config` shows it."""
+    path = getattr(gateway, key)
+    if not path:
+        return "none"
+    kept = []
+    if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
+        kept.append(f"up to {retain_bytes} bytes")
+    if retain_age := getattr(gateway, f"{key}_retain_age"):
+        kept.append(f"for {_seconds_text(retain_age)}")
+    retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
+    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
+
+
 def _placement(ring: str) -> str:
     return f"ring {go_quote(ring)}" if ring else "standalone"
 
@@ -431,13 +454,8 @@ def describe_config(config: Config) -> str:
     for model in config.models.available:
         ring = f"ring {model.ring}" if model.ring else "standalone"
         lines.append(f"  {model.name}  {ring}")
-    if gateway.event_log:
-        lines.append(
-            f"event log: {gateway.event_log} (segments of {gateway.event_log_max_bytes} bytes)"
-        )
-    else:
-        lines.append("event log: none")
-    lines.append(f"decision log: {gateway.decision_log or 'none'}")
+    for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
+        lines.append(f"{what}: {_describe_log(gateway, key)}")
     if gateway.retry_unanswered:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:

@@ -19,7 +19,7 @@ from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, 
 from controlplane.transitions import Step, Transition
 from events.log import read_events
 from events.state import ClusterState
-from events.types import ConfigReloaded, Event, RunStarted, RunStopped
+from events.types import Checkpoint, ConfigReloaded, Event, RunStarted, RunStopped
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +35,10 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     served nothing from then on, until a run_started that this replay did not reach."""
     configured_nodes: frozenset[tuple[str, str]] = frozenset()
     """Every (ip, name) a config of the log gave a node, for finding a node by either."""
+    from_seq: int = 0
+    """The replay starts from the state after this seq: 0 for a log read from its first event,
+    else the seq of the checkpoint (or the one before the run_started) the remaining segments
+    begin with."""
 
     def moment(self, at: float | None = None) -> float:
         """The time to judge the state at: `at` if given, else the last applied event's time."""
@@ -54,19 +58,32 @@ def replay_steps(
     """Apply the events of the given segments (or logs) in order, as the live reducer did, and
     yield each event with the state after it and its step.
 
-    Stops before the first event numbered above `until_seq` or observed after `until_at`. A
-    torn last line, and a gap or a step back in the numbering (events the live run could not
-    write: the state from there on may differ from the live one), are reported through `warn`;
-    other bad lines raise EventLogError, unless `skip_invalid` takes them (`read_events`).
+    Stops before the first event numbered above `until_seq` or observed after `until_at`. A log
+    whose older segments are gone starts at a checkpoint (the whole state at its seq), and says
+    so through `warn`. A torn last line, and a gap or a step back in the numbering (events the
+    live run could not write: the state may differ from the live one until the next
+    checkpoint), are reported through `warn`; other bad lines raise LogFileError, unless
+    `skip_invalid` takes them (`read_events`).
     """
     state = INITIAL_STATE
+    first = True
     for event in read_events(paths, warn, skip_invalid):
         if (until_seq is not None and event.seq > until_seq) or (until_at is not None and event.at > until_at):
             break
-        if warn is not None and state.seq and event.seq != state.seq + 1:
-            warn(_numbering_warning(state.seq, event.seq))
+        if warn is not None:
+            if first and isinstance(event, Checkpoint):
+                warn(f"the log starts at the checkpoint of seq {event.seq} (its older segments are gone)")
+            elif not first and event.seq != state.seq + (0 if isinstance(event, Checkpoint) else 1):
+                warn(_numbering_warning(state.seq, event))
+        first = False
         state, step = reduce(state, event)
         yield event, state, step
+
+
+def starting_seq(event: Event) -> int:
+    """The seq of the state a log beginning with `event` starts from (a checkpoint carries the
+    state after its seq; any other event follows the one before it)."""
+    return event.seq if isinstance(event, Checkpoint) else event.seq - 1
 
 
 def replay(
@@ -83,12 +100,15 @@ def replay(
     event_count = 0
     stopped = None
     configured_nodes: set[tuple[str, str]] = set()
+    from_seq = 0
     steps = replay_steps(paths, until_seq=until_seq, until_at=until_at, warn=warn, skip_invalid=skip_invalid)
     for event, state, step in steps:
+        if not event_count:
+            from_seq = starting_seq(event)
         transitions.extend(step.transitions)
         event_count += 1
         stopped = step.transitions[-1] if isinstance(event, RunStopped) and step.transitions else None
-        if isinstance(event, (RunStarted, ConfigReloaded)):
+        if isinstance(event, (RunStarted, ConfigReloaded, Checkpoint)) and event.config is not None:
             configured_nodes.update((node.ip, node.name) for node in event.config.nodes)
     return ReplayResult(
         state=state,
@@ -97,10 +117,15 @@ def replay(
         last_at=state.at if event_count else None,
         stopped=stopped,
         configured_nodes=frozenset(configured_nodes),
+        from_seq=from_seq,
     )
 
 
-def _numbering_warning(previous: int, seq: int) -> str:
+def _numbering_warning(previous: int, event: Event) -> str:
+    seq = event.seq
+    if isinstance(event, Checkpoint) and seq > previous:
+        missing = f"event {seq} is" if seq == previous + 1 else f"events {previous + 1}-{seq} are"
+        return f"{missing} missing from the log; the checkpoint at seq {seq} restores the state"
     if seq == previous + 2:
         return f"event {previous + 1} is missing from the log (seq {seq} follows {previous})"
     if seq > previous:

@@ -30,7 +30,7 @@ import msgspec
 import trio
 
 from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.routing import filter_by_model, is_unknown_model, ring_pool, unavailable_reason
+from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
 from dataplane.balancer import RoundRobin
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
@@ -144,9 +144,9 @@ class Route:
     __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
 
     def __init__(self, snapshot: ClusterState, model: str) -> None:
-        pool = ring_pool(snapshot, model)
+        self.ring = model_ring(snapshot, model)
+        pool = ring_members(snapshot, self.ring)
         candidates, dropped = filter_by_model(pool, model)
-        self.ring = snapshot.config.model_ring(model)
         self.ring_pool = tuple(node.ip for node in pool)
         self.candidates = candidates
         self.unknown = not candidates and is_unknown_model(snapshot, pool, model)

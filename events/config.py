@@ -20,6 +20,8 @@ DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_PROBE_TIMEOUT = 5.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_DECISION_LOG_MAX_BYTES = 64 * 1024 * 1024
+DEFAULT_LOG_RETAIN_BYTES = 1024 * 1024 * 1024
 DEFAULT_VLLM_PORT = 8000
 DEFAULT_METRICS_PORT = 9100
 LOG_LEVELS = ("info", "warn", "error")
@@ -52,8 +54,17 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """Path of the JSON Lines event log; "" = no event log."""
     event_log_max_bytes: int = DEFAULT_EVENT_LOG_MAX_BYTES
     """The event log starts a new segment once the current one reaches this size."""
+    event_log_retain_bytes: int = DEFAULT_LOG_RETAIN_BYTES
+    """The oldest event-log segments are removed while all of them together are larger; 0 = no bound."""
+    event_log_retain_age: float = 0.0
+    """Event-log segments last written longer ago (seconds; a Go duration in the file) are
+    removed; 0 = no bound."""
     decision_log: str = ""
     """Path of the per-request decision log; "" = no decision log."""
+    decision_log_max_bytes: int = DEFAULT_DECISION_LOG_MAX_BYTES
+    decision_log_retain_bytes: int = DEFAULT_LOG_RETAIN_BYTES
+    decision_log_retain_age: float = 0.0
+    """The decision log's segments and retention, as the event log's."""
     workers: Workers = 1
     """Processes serving the API: 1 is the gateway alone; more (or "auto", one per usable core)
     start that many workers that follow this process's control plane."""

@@ -30,9 +30,9 @@ import msgspec
 from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
-from dataplane.decisions import DecisionLogError, find_decisions
+from dataplane.decisions import find_decisions
 from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
-from events.log import EventLogError
+from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
     explanation_to_builtins,
@@ -321,7 +321,7 @@ def run_timeline(args: argparse.Namespace) -> int:
 
 SERVE_SIGNALS_HELP = """\
 signals:
-  SIGHUP            reload the config file (listen addresses and the event log
+  SIGHUP            reload the config file (listen addresses and the log
                     settings need a restart); an invalid file is rejected and
                     the running config stays in force
   SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
@@ -332,7 +332,8 @@ signals:
                     exit 0; any more are ignored
 
 exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
-invalid config file, an address it cannot listen on), 2 for invalid options"""
+invalid config file, an address it cannot listen on, an event or decision log
+another gateway holds), 2 for invalid options"""
 """What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
 the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
 
@@ -495,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`interlock audit … | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (EventLogError, DecisionLogError, OSError) as err:
+    except (LogFileError, OSError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

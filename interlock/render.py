@@ -113,6 +113,8 @@ def render_state(result: ReplayResult, now: float) -> str:
     if result.event_count == 0:
         return "no events in the log before this moment"
     heading = f"state after seq {state.seq} ({format_timestamp(state.at)}), {result.event_count} events"
+    if result.from_seq:
+        heading += f" replayed from seq {result.from_seq}"
     if now != state.at:
         heading += f", seen at {format_timestamp(now)}"
     if state.config is None:
@@ -148,6 +150,7 @@ def state_to_builtins(result: ReplayResult, now: float) -> dict[str, Any]:
         "at": state.at,
         "now": now,
         "event_count": result.event_count,
+        "from_seq": result.from_seq,
         "version": state.version,
         "config_path": state.config_path,
         "stopped": _stopped_to_builtins(result.stopped),

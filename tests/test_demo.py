@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 
+from harness import decision_records
+
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.toml"
 
 
@@ -66,7 +68,7 @@ def test_demo_answers_first_writes_its_files_in_its_directory_and_stops_cleanly(
     )  # fmt: skip
     assert explained.returncode == 0, explained.stderr
     assert "gpu-node-3" in explained.stdout and "not in ring" in explained.stdout
-    assert len((demo_dir / "decisions.jsonl").read_text().splitlines()) == 1
+    assert len(decision_records(demo_dir / "decisions.jsonl")) == 1
 
 
 def test_demo_log_to_stderr_puts_the_gateways_log_on_stderr(tmp_path):
