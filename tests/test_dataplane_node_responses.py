@@ -14,9 +14,7 @@ import msgspec
 import pytest
 import trio
 
-from dataplane.decisions import read_decisions
-
-from harness import MODEL, chat, error_message, running_gateway
+from harness import MODEL, chat, decision_records, error_message, running_gateway
 from raw_http import ServerConnection, raw_node
 
 CHAT = "/v1/chat/completions"
@@ -37,8 +35,8 @@ async def assert_upstream_error(gateway, decision_log, response: httpx.Response)
     assert await gateway.metric(f'gateway_requests_total{{model="{MODEL}",status="502"}}') == 1
     assert await gateway.metric(f'gateway_proxy_attempts_total{{model="{MODEL}",status="502"}}') == 1
     assert await gateway.metric(f'gateway_requests_total{{model="{MODEL}",status="200"}}') is None
-    await gateway.wait_for(lambda: decision_log.exists() and decision_log.read_text().endswith("\n"))
-    [decision] = read_decisions(decision_log)
+    await gateway.wait_for(lambda: decision_records(decision_log))
+    [decision] = decision_records(decision_log)
     assert decision.status == 502
     [attempt] = decision.attempts
     assert attempt.outcome == "failed" and attempt.status is None and attempt.error
@@ -155,8 +153,8 @@ async def test_a_stream_whose_node_sends_a_refused_head_goes_to_the_next_node(tm
     ):
         response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
         assert response.status_code == 200 and response.text == "data: [DONE]\n\n"
-        await gateway.wait_for(lambda: decision_log.exists() and decision_log.read_text().endswith("\n"))
-        [decision] = read_decisions(decision_log)
+        await gateway.wait_for(lambda: decision_records(decision_log))
+        [decision] = decision_records(decision_log)
         assert [(attempt.node, attempt.outcome) for attempt in decision.attempts] == [
             ("127.0.0.2", "retried"),
             ("127.0.0.3", "completed"),
