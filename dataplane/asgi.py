@@ -32,7 +32,15 @@ import trio
 
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
-from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
+from dataplane.errors import (
+    INVALID_BODY,
+    MAX_MODEL_NAME_LENGTH,
+    MODEL_NAME_TOO_LONG,
+    NO_MODEL,
+    REQUEST_TOO_LARGE,
+    Reply,
+    error_reply,
+)
 from dataplane.proxy import (
     COMPLETION_PATHS,
     Exchange,
@@ -113,9 +121,11 @@ class ApiApp:
             return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
             return error_reply(INVALID_BODY, request_id_header(request_id))
         model = fields.model if fields is not None else None
+        if model and len(model) > MAX_MODEL_NAME_LENGTH:
+            return error_reply(MODEL_NAME_TOO_LONG, request_id_header(request_id))
         stream = bool(fields.stream) if fields is not None else False
         if not model:
             model = view.config.default_model

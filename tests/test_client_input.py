@@ -1,0 +1,65 @@
+"""What a client sends must not grow the gateway's memory, logs or metrics, nor get a traceback:
+model names as metric labels, over-long names, deeply nested JSON, odd request targets, slow
+request bodies, HTTP/2. Real gateway, real sockets, simulated nodes."""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from harness import MODEL, chat, completions_to, node_specs, nodes_and_gateway
+
+CHAT = "/v1/chat/completions"
+
+
+def no_tracebacks(caplog) -> bool:
+    """Whether hypercorn logged no exception (the gateway's own log is JSON, never a traceback)."""
+    return not [record for record in caplog.records if record.exc_info]
+
+
+async def test_model_names_no_node_lists_are_counted_under_one_label(tmp_path):
+    # n1 also lists "discovered", which no config entry names: it keeps its own label.
+    async with nodes_and_gateway(tmp_path, node_specs(1, serving=(MODEL, "discovered"))) as (nodes, gateway):
+        await gateway.discovered()
+        for index in range(30):
+            response = await gateway.http.post(gateway.url + CHAT, json=chat(model=f"client-made-{index:04d}-" + "x" * 200))
+            assert response.status_code == 404
+        for model in (MODEL, "discovered"):
+            assert (await gateway.http.post(gateway.url + CHAT, json=chat(model=model))).status_code == 200
+        page = await gateway.metrics()
+        assert "client-made" not in page
+        assert await gateway.metric('gateway_requests_total{model="(other)",status="404"}') == 30
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+        assert await gateway.metric('gateway_requests_total{model="discovered",status="200"}') == 1
+        warnings = gateway.logged("no node serves requested model")
+        assert warnings and all(len(record["model"]) <= 128 for record in warnings)
+
+
+async def test_a_model_name_longer_than_512_characters_gets_400(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(model="m" * 513))
+        assert response.status_code == 400
+        assert response.json() == {
+            "error": {
+                "message": "model name longer than 512 characters",
+                "type": "invalid_request_error",
+                "code": "model_name_too_long",
+            }
+        }
+        assert "m" * 100 not in await gateway.metrics() + "\n".join(gateway.log.lines())
+        # 512 characters is still a name (one no node serves).
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat(model="m" * 512))).status_code == 404
+        assert completions_to(nodes[0]) == []
+
+
+async def test_json_nested_2000_levels_deep_gets_400_without_a_traceback(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        deep = b'{"model": "test-model", "messages": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+        for body in (deep, b"[" * 2000):
+            response = await gateway.http.post(gateway.url + CHAT, content=body)
+            assert response.status_code == 400
+            assert response.json()["error"]["message"] == "invalid request body"
+        assert completions_to(nodes[0]) == []
+    assert no_tracebacks(caplog)
