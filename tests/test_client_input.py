@@ -5,6 +5,7 @@ request bodies, HTTP/2. Real gateway, real sockets, simulated nodes."""
 from __future__ import annotations
 
 import logging
+import threading
 
 import trio
 
@@ -63,3 +64,35 @@ async def test_json_nested_2000_levels_deep_gets_400_without_a_traceback(tmp_pat
             assert response.json()["error"]["message"] == "invalid request body"
         assert completions_to(nodes[0]) == []
     assert no_tracebacks(caplog)
+
+
+class _ScrapeHeldOpen:
+    """A collector whose collection waits until the test lets it finish (or 5 s pass)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
+    def collect(self):
+        self.entered.set()
+        self.release.wait(5)
+        self.finished.set()
+        return []
+
+
+async def test_the_api_answers_while_a_metrics_scrape_is_being_rendered(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        held_open = _ScrapeHeldOpen()
+        gateway.control_plane.registry.register(held_open)
+        answered_during_scrape = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gateway.metrics)
+            while not held_open.entered.is_set():
+                await trio.sleep(0.01)
+            # Rendered on the event loop, the page would hold up this request until the
+            # collector gave up waiting.
+            response = await gateway.http.get(gateway.url + "/health")
+            answered_during_scrape.append(not held_open.finished.is_set() and response.status_code == 200)
+            held_open.release.set()
+        assert answered_during_scrape == [True]
