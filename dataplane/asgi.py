@@ -37,6 +37,7 @@ from dataplane.errors import (
     MAX_MODEL_NAME_LENGTH,
     MODEL_NAME_TOO_LONG,
     NO_MODEL,
+    NOT_FOUND,
     REQUEST_TOO_LARGE,
     Reply,
     error_reply,
@@ -85,6 +86,10 @@ class ApiApp:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
             await self._completion(scope, receive, send)
+        elif scope["type"] == "websocket":
+            await _refuse_websocket(send)
+        elif scope["type"] == "http" and "://" in scope["path"] and not scope["path"].startswith("/"):
+            await self(_origin_form(scope), receive, send)
         else:
             await self._quart(scope, receive, send)
 
@@ -145,6 +150,22 @@ class ApiApp:
             started=started,
         )
         return await self._proxy.forward(exchange)
+
+
+def _origin_form(scope: dict) -> dict:
+    """The scope of a request whose target is in absolute form (`POST http://host/v1/…`, which
+    HTTP/1.1 servers must accept) as if it had been in origin form (`/v1/…`)."""
+    _, _, authority_and_path = scope["path"].partition("://")
+    path = "/" + authority_and_path.partition("/")[2]
+    return {**scope, "path": path, "raw_path": path.encode()}
+
+
+async def _refuse_websocket(send) -> None:
+    """The API serves no WebSocket: the upgrade request gets the JSON 404 any unknown route gets
+    (hypercorn's `websocket.http.response` extension sends it as a plain HTTP response)."""
+    headers = [*NOT_FOUND.headers, (b"content-length", b"%d" % len(NOT_FOUND.body))]
+    await send({"type": "websocket.http.response.start", "status": NOT_FOUND.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": NOT_FOUND.body})
 
 
 class _ClientLeft(Exception):

@@ -96,3 +96,43 @@ async def test_the_api_answers_while_a_metrics_scrape_is_being_rendered(tmp_path
             answered_during_scrape.append(not held_open.finished.is_set() and response.status_code == 200)
             held_open.release.set()
         assert answered_during_scrape == [True]
+
+
+async def raw_answer(url: str, data: bytes) -> bytes:
+    """Send raw bytes to the gateway; what it answers, until it closes or 2 s of silence."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    received = b""
+    async with stream:
+        await stream.send_all(data)
+        with trio.move_on_after(2):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+                if b"\r\n\r\n" in received and received.endswith(b"}"):
+                    break
+    return received
+
+
+async def test_odd_request_targets_get_json_errors_without_a_traceback(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    body = b'{"model": "test-model", "messages": []}'
+    post = b"Host: gw\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        host = gateway.url.removeprefix("http://").encode()
+        requests = {
+            b"POST //v1/chat/completions HTTP/1.1\r\n" + post: 404,
+            b"GET /v1//models HTTP/1.1\r\nHost: gw\r\n\r\n": 404,
+            b"OPTIONS * HTTP/1.1\r\nHost: gw\r\n\r\n": 404,
+            b"POST http://" + host + b"/v1/chat/completions HTTP/1.1\r\n" + post: 200,
+            b"GET http://" + host + b"/health HTTP/1.1\r\nHost: gw\r\n\r\n": 200,
+            b"GET /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n": 404,
+        }
+        for request, status in requests.items():
+            answer = await raw_answer(gateway.url, request)
+            head, _, content = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 %d " % status), (request, answer)
+            assert b"content-type: application/json" in head.lower(), (request, answer)
+            if status != 200:
+                assert content.startswith(b'{"error":'), (request, answer)
+    assert no_tracebacks(caplog)
