@@ -82,7 +82,7 @@ class UnknownKey:
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout")
+_DURATION_KEYS = ("health_interval", "probe_timeout", "request_body_timeout", "request_body_idle_timeout")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
@@ -238,6 +238,9 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
+    for key in ("request_body_timeout", "request_body_idle_timeout"):
+        if getattr(gateway, key) <= 0:
+            raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
     if gateway.event_log_max_bytes <= 0:
         raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
     if gateway.workers != "auto" and gateway.workers < 1:

@@ -38,12 +38,15 @@ from dataplane.errors import (
     MODEL_NAME_TOO_LONG,
     NO_MODEL,
     NOT_FOUND,
+    REQUEST_TIMEOUT,
     REQUEST_TOO_LARGE,
+    ApiError,
     Reply,
     error_reply,
 )
 from dataplane.proxy import (
     COMPLETION_PATHS,
+    ConfigView,
     Exchange,
     Proxy,
     SnapshotView,
@@ -104,7 +107,7 @@ class ApiApp:
                 declared_length = int(value)  # hypercorn (h11) accepts only digits here
         request_id = request_id or os.urandom(16).hex()
         try:
-            body = await _read_body(receive, declared_length, view.config.body_limit)
+            body = await _read_body(receive, declared_length, view.config)
         except _ClientLeft:
             return
         async with trio.open_nursery() as nursery:
@@ -120,10 +123,10 @@ class ApiApp:
             watch.answered = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _reply(self, scope, body: bytes | None, request_id: str, view: SnapshotView, started: float) -> Reply:
+    async def _reply(self, scope, body: bytes | ApiError, request_id: str, view: SnapshotView, started: float) -> Reply:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
-        if body is None:
-            return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
+        if isinstance(body, ApiError):
+            return error_reply(body, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
         except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
@@ -172,24 +175,31 @@ class _ClientLeft(Exception):
     """The client went away before its request body was complete."""
 
 
-async def _read_body(receive, declared_length: int | None, limit: int) -> bytes | None:
-    """The request body, or None when it is larger than `limit` (the rest is then left unread)."""
-    if declared_length is not None and declared_length > limit:
-        return None
+async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | ApiError:
+    """The request body; or, with the rest left unread, REQUEST_TOO_LARGE when it is larger
+    than the limit, REQUEST_TIMEOUT when it takes longer than the body timeout in all or the
+    idle timeout between two pieces."""
+    if declared_length is not None and declared_length > config.body_limit:
+        return REQUEST_TOO_LARGE
     pieces = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientLeft
-        piece = message["body"]
-        if piece:
-            size += len(piece)
-            if size > limit:
-                return None
-            pieces.append(piece)
-        if not message["more_body"]:
-            return b"".join(pieces)
+    now = trio.current_time()
+    give_up_at = now + config.body_timeout
+    with trio.CancelScope(deadline=min(give_up_at, now + config.body_idle_timeout)) as waiting:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _ClientLeft
+            piece = message["body"]
+            if piece:
+                size += len(piece)
+                if size > config.body_limit:
+                    return REQUEST_TOO_LARGE
+                pieces.append(piece)
+            if not message["more_body"]:
+                return b"".join(pieces)
+            waiting.deadline = min(give_up_at, trio.current_time() + config.body_idle_timeout)
+    return REQUEST_TIMEOUT
 
 
 class _DisconnectWatch:

@@ -53,6 +53,7 @@ class ApiError:
 NOT_FOUND = ApiError(404, "404 page not found", "not_found")
 METHOD_NOT_ALLOWED = ApiError(405, "Method Not Allowed", "method_not_allowed")
 REQUEST_TOO_LARGE = ApiError(413, "request body too large", "request_too_large")
+REQUEST_TIMEOUT = ApiError(408, "request body not received in time", "request_timeout")
 INVALID_BODY = ApiError(400, "invalid request body", "invalid_request_body")
 MAX_MODEL_NAME_LENGTH = 512
 """The longest model name a request may give (vLLM's ids are paths: a few hundred characters at most)."""

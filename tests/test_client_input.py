@@ -4,6 +4,7 @@ request bodies, HTTP/2. Real gateway, real sockets, simulated nodes."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -136,3 +137,43 @@ async def test_odd_request_targets_get_json_errors_without_a_traceback(tmp_path,
             if status != 200:
                 assert content.startswith(b'{"error":'), (request, answer)
     assert no_tracebacks(caplog)
+
+
+async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path):
+    timeouts = {"request_body_timeout": "1.5s", "request_body_idle_timeout": "0.5s"}
+    async with nodes_and_gateway(tmp_path, node_specs(1), **timeouts) as (nodes, gateway):
+        host, port = gateway.url.removeprefix("http://").split(":")
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+
+        async def answer_to(trickle_every: float | None) -> bytes:
+            """The answer to a head and then one body byte per `trickle_every` seconds (None:
+            no byte at all), read until the gateway closes the connection."""
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream, trio.open_nursery() as nursery:
+
+                async def trickle() -> None:
+                    await stream.send_all(head.encode())
+                    with contextlib.suppress(trio.BrokenResourceError):  # closed by the gateway
+                        while trickle_every is not None:
+                            await trio.sleep(trickle_every)
+                            await stream.send_all(b" ")
+
+                nursery.start_soon(trickle)
+                received = b""
+                with trio.fail_after(10):
+                    while chunk := await stream.receive_some(65536):
+                        received += chunk
+                nursery.cancel_scope.cancel()
+            return received
+
+        # Idle after the head; then a byte every 0.2 s, never idle long, but never done either.
+        for trickle_every in (None, 0.2):
+            answer = await answer_to(trickle_every)
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+            assert b"\r\nconnection: close\r\n" in answer.lower()
+            assert answer.endswith(
+                b'{"error":{"message":"request body not received in time","type":"invalid_request_error",'
+                b'"code":"request_timeout"}}'
+            )
+        assert completions_to(nodes[0]) == []
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
