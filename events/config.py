@@ -59,6 +59,8 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """Seconds a client may take to send a request body (a Go duration string in the file)."""
     request_body_idle_timeout: float = DEFAULT_REQUEST_BODY_IDLE_TIMEOUT
     """Seconds a request body may go without a byte arriving (a Go duration string in the file)."""
+    http2: bool = False
+    """Serve HTTP/2 (cleartext, prior knowledge or `Upgrade: h2c`) on the API listener too."""
     retry_unanswered: bool = False
     """Retry a non-streaming request on another node when its connection broke before any byte
     of the response arrived (plinth answers 502)."""

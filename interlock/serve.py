@@ -171,7 +171,9 @@ async def _run(
         """This process serves the API, or its workers do (then until `stop_listening`)."""
         if workers == 1:
             async with api_application(control_plane, log, decisions, registry=registry, **timeouts) as app:
-                await serve_on_socket(app, api_socket, stop_listening, task_status=task_status)
+                await serve_on_socket(
+                    app, api_socket, stop_listening, http2=config.gateway.http2, task_status=task_status
+                )
             return
         with tempfile.TemporaryDirectory(prefix="interlock-metrics-") as metrics_dir:
             MultiProcessCollector(registry, path=metrics_dir)
@@ -226,9 +228,18 @@ def _bind_listeners(gateway: GatewayConfig) -> tuple[socket.socket, socket.socke
         raise
 
 
-def _hypercorn_config() -> HypercornConfig:
-    """hypercorn as every listener of the gateway runs it."""
+HTTP2_MAX_CONCURRENT_STREAMS = 100
+"""Streams an HTTP/2 client may have open at once on one connection (with `gateway.http2`)."""
+
+
+def _hypercorn_config(http2: bool) -> HypercornConfig:
+    """hypercorn as every listener of the gateway runs it; HTTP/1.1 only unless `http2`.
+
+    hypercorn has no switch for HTTP/2 in cleartext: without `http2`, an HTTP/2 client is told
+    it may open no stream at all (SETTINGS_MAX_CONCURRENT_STREAMS 0), and the connection ends
+    with GOAWAY at its first request."""
     config = HypercornConfig()
+    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
@@ -260,10 +271,12 @@ async def serve_on_socket(
     listening: socket.socket,
     stopped: trio.Event,
     *,
+    http2: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on a listening socket until `stopped` is set, then drain."""
-    config = _hypercorn_config()
+    """Serve `app` on a listening socket until `stopped` is set, then drain; HTTP/1.1 only
+    unless `http2`."""
+    config = _hypercorn_config(http2)
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,

@@ -450,6 +450,7 @@ def test_defaults_when_absent(tmp_path: Path) -> None:
         decision_log="",
         request_body_timeout=60.0,
         request_body_idle_timeout=10.0,
+        http2=False,
         retry_unanswered=False,
     )
     assert config.nodes == (
