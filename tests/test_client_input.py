@@ -9,6 +9,7 @@ import logging
 import threading
 
 import h2.config
+import httpx
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -231,3 +232,16 @@ async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_pat
         assert not any(isinstance(event, h2.events.ResponseReceived) for event in received)
         # HTTP/1.1 is served as ever.
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+
+
+async def test_with_http2_on_the_rapid_reset_attack_ends_in_goaway_having_started_a_handful_of_requests(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), http2=True) as (nodes, gateway):
+        received = await rapid_reset(gateway.url, 5000)
+        await trio.sleep(0.5)
+        started = len(completions_to(nodes[0]))
+        assert started <= 5
+        assert any(isinstance(event, h2.events.ConnectionTerminated) for event in received)
+        # An HTTP/2 client that does not attack is served.
+        async with httpx.AsyncClient(http1=False, http2=True, trust_env=False) as client:
+            response = await client.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 200 and response.http_version == "HTTP/2"
