@@ -30,6 +30,7 @@ import time
 import msgspec
 import trio
 
+from dataplane.access import key_accepted, unauthorized_reply
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import (
@@ -87,18 +88,24 @@ class ApiApp:
         self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-            await self._completion(scope, receive, send)
-        elif scope["type"] == "websocket":
-            await _refuse_websocket(send)
-        elif scope["type"] == "http" and "://" in scope["path"] and not scope["path"].startswith("/"):
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await _refuse_websocket(send)
+            else:
+                await self._quart(scope, receive, send)
+            return
+        view = self._views.current()
+        if view.config.api_key_digests and not _admitted(scope, view.config):
+            await _refuse(receive, send, unauthorized_reply())
+        elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+            await self._completion(scope, receive, send, view)
+        elif "://" in scope["path"] and not scope["path"].startswith("/"):
             await self(_origin_form(scope), receive, send)
         else:
             await self._quart(scope, receive, send)
 
-    async def _completion(self, scope, receive, send) -> None:
+    async def _completion(self, scope, receive, send, view: SnapshotView) -> None:
         started = time.perf_counter()
-        view = self._views.current()
         request_id = declared_length = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -200,6 +207,23 @@ async def _read_body(receive, declared_length: int | None, config: ConfigView) -
                 return b"".join(pieces)
             waiting.deadline = min(give_up_at, trio.current_time() + config.body_idle_timeout)
     return REQUEST_TIMEOUT
+
+
+def _admitted(scope, config: ConfigView) -> bool:
+    """With client keys configured: whether the request holds one, or needs none (an open /health)."""
+    if config.health_open and scope["path"] == "/health":
+        return True
+    return key_accepted(scope["headers"], config.api_key_digests)
+
+
+async def _refuse(receive, send, reply: Reply) -> None:
+    """Answer a request with a complete error reply without reading its body (the watch drops it)."""
+    async with trio.open_nursery() as nursery:
+        watch = _DisconnectWatch(receive, nursery.cancel_scope)
+        watch.answered = True
+        nursery.start_soon(watch.run)
+        last = await _send_all_but_last(send, reply)
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 class _DisconnectWatch:

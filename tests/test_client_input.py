@@ -8,13 +8,11 @@ import contextlib
 import logging
 import threading
 
-import h2.config
-import httpx
-import h2.connection
 import h2.events
-import h2.exceptions
+import httpx
 import trio
 
+from bench.client_input import rapid_reset
 from harness import MODEL, chat, completions_to, node_specs, nodes_and_gateway
 
 CHAT = "/v1/chat/completions"
@@ -184,48 +182,9 @@ async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_clo
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
 
 
-async def rapid_reset(url: str, streams: int) -> list:
-    """The rapid-reset attack over one HTTP/2 connection (prior knowledge): `streams` completion
-    requests, each reset as soon as it is sent. What the gateway sent back, as h2 events, until
-    it closed the connection or went quiet for a second."""
-    host, port = url.removeprefix("http://").split(":")
-    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    connection.initiate_connection()
-    body = b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}'
-    headers = [
-        (":method", "POST"), (":path", CHAT), (":scheme", "http"), (":authority", "gw"),
-        ("content-type", "application/json"), ("content-length", str(len(body))),
-    ]  # fmt: skip
-    received = []
-    stream = await trio.open_tcp_stream(host, int(port))
-    async with stream:
-        await stream.send_all(connection.data_to_send())
-        with contextlib.suppress(trio.BrokenResourceError, h2.exceptions.ProtocolError):
-            for index in range(streams):
-                stream_id = 1 + 2 * index
-                # The server's SETTINGS are not awaited (nor its stream limit respected).
-                connection.send_headers(stream_id, headers)
-                connection.send_data(stream_id, body, end_stream=True)
-                connection.reset_stream(stream_id)
-                if index % 100 == 99:
-                    await stream.send_all(connection.data_to_send())
-            await stream.send_all(connection.data_to_send())
-        with contextlib.suppress(trio.BrokenResourceError):
-            while True:
-                with trio.move_on_after(1):
-                    data = await stream.receive_some(65536)
-                    if not data:
-                        break
-                    with contextlib.suppress(h2.exceptions.ProtocolError):
-                        received += connection.receive_data(data)
-                    continue
-                break
-    return received
-
-
 async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
-        received = await rapid_reset(gateway.url, 500)
+        received = await rapid_reset(gateway.url.removeprefix("http://"), 500)
         await trio.sleep(0.5)
         assert completions_to(nodes[0]) == []
         assert any(isinstance(event, h2.events.ConnectionTerminated) for event in received)
@@ -236,7 +195,7 @@ async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_pat
 
 async def test_with_http2_on_the_rapid_reset_attack_ends_in_goaway_having_started_a_handful_of_requests(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(1), http2=True) as (nodes, gateway):
-        received = await rapid_reset(gateway.url, 5000)
+        received = await rapid_reset(gateway.url.removeprefix("http://"), 5000)
         await trio.sleep(0.5)
         started = len(completions_to(nodes[0]))
         assert started <= 5
