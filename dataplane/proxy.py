@@ -118,6 +118,8 @@ class ConfigView:
         gateway = config.gateway
         self.default_model = config.models.default
         self.body_limit = gateway.request_body_limit
+        self.body_timeout = gateway.request_body_timeout
+        self.body_idle_timeout = gateway.request_body_idle_timeout
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered
@@ -163,6 +165,11 @@ class Route:
         self.exclusion_counts = tuple(counts.items())
 
 
+OTHER_MODELS = "(other)"
+"""The `model` label of every request for a model neither configured nor listed by a node: the
+labels stay bounded by the config and the nodes, whatever names clients send."""
+
+
 class SnapshotView:
     """One snapshot and what is derived from it, computed once and shared by its requests."""
 
@@ -181,6 +188,16 @@ class SnapshotView:
             if len(self._routes) < self.MAX_ROUTES:
                 self._routes[model] = route
         return route
+
+    def metric_model(self, model: str) -> str:
+        """`model` as the metrics' `model` label: itself when configured or listed by a node."""
+        return model if model in self._known_models else OTHER_MODELS
+
+    @functools.cached_property
+    def _known_models(self) -> frozenset[str]:
+        configured = (model.name for model in self.snapshot.config.models.available)
+        listed = (name for node in self.snapshot.node_list() for name in node.models.names or ())
+        return frozenset((*configured, *listed))
 
     @functools.cached_property
     def state_digest(self) -> str:
@@ -212,8 +229,8 @@ class Exchange:
     """A completion request on its way through the attempt loop."""
 
     __slots__ = (
-        "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts",
-        "skipped", "attempt_started",
+        "request_id", "path", "model", "metric_model", "stream", "body", "headers", "view", "route", "at",
+        "started", "attempts", "skipped", "attempt_started",
     )  # fmt: skip
 
     def __init__(
@@ -232,6 +249,7 @@ class Exchange:
         self.request_id = request_id
         self.path = path
         self.model = model
+        self.metric_model = view.metric_model(model)
         self.stream = stream
         self.body = body
         self.headers = headers
@@ -345,14 +363,13 @@ class Proxy:
     async def forward(self, exchange: Exchange) -> Reply:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
         route = exchange.route
-        model = exchange.model
         for reason, count in route.exclusion_counts:
-            self._metrics.excluded(model, reason, count)
+            self._metrics.excluded(exchange.metric_model, reason, count)
         candidates = route.candidates
         if not candidates:
             if route.ring_pool:
                 self._warn_unserved(exchange)
-            return self._error(exchange, model_not_found(model) if route.unknown else NO_HEALTHY_NODE)
+            return self._error(exchange, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
         tried: set[str] = set()
         try:
             for _ in range(len(candidates)):
@@ -498,7 +515,7 @@ class Proxy:
         limit: int,
     ) -> Outcome:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
-        self._metrics.passthrough(exchange.model, reason)
+        self._metrics.passthrough(exchange.metric_model, reason)
         return self._commit(exchange, node, upstream, buffered)
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
@@ -565,11 +582,11 @@ class Proxy:
                 self._log.error("response truncated after commit", node=node.ip, error=error)
         elif kind == CLIENT_GONE and outcome.committed:
             self._log.error("client write failed after commit", node=node.ip, error=error)
-            self._metrics.client_write_failure(exchange.model)
+            self._metrics.client_write_failure(exchange.metric_model)
         self._metrics.node_attempt_ended(node.ip)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
             status = outcome.status or 502
-            self._metrics.attempt(exchange.model, status)
+            self._metrics.attempt(exchange.metric_model, status)
             self._metrics.node_attempt(node.ip, status, time.perf_counter() - exchange.attempt_started)
         exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
 
@@ -579,7 +596,7 @@ class Proxy:
 
     def _finish(self, exchange: Exchange, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
-        self._metrics.request_done(exchange.model, status, time.perf_counter() - exchange.started)
+        self._metrics.request_done(exchange.metric_model, status, time.perf_counter() - exchange.started)
         self._record(exchange, status)
 
     def _record(self, exchange: Exchange, status: int | None) -> None:
