@@ -386,16 +386,17 @@ class Prober:
         self._round_ended = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._readiness = Readiness(nursery)
-            try:
+        try:
+            async with trio.open_nursery() as nursery:
+                self._readiness = Readiness(nursery)
                 self._nursery = nursery
                 nursery.start_soon(self._report)
                 task_status.started()
                 await self._tick()
-            finally:
-                self._nursery = None
-                self._readiness.close()
+        finally:
+            self._nursery = None
+            if self._readiness is not None:
+                self._readiness.close()  # the probes still in flight: their connections close
 
     def run_effects(self, effects: Iterable[Effect]) -> None:
         """Start the probes a step asks for (called by the reducer task; never blocks)."""

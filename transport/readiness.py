@@ -8,7 +8,8 @@ sockets and one timer, where a trio task per probe costs a task, a cancel scope 
 (with its epoll registration) per request.
 
 - `Readiness` runs any number of exchanges together: `start` one (its first step runs at once),
-  and `finished()` waits until some have ended and returns their results (or exceptions).
+  and `finished()` waits until some have ended and returns their results (or exceptions). The
+  exchanges make progress only while a task waits in `finished()`.
 - `drive` runs one exchange in the calling task (a one-off request).
 
 An exchange may also yield a `Lookup` (a host name to resolve); `Readiness` resolves it in a
@@ -145,6 +146,8 @@ class Readiness:
         return done
 
     def close(self) -> None:
+        """End every exchange still running (their connections close); call it once no task
+        waits in `finished()` any more."""
         for running in [*self._waiting.values(), *self._looking_up]:
             running.exchange.close()
         self._waiting.clear()
