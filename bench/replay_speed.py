@@ -4,7 +4,7 @@
 
 Generates a realistic log first: rounds of model listings, health probes and GPU scrapes for
 every node, with occasional incidents (failing health, failing or empty listings, a node the
-data plane cannot reach) and a SIGHUP reload now and then; written with the real EventLogWriter
+data plane cannot reach) and a SIGHUP reload now and then; written with the real SegmentedFile
 (so in 64 MiB segments) to a temporary directory, or to --out (kept). Not part of the test run.
 """
 
@@ -19,9 +19,11 @@ from pathlib import Path
 
 import msgspec
 
+from controlplane.appender import SegmentedFile
 from controlplane.replay import replay
 from events.config import DEFAULT_EVENT_LOG_MAX_BYTES, Config, ModelEntry, ModelsConfig, NodeConfig
-from events.log import EventLogWriter, encode_event, list_segments
+from events.jsonl import list_segments
+from events.log import encode_event
 from events.types import (
     ConfigReloaded,
     Event,
@@ -136,7 +138,7 @@ class ClusterSimulation:
 def generate_log(log_path: Path, event_count: int, node_count: int) -> None:
     """Write one run of `event_count` numbered events to the log at `log_path`."""
     simulation = ClusterSimulation(cluster_config(node_count))
-    writer = EventLogWriter(log_path, DEFAULT_EVENT_LOG_MAX_BYTES)
+    writer = SegmentedFile(log_path, "event log", max_segment_bytes=DEFAULT_EVENT_LOG_MAX_BYTES)
     batch: list[bytes] = []
     seq = 0
 
@@ -145,7 +147,7 @@ def generate_log(log_path: Path, event_count: int, node_count: int) -> None:
         seq += 1
         batch.append(encode_event(msgspec.structs.replace(event, seq=seq)))
         if len(batch) >= 10_000:
-            writer.write_lines(b"".join(batch))
+            writer.write(b"".join(batch))
             batch.clear()
 
     record(simulation.run_started())
@@ -158,7 +160,7 @@ def generate_log(log_path: Path, event_count: int, node_count: int) -> None:
             if seq < event_count - 1:
                 record(event)
     record(RunStopped(at=simulation.tick(1.0)))
-    writer.write_lines(b"".join(batch))
+    writer.write(b"".join(batch))
     writer.close()
 
 

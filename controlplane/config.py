@@ -12,6 +12,7 @@ model listed twice.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import ipaddress
 import os
 import re
@@ -25,6 +26,7 @@ import msgspec.inspect
 from msgspec.structs import replace
 
 from events.config import (
+    DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
     DEFAULT_HEALTH_FAIL_THRESHOLD,
     DEFAULT_LISTEN,
@@ -33,7 +35,10 @@ from events.config import (
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
     DEFAULT_VLLM_PORT,
+    LOG_FORMATS,
+    LOG_LEVELS,
     Config,
+    GatewayConfig,
 )
 
 
@@ -76,18 +81,68 @@ class UnknownKey:
         return f"{self.path}: {self.key}: {self.message}"
 
 
+@dataclass(frozen=True)
+class Overrides:
+    """Gateway settings given on the command line (`interlock serve --listen …`). They win over
+    the file's at start and at every reload, so a reload never sees them change; the config the
+    event log records is the one in force. None leaves the file's setting.
+
+    `host` and `port` (vLLM's `--host`/`--port`) each replace one half of `listen`. The demo
+    places the event and decision logs in its own directory with `event_log` and `decision_log`.
+    """
+
+    listen: str | None = None
+    metrics_listen: str | None = None
+    host: str | None = None
+    port: int | None = None
+    log_level: str | None = None
+    log_format: str | None = None
+    event_log: str | None = None
+    decision_log: str | None = None
+
+    def apply(self, gateway: GatewayConfig) -> GatewayConfig:
+        given = {
+            key: value
+            for key in ("listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log")
+            if (value := getattr(self, key)) is not None
+        }
+        if self.host is not None or self.port is not None:
+            listen = given.get("listen", gateway.listen)
+            try:
+                _, port = parse_listen_address(listen)
+            except ValueError:
+                pass  # the file's address is invalid: validation names it
+            else:
+                host_part = listen[: listen.rfind(":")]  # as written: "" (all interfaces) stays ""
+                given["listen"] = (
+                    join_host_port(self.host, port if self.port is None else self.port)
+                    if self.host is not None
+                    else f"{host_part}:{self.port}"
+                )
+        return replace(gateway, **given)
+
+
+NO_OVERRIDES = Overrides()
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout")
+_DURATION_KEYS = ("health_interval", "probe_timeout", "event_log_retain_age", "decision_log_retain_age")
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
-def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], None] | None = None) -> Config:
-    """Read, decode, default and validate the config file at `path`; raise ConfigError if bad.
+def load_config(
+    path: str | os.PathLike[str],
+    *,
+    warn: Callable[[UnknownKey], None] | None = None,
+    overrides: Overrides = NO_OVERRIDES,
+) -> Config:
+    """Read, decode, default and validate the config file at `path`, with `overrides` applied
+    before validation; raise ConfigError if bad.
 
     `warn` is called for each unknown key, in file order, before any validation error is raised
     (a misspelt key often explains the error: `[[node]]` leaves no nodes configured).
@@ -98,7 +153,8 @@ def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], No
         if warn is not None:
             warn(UnknownKey(path, key, closest))
 
-    document = _match_field_names(_read_toml(path), msgspec.inspect.type_info(Config), "", report)
+    document, inline_key_hashes = _take_inline_api_keys(path, _read_toml(path))
+    document = _match_field_names(document, msgspec.inspect.type_info(Config), "", report)
     document, duration_texts = _split_durations(path, document)
     try:
         config = msgspec.convert(document, Config)
@@ -106,7 +162,8 @@ def load_config(path: str | os.PathLike[str], *, warn: Callable[[UnknownKey], No
         message, key = _split_validation_error(exc)
         raise ConfigError(path, key, f"parsing config: {message}") from None
     config = _apply_loader_defaults(path, config, duration_texts)
-    return _validate(path, config)
+    config = replace(config, gateway=overrides.apply(config.gateway))
+    return _with_access_keys(path, _validate(path, config), inline_key_hashes)
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -171,6 +228,23 @@ def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any
     return {**document, "gateway": rest}, texts
 
 
+def _take_inline_api_keys(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Take `gateway.api_keys` (the client keys themselves) out of the document, as the SHA-256
+    hex digests the schema keeps (`api_key_hashes`), so that no key goes further than here."""
+    for section, table in document.items():
+        if section.lower() != "gateway" or not isinstance(table, dict):
+            continue
+        for key in [key for key in table if key.lower() == "api_keys"]:
+            keys = table.pop(key)
+            if not isinstance(keys, list) or not all(isinstance(item, str) for item in keys):
+                raise ConfigError(path, "gateway.api_keys", "parsing config: api_keys must be an array of strings")
+            for index, item in enumerate(keys):
+                if not item:
+                    raise ConfigError(path, f"gateway.api_keys[{index}]", "an API key must not be empty")
+            return document, tuple(hashlib.sha256(item.encode()).hexdigest() for item in keys)
+    return document, ()
+
+
 def _split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
     """Split msgspec's "Expected `int`, got `str` - at `$.nodes[0].ip`" into text and dotted key."""
     match = re.fullmatch(r"(.*) - at `\$\.?(.*)`", str(exc), flags=re.DOTALL)
@@ -196,6 +270,9 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         metrics_listen=gateway.metrics_listen or DEFAULT_METRICS_LISTEN,
         health_fail_threshold=gateway.health_fail_threshold or DEFAULT_HEALTH_FAIL_THRESHOLD,
         event_log_max_bytes=gateway.event_log_max_bytes or DEFAULT_EVENT_LOG_MAX_BYTES,
+        log_level=gateway.log_level or LOG_LEVELS[0],
+        log_format=gateway.log_format or LOG_FORMATS[0],
+        decision_log_max_bytes=gateway.decision_log_max_bytes or DEFAULT_DECISION_LOG_MAX_BYTES,
         **durations,
     )
     nodes = tuple(
@@ -238,10 +315,21 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
-    if gateway.event_log_max_bytes <= 0:
-        raise invalid("gateway.event_log_max_bytes", "event_log_max_bytes must be greater than zero")
+    if gateway.decision_log and gateway.decision_log == gateway.event_log:
+        raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
+    for log in ("event_log", "decision_log"):
+        if getattr(gateway, f"{log}_max_bytes") <= 0:
+            raise invalid(f"gateway.{log}_max_bytes", f"{log}_max_bytes must be greater than zero")
+        if getattr(gateway, f"{log}_retain_bytes") < 0:
+            raise invalid(f"gateway.{log}_retain_bytes", f"{log}_retain_bytes must be non-negative (0: no bound)")
+        if getattr(gateway, f"{log}_retain_age") < 0:
+            raise invalid(f"gateway.{log}_retain_age", f"{log}_retain_age must be non-negative (0: no bound)")
     if gateway.workers != "auto" and gateway.workers < 1:
         raise invalid("gateway.workers", 'workers must be at least 1, or "auto" (one per usable core)')
+    for key, allowed in (("log_level", LOG_LEVELS), ("log_format", LOG_FORMATS)):
+        value = getattr(gateway, key)
+        if value not in allowed:
+            raise invalid(f"gateway.{key}", f"{key} must be one of {', '.join(allowed)} (got {go_quote(value)})")
 
     if not config.nodes:
         raise invalid("nodes", "at least one node must be configured")
@@ -276,6 +364,81 @@ def _validate(path: str, config: Config) -> Config:
         max_request_body_bytes=gateway.max_request_body_bytes or DEFAULT_MAX_REQUEST_BODY_BYTES,
     )
     return replace(config, gateway=gateway)
+
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, ...]) -> Config:
+    """Check the access settings and gather every accepted client key digest (`api_keys`,
+    `api_key_hashes`, `api_key_file`'s lines) into `api_key_hashes`, in that order, once each.
+    Each upstream key file must hold a usable key now (it is read again by each process)."""
+    gateway = config.gateway
+    digests = list(inline_key_hashes)
+    for index, digest in enumerate(gateway.api_key_hashes):
+        if not _SHA256_HEX.fullmatch(digest.lower()):
+            raise ConfigError(path, f"gateway.api_key_hashes[{index}]", _NOT_A_DIGEST)
+        digests.append(digest.lower())
+    if gateway.api_key_file:
+        digests += _read_key_digests(path, gateway.api_key_file)
+    for key, key_file in [("gateway.upstream_api_key_file", gateway.upstream_api_key_file)] + [
+        (f"nodes[{index}].api_key_file", node.api_key_file) for index, node in enumerate(config.nodes)
+    ]:
+        if key_file:
+            try:
+                read_upstream_key(key_file)
+            except ValueError as exc:
+                raise ConfigError(path, key, str(exc)) from None
+    return replace(config, gateway=replace(gateway, api_key_hashes=tuple(dict.fromkeys(digests))))
+
+
+_NOT_A_DIGEST = "not a SHA-256 hex digest (64 hex digits: printf %s KEY | sha256sum)"
+
+
+def _read_key_digests(path: str, key_file: str) -> list[str]:
+    """The digests in `api_key_file`: one a line; blank lines and `#` comments are skipped."""
+    try:
+        with open(key_file, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, "gateway.api_key_file", f"reading api_key_file: {exc}") from None
+    digests = []
+    for number, line in enumerate(lines, start=1):
+        text = line.partition("#")[0].strip().lower()
+        if not text:
+            continue
+        if not _SHA256_HEX.fullmatch(text):
+            raise ConfigError(path, "gateway.api_key_file", f"{key_file}:{number}: {_NOT_A_DIGEST}")
+        digests.append(text)
+    return digests
+
+
+def read_upstream_key(key_file: str) -> str:
+    """The key in an upstream key file (surrounding whitespace dropped); raises ValueError
+    naming the file. The key never appears in the error."""
+    try:
+        with open(key_file, "rb") as file:
+            key = file.read().strip()
+    except OSError as exc:
+        raise ValueError(f"reading key file: {exc}") from None
+    if not key:
+        raise ValueError(f"key file {key_file!r} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in key):
+        raise ValueError(f"key file {key_file!r} must hold one key of printable ASCII without spaces")
+    return key.decode("ascii")
+
+
+def upstream_authorizations(config: Config) -> dict[str, bytes]:
+    """The `Authorization` header value to send each node that has a key file, by IP. A file
+    that became unreadable since the config was loaded sends no key (the node answers 401,
+    which the model listing reports)."""
+    authorizations = {}
+    for ip, key_file in config.upstream_key_files().items():
+        try:
+            authorizations[ip] = b"Bearer " + read_upstream_key(key_file).encode()
+        except ValueError:
+            continue
+    return authorizations
 
 
 def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
@@ -344,6 +507,20 @@ def _node_address_problem(ip: str) -> str:
     return ""
 
 
+def _describe_log(gateway: GatewayConfig, key: str) -> str:
+    """`gateway.<key>` (a log) with its segment size and retention, as `check-config` shows it."""
+    path = getattr(gateway, key)
+    if not path:
+        return "none"
+    kept = []
+    if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
+        kept.append(f"up to {retain_bytes} bytes")
+    if retain_age := getattr(gateway, f"{key}_retain_age"):
+        kept.append(f"for {_seconds_text(retain_age)}")
+    retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
+    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
+
+
 def _placement(ring: str) -> str:
     return f"ring {go_quote(ring)}" if ring else "standalone"
 
@@ -371,17 +548,21 @@ def describe_config(config: Config) -> str:
     for model in config.models.available:
         ring = f"ring {model.ring}" if model.ring else "standalone"
         lines.append(f"  {model.name}  {ring}")
-    if gateway.event_log:
-        lines.append(
-            f"event log: {gateway.event_log} (segments of {gateway.event_log_max_bytes} bytes)"
-        )
+    for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
+        lines.append(f"{what}: {_describe_log(gateway, key)}")
+    if gateway.api_key_hashes:
+        health = "needs one too" if gateway.health_requires_api_key else "stays open"
+        lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
     else:
-        lines.append("event log: none")
-    lines.append(f"decision log: {gateway.decision_log or 'none'}")
+        lines.append("client API keys: none (every client is served)")
+    key_files = config.upstream_key_files()
+    if key_files:
+        lines.append(f"upstream keys: sent to {len(key_files)} of {len(config.nodes)} nodes")
     if gateway.retry_unanswered:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:
         lines.append("unanswered requests: 502 (retry_unanswered = false)")
+    lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
 
 
@@ -426,6 +607,11 @@ def parse_listen_address(address: str) -> tuple[str, int]:
     if not re.fullmatch(r"[0-9]{1,5}", port_text) or int(port_text) > 65535:
         raise invalid(f"invalid port {go_quote(port_text)}")
     return host or "0.0.0.0", int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """A listen address from its halves (Go's net.JoinHostPort): an IPv6 host is bracketed."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""plinth's log format (§6): one JSON object per line, keys sorted, every value a string."""
+"""The gateway's log lines: plinth's format (§6), one JSON object per line, keys sorted, every
+value a string; or the same lines as text, for a terminal."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 from typing import TextIO
 
 import msgspec
+
+from events.config import LOG_FORMATS, LOG_LEVELS, GatewayConfig
 
 
 def format_timestamp(at: float) -> str:
@@ -30,23 +33,60 @@ def log_line(at: float, level: str, msg: str, fields: dict[str, object] | tuple[
     return line
 
 
+def text_line(at: float, level: str, msg: str, fields: dict[str, object] | tuple[tuple[str, str], ...] = ()) -> str:
+    """The same line for a terminal: `2026-01-02T03:04:05Z WARN  msg  key=value key="a b"`, the
+    fields in their given order, a value quoted when it is empty or has a space, `"` or `=`."""
+    items = fields.items() if isinstance(fields, dict) else fields
+    pairs = []
+    for key, value in items:
+        text = str(value)
+        if not text or any(char in text for char in ' "=') or not text.isprintable():
+            text = msgspec.json.encode(text).decode()
+        pairs.append(f"{key}={text}")
+    line = f"{format_timestamp(at)} {level.upper():<5} {msg}"
+    return f"{line}  {' '.join(pairs)}" if pairs else line
+
+
+_SEVERITY = {level: rank for rank, level in enumerate(LOG_LEVELS)}
+_FORMATTERS = {"json": log_line, "text": text_line}
+
+
 class JsonLog:
-    """Writes log lines to a stream (stdout by default); one write per line, so lines never interleave.
+    """The gateway's log: plinth's JSON lines (§6) by default, or `text_line`s; lines below
+    `level` are dropped. Writes to a stream (stdout by default), one write per line, so lines
+    never interleave.
 
     `context` fields go into every line `log` writes (a worker process names itself with them).
+    `configure` follows a config's `gateway.log_level` and `gateway.log_format`.
     """
 
-    def __init__(self, stream: TextIO | None = None, clock=time.time, context: dict[str, object] | None = None):
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        clock=time.time,
+        context: dict[str, object] | None = None,
+        *,
+        level: str = LOG_LEVELS[0],
+        format: str = LOG_FORMATS[0],
+    ):
         self.stream = stream if stream is not None else sys.stdout
         self.clock = clock
         self.context = context or {}
+        self._least = _SEVERITY[level]
+        self._format = _FORMATTERS[format]
 
-    def write_line(self, line: str) -> None:
-        self.stream.write(line + "\n")
-        self.stream.flush()
+    def configure(self, gateway: GatewayConfig) -> None:
+        self._least = _SEVERITY[gateway.log_level]
+        self._format = _FORMATTERS[gateway.log_format]
+
+    def write(self, at: float, level: str, msg: str, fields: dict[str, object] | tuple[tuple[str, str], ...]) -> None:
+        """One line at time `at`, unless `level` is below the log's."""
+        if _SEVERITY[level] >= self._least:
+            self.stream.write(self._format(at, level, msg, fields) + "\n")
+            self.stream.flush()
 
     def log(self, level: str, msg: str, **fields: object) -> None:
-        self.write_line(log_line(self.clock(), level, msg, {**self.context, **fields}))
+        self.write(self.clock(), level, msg, {**self.context, **fields})
 
     def info(self, msg: str, **fields: object) -> None:
         self.log("info", msg, **fields)

@@ -59,7 +59,7 @@ class ProbeClient:
     def __init__(self, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.max_body_bytes = max_body_bytes
         self._http = HttpClient(max_idle_per_host=MAX_IDLE_PER_PORT, idle_seconds=KEEPALIVE_SECONDS)
-        self._prepared: dict[tuple[str, int, bytes], PreparedRequest] = {}
+        self._prepared: dict[tuple[str, int, bytes, bytes], PreparedRequest] = {}
 
     async def __aenter__(self) -> ProbeClient:
         return self
@@ -76,17 +76,20 @@ class ProbeClient:
         for key in [key for key in self._prepared if key[0] == host]:
             del self._prepared[key]
 
-    async def get(self, host: str, port: int, path: bytes, timeout: float) -> ProbeResponse:
+    async def get(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> ProbeResponse:
         """`get_steps` run in the calling task."""
-        return await drive(self.get_steps(host, port, path, timeout))
+        return await drive(self.get_steps(host, port, path, timeout, authorization))
 
-    def get_steps(self, host: str, port: int, path: bytes, timeout: float) -> Exchange:
-        """The status and body of `GET path` on host:port, as an exchange; raises ProbeError on a
-        transport failure, when connecting and reading take longer than `timeout` seconds, or
-        when the body is too big (then the connection is dropped unread)."""
-        request = self._prepared.get((host, port, path))
+    def get_steps(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> Exchange:
+        """The status and body of `GET path` on host:port (with that `Authorization` header, if
+        any), as an exchange; raises ProbeError on a transport failure, when connecting and
+        reading take longer than `timeout` seconds, or when the body is too big (then the
+        connection is dropped unread)."""
+        key = (host, port, path, authorization)
+        request = self._prepared.get(key)
         if request is None:
-            request = self._prepared[(host, port, path)] = self._http.prepare(b"GET", host, port, path, _HEADERS)
+            headers = (*_HEADERS, (b"authorization", authorization)) if authorization else _HEADERS
+            request = self._prepared[key] = self._http.prepare(b"GET", host, port, path, headers)
         try:
             status, body = yield from request_steps(request, trio.current_time() + timeout, self.max_body_bytes)
         except BodyTooLarge as exc:
@@ -200,11 +203,14 @@ def _gpu_label(token: str) -> str:
 # --- model discovery (GH-31) ----------------------------------------------------------------
 
 
-def list_models(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
+def list_models(
+    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, authorization: bytes = b""
+) -> Exchange:
     """`GET /v1/models` (a ModelsListed): the ids the node serves, in its order, or None and the
-    error (§8.3)."""
+    error (§8.3). `authorization` is the node's upstream key header (vLLM's `--api-key` guards
+    `/v1`; its `/health` is open, so the health check sends none)."""
     try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout)
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
         models = parse_model_list(response.body)

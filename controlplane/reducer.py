@@ -78,7 +78,19 @@ def _run_started(state: ClusterState, event: RunStarted, out: StepBuilder) -> Cl
     )
 
 
-_RESTART_KEYS = ("listen", "metrics_listen", "event_log", "event_log_max_bytes", "workers")
+_RESTART_KEYS = (
+    "listen",
+    "metrics_listen",
+    "event_log",
+    "event_log_max_bytes",
+    "event_log_retain_bytes",
+    "event_log_retain_age",
+    "decision_log",
+    "decision_log_max_bytes",
+    "decision_log_retain_bytes",
+    "decision_log_retain_age",
+    "workers",
+)
 """Gateway settings a running gateway keeps until it restarts (plinth warns for the listen addresses)."""
 
 

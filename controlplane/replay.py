@@ -19,7 +19,7 @@ from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, 
 from controlplane.transitions import Step, Transition
 from events.log import read_events
 from events.state import ClusterState
-from events.types import Event
+from events.types import Checkpoint, ConfigReloaded, Event, RunStarted, RunStopped
 
 
 class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +30,15 @@ class ReplayResult(msgspec.Struct, frozen=True, kw_only=True):
     event_count: int
     last_at: float | None
     """`at` of the last applied event; None when no event was applied."""
+    stopped: Transition | None = None
+    """The `gateway stopped` transition when the last applied event stopped the gateway: it
+    served nothing from then on, until a run_started that this replay did not reach."""
+    configured_nodes: frozenset[tuple[str, str]] = frozenset()
+    """Every (ip, name) a config of the log gave a node, for finding a node by either."""
+    from_seq: int = 0
+    """The replay starts from the state after this seq: 0 for a log read from its first event,
+    else the seq of the checkpoint (or the one before the run_started) the remaining segments
+    begin with."""
 
     def moment(self, at: float | None = None) -> float:
         """The time to judge the state at: `at` if given, else the last applied event's time."""
@@ -44,23 +53,37 @@ def replay_steps(
     until_seq: int | None = None,
     until_at: float | None = None,
     warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[Event, ClusterState, Step]]:
     """Apply the events of the given segments (or logs) in order, as the live reducer did, and
     yield each event with the state after it and its step.
 
-    Stops before the first event numbered above `until_seq` or observed after `until_at`. A
-    torn last line, and a gap or a step back in the numbering (events the live run could not
-    write: the state from there on may differ from the live one), are reported through `warn`;
-    other bad lines raise EventLogError.
+    Stops before the first event numbered above `until_seq` or observed after `until_at`. A log
+    whose older segments are gone starts at a checkpoint (the whole state at its seq), and says
+    so through `warn`. A torn last line, and a gap or a step back in the numbering (events the
+    live run could not write: the state may differ from the live one until the next
+    checkpoint), are reported through `warn`; other bad lines raise LogFileError, unless
+    `skip_invalid` takes them (`read_events`).
     """
     state = INITIAL_STATE
-    for event in read_events(paths, warn):
+    first = True
+    for event in read_events(paths, warn, skip_invalid):
         if (until_seq is not None and event.seq > until_seq) or (until_at is not None and event.at > until_at):
             break
-        if warn is not None and state.seq and event.seq != state.seq + 1:
-            warn(_numbering_warning(state.seq, event.seq))
+        if warn is not None:
+            if first and isinstance(event, Checkpoint):
+                warn(f"the log starts at the checkpoint of seq {event.seq} (its older segments are gone)")
+            elif not first and event.seq != state.seq + (0 if isinstance(event, Checkpoint) else 1):
+                warn(_numbering_warning(state.seq, event))
+        first = False
         state, step = reduce(state, event)
         yield event, state, step
+
+
+def starting_seq(event: Event) -> int:
+    """The seq of the state a log beginning with `event` starts from (a checkpoint carries the
+    state after its seq; any other event follows the one before it)."""
+    return event.seq if isinstance(event, Checkpoint) else event.seq - 1
 
 
 def replay(
@@ -69,19 +92,40 @@ def replay(
     until_seq: int | None = None,
     until_at: float | None = None,
     warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
 ) -> ReplayResult:
     """The state after the last applied event and every transition on the way (`replay_steps`)."""
     state = INITIAL_STATE
     transitions: list[Transition] = []
     event_count = 0
-    for _, state, step in replay_steps(paths, until_seq=until_seq, until_at=until_at, warn=warn):
+    stopped = None
+    configured_nodes: set[tuple[str, str]] = set()
+    from_seq = 0
+    steps = replay_steps(paths, until_seq=until_seq, until_at=until_at, warn=warn, skip_invalid=skip_invalid)
+    for event, state, step in steps:
+        if not event_count:
+            from_seq = starting_seq(event)
         transitions.extend(step.transitions)
         event_count += 1
-    last_at = state.at if event_count else None
-    return ReplayResult(state=state, transitions=tuple(transitions), event_count=event_count, last_at=last_at)
+        stopped = step.transitions[-1] if isinstance(event, RunStopped) and step.transitions else None
+        if isinstance(event, (RunStarted, ConfigReloaded, Checkpoint)) and event.config is not None:
+            configured_nodes.update((node.ip, node.name) for node in event.config.nodes)
+    return ReplayResult(
+        state=state,
+        transitions=tuple(transitions),
+        event_count=event_count,
+        last_at=state.at if event_count else None,
+        stopped=stopped,
+        configured_nodes=frozenset(configured_nodes),
+        from_seq=from_seq,
+    )
 
 
-def _numbering_warning(previous: int, seq: int) -> str:
+def _numbering_warning(previous: int, event: Event) -> str:
+    seq = event.seq
+    if isinstance(event, Checkpoint) and seq > previous:
+        missing = f"event {seq} is" if seq == previous + 1 else f"events {previous + 1}-{seq} are"
+        return f"{missing} missing from the log; the checkpoint at seq {seq} restores the state"
     if seq == previous + 2:
         return f"event {previous + 1} is missing from the log (seq {seq} follows {previous})"
     if seq > previous:
@@ -99,6 +143,8 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
     """The last event applied before the moment."""
     now: float
     plan: RoutePlan
+    stopped: Transition | None = None
+    """The gateway had stopped before the moment (`ReplayResult.stopped`): it routed nothing then."""
 
     @property
     def refusal(self) -> str:
@@ -111,26 +157,34 @@ class Explanation(msgspec.Struct, frozen=True, kw_only=True):
 def explain(result: ReplayResult, model: str, now: float | None = None) -> Explanation:
     """Route `model` at `now` (default: the last applied event's time) on the replayed state."""
     now = result.moment(now)
-    return Explanation(seq=result.state.seq, now=now, plan=plan_route(result.state, model, now))
+    plan = plan_route(result.state, model, now)
+    return Explanation(seq=result.state.seq, now=now, plan=plan, stopped=result.stopped)
 
 
 # --- audit -----------------------------------------------------------------------------------
 
 
+def node_ips(result: ReplayResult, node: str) -> set[str]:
+    """The IPs of the nodes the log knows as `node`: an IP, or a name a config gave it."""
+    return {ip for ip, name in result.configured_nodes if node in (ip, name)}
+
+
 def audit(
     transitions: Iterable[Transition],
     *,
-    node: str | None = None,
+    nodes: Iterable[str] | None = None,
     since: float | None = None,
     until: float | None = None,
     kinds: Iterable[str] | None = None,
 ) -> list[Transition]:
-    """The transitions about `node`, of one of `kinds`, within [since, until] (None: no filter)."""
+    """The transitions about one of `nodes` (IPs), of one of `kinds`, within [since, until]
+    (None: no filter)."""
+    wanted_nodes = set(nodes) if nodes is not None else None
     wanted_kinds = set(kinds) if kinds is not None else None
     return [
         transition
         for transition in transitions
-        if (node is None or transition.node == node)
+        if (wanted_nodes is None or transition.node in wanted_nodes)
         and (since is None or transition.at >= since)
         and (until is None or transition.at <= until)
         and (wanted_kinds is None or transition.kind in wanted_kinds)

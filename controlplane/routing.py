@@ -21,10 +21,19 @@ NO_HEALTHY_NODE = "no healthy node available"
 NO_REACHABLE_NODE = "no reachable node available"
 
 
+def model_ring(state: ClusterState, model: str) -> str:
+    """The ring `model` is routed to ("": the ring-less nodes); the one place that looks it up."""
+    return state.config.model_ring(model) if state.config is not None else ""
+
+
+def ring_members(state: ClusterState, ring: str) -> list[NodeState]:
+    """The nodes of `ring` ("": every ring-less node), status not considered."""
+    return [node for node in state.nodes.values() if node.ring == ring]
+
+
 def ring_pool(state: ClusterState, model: str) -> list[NodeState]:
     """plinth's filterByRing: the model's ring, else every ring-less node (status not considered)."""
-    ring = state.config.model_ring(model) if state.config is not None else ""
-    return [node for node in state.nodes.values() if node.ring == ring]
+    return ring_members(state, model_ring(state, model))
 
 
 def filter_by_model(pool: list[NodeState], model: str) -> tuple[list[NodeState], list[tuple[NodeState, str]]]:
@@ -88,8 +97,8 @@ class RoutePlan(msgspec.Struct, frozen=True, kw_only=True):
 
 def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
     """Every node's verdict for `model` at time `now`, in plinth's order of filters."""
-    ring = state.config.model_ring(model) if state.config is not None else ""
-    pool = ring_pool(state, model)
+    ring = model_ring(state, model)
+    pool = ring_members(state, ring)
     candidates, dropped = filter_by_model(pool, model)
     model_reasons = {node.ip: reason for node, reason in dropped}
     reachable = [node for node in candidates if not node.is_offline(now)]

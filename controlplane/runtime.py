@@ -12,8 +12,9 @@ Who owns what (all tasks are children of `ControlPlane.run`):
   probed at once under the same guards. Every probe runs in the prober's one `Readiness` (one
   wait for all their sockets); probes read addresses, timeouts and the interval from the
   current snapshot and only ever send events;
-- the event-log writer (`EventLogSink`) writes encoded events in batches in a worker thread, so
-  a slow or failing disk never stalls the reducer.
+- the event-log writer (`controlplane.appender.LogAppender`) writes encoded events in batches
+  in a worker thread, so a slow or failing disk never stalls the reducer. Each new segment
+  opens with a checkpoint of the state before its first event.
 
 Everyone else (the data plane, replay tools) reads `snapshot` and calls `observe`.
 """
@@ -33,16 +34,24 @@ import msgspec
 import prometheus_client
 import trio
 
-from controlplane.config import ConfigError, UnknownKey, load_config
+from controlplane.appender import LogAppender, open_configured_log
+from controlplane.config import (
+    NO_OVERRIDES,
+    ConfigError,
+    Overrides,
+    UnknownKey,
+    load_config,
+    upstream_authorizations,
+)
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
-from events.config import Config, NodeConfig
-from events.log import EventLogWriter, encode_event, last_seq
+from events.config import Config, GatewayConfig, NodeConfig
+from events.log import encode_event, last_seq
 from events.state import ClusterState
-from events.types import ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
+from events.types import Checkpoint, ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
 from transport.readiness import Readiness
 
 EVENT_QUEUE_SIZE = 16_384
@@ -54,11 +63,6 @@ REDUCER_BATCH = 64
 EVENT_LOG_BACKLOG = 100_000
 """Encoded events waiting for the disk; beyond that the newest are dropped (and counted)."""
 
-EVENT_LOG_BATCH_SECONDS = 0.1
-"""How long the event-log writer gathers events before a write: a trip to the worker thread
-costs far more than the write itself (measured: about 40 µs per event at 3,000 events/s when
-every few events made the trip)."""
-
 STOP_TIMEOUT = 30.0
 """How long `open_control_plane` waits for a clean stop when its caller is being cancelled."""
 
@@ -68,12 +72,15 @@ HANDLED_SIGNALS = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
 Listener = Callable[[Event, ClusterState, Step], None]
 
 
-async def load_config_logging_unknown_keys(config_path: str, log: JsonLog) -> Config:
+async def load_config_logging_unknown_keys(
+    config_path: str, log: JsonLog, overrides: Overrides = NO_OVERRIDES
+) -> Config:
     """`load_config` in a worker thread; each unknown key is logged as a warning (`unknown config
     key`: file, key and the closest known key), also when the file is then rejected."""
     unknown_keys: list[UnknownKey] = []
     try:
-        return await trio.to_thread.run_sync(partial(load_config, config_path, warn=unknown_keys.append))
+        load = partial(load_config, config_path, warn=unknown_keys.append, overrides=overrides)
+        return await trio.to_thread.run_sync(load)
     finally:
         for unknown in unknown_keys:
             fields = {"file": unknown.path, "key": unknown.key}
@@ -91,14 +98,17 @@ class ControlPlane:
         *,
         version: str,
         config: Config | None = None,
+        overrides: Overrides = NO_OVERRIDES,
         log: JsonLog | None = None,
         registry: prometheus_client.CollectorRegistry | None = None,
         now: Callable[[], float] = time.time,
     ) -> None:
         """`config` is the file at `config_path` already loaded (by `serve`, which needs the
-        listen addresses first); without it, `run` loads the file."""
+        listen addresses first); without it, `run` loads the file. `overrides` (the command
+        line's) apply to every load, reloads included."""
         self.config_path = os.fspath(config_path)
         self._initial_config = config
+        self._overrides = overrides
         self.version = version
         self._clock = now
         self.log = log if log is not None else JsonLog(clock=now)
@@ -108,7 +118,7 @@ class ControlPlane:
         self._queue_in, self._queue_out = trio.open_memory_channel[tuple[Event, trio.Event | None]](EVENT_QUEUE_SIZE)
         self._listeners: list[Listener] = []
         self._seq = 0
-        self._event_log: EventLogSink | None = None
+        self._event_log: LogAppender | None = None
         self._prober: Prober | None = None
         self._started = False
         self._stopping = False
@@ -161,13 +171,10 @@ class ControlPlane:
         try:
             config = self._initial_config
             if config is None:
-                config = await load_config_logging_unknown_keys(self.config_path, self.log)
+                config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
             gateway = config.gateway
             if gateway.event_log:
-                self._seq = await trio.to_thread.run_sync(_last_seq_or_zero, gateway.event_log)
-                self._event_log = EventLogSink(
-                    gateway.event_log, gateway.event_log_max_bytes, log=self.log, metrics=self.metrics
-                )
+                self._event_log = await self._open_event_log(gateway)
             async with ProbeClient() as client, trio.open_nursery() as nursery:
                 if self._event_log is not None:
                     nursery.start_soon(self._event_log.run)
@@ -192,6 +199,20 @@ class ControlPlane:
                     await self._event_log.aclose()
             self._finished.set()
 
+    async def _open_event_log(self, gateway: GatewayConfig) -> LogAppender:
+        """Lock the event log (LogInUse when another gateway holds it) before writing a byte,
+        and continue its numbering."""
+        file = await trio.to_thread.run_sync(open_configured_log, gateway, "event_log", "event log")
+        self._seq = await trio.to_thread.run_sync(_last_seq_or_zero, gateway.event_log)
+        return LogAppender(
+            file,
+            log=self.log,
+            write_errors=self.metrics.event_log_write_errors,
+            dropped=self.metrics.event_log_dropped_events,
+            backlog_limit=EVENT_LOG_BACKLOG,
+            head=segment_head,
+        )
+
     async def stop(self) -> None:
         """Stop probing, apply RunStopped, flush and close the event log; idempotent. Probes
         still in flight are cancelled; events they queued before RunStopped are applied."""
@@ -215,7 +236,7 @@ class ControlPlane:
         self._reloading = True
         try:
             try:
-                config = await load_config_logging_unknown_keys(self.config_path, self.log)
+                config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
             except ConfigError as exc:
                 event: Event = ReloadRejected(at=self.now(), config_path=self.config_path, error=str(exc))
             else:
@@ -236,11 +257,13 @@ class ControlPlane:
         *,
         before_stop: Callable[[], Awaitable[None]] | None = None,
         force: Callable[[], None] | None = None,
+        on_hangup: Callable[[], None] | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Handle the gateway's signals until the control plane has stopped, then return.
 
-        - SIGHUP: reload() (ignored once shutting down, as in plinth);
+        - SIGHUP: reload() (ignored once shutting down, as in plinth); first, the event log and
+          `on_hangup` (the decision log) look whether their segment was moved away (logrotate);
         - the first SIGTERM or SIGINT: log `shutting down`, await `before_stop()` (the gateway
           draining its listeners: requests in flight still have a running control plane to
           report to), stop();
@@ -253,7 +276,9 @@ class ControlPlane:
         """
         if signals is None:
             with trio.open_signal_receiver(*HANDLED_SIGNALS) as own_signals:
-                await self.serve_signals(own_signals, before_stop=before_stop, force=force, task_status=task_status)
+                await self.serve_signals(
+                    own_signals, before_stop=before_stop, force=force, on_hangup=on_hangup, task_status=task_status
+                )
             return
         forced = False
         async with trio.open_nursery() as nursery:
@@ -267,6 +292,10 @@ class ControlPlane:
             task_status.started()
             async for signum in signals:
                 if signum == signal.SIGHUP:
+                    if self._event_log is not None:
+                        self._event_log.check_file()  # logrotate's convention: reopen a moved log
+                    if on_hangup is not None:
+                        on_hangup()
                     nursery.start_soon(self.reload)
                 elif not self._shutting_down:
                     self._shutting_down = True
@@ -307,12 +336,15 @@ class ControlPlane:
     def _apply(self, event: Event) -> None:
         self._seq += 1
         event = msgspec.structs.replace(event, seq=self._seq)
-        state, step = reduce(self._snapshot, event)
+        before = self._snapshot
+        state, step = reduce(before, event)
         self._snapshot = state
         if self._event_log is not None:
-            self._event_log.submit(encode_event(event))
+            self._event_log.submit(encode_event(event), base=before)
+        if isinstance(event, (RunStarted, ConfigReloaded)):
+            self.log.configure(state.config.gateway)
         for transition in step.transitions:
-            self.log.write_line(transition.log_line())
+            self.log.write(transition.at, transition.level, transition.msg, transition.log_fields())
         self.metrics.record(event, state, step)
         for listener in self._listeners:
             try:
@@ -331,6 +363,12 @@ class ControlPlane:
                 return
             if applied is not None:
                 applied.set()
+
+
+def segment_head(state: ClusterState) -> bytes:
+    """The first line of a new event-log segment: a checkpoint of the state before its first
+    event (none before a run's `run_started`, which carries the whole state itself)."""
+    return encode_event(Checkpoint.of(state)) if state.config is not None else b""
 
 
 def _last_seq_or_zero(path: str) -> int:
@@ -384,6 +422,8 @@ class Prober:
         self._round: set[str] = set()
         """The nodes whose health checks the current round waits for."""
         self._round_ended = trio.Event()
+        self._authorizations: tuple[Config | None, dict[str, bytes]] = (None, {})
+        """The upstream key headers, read from their files once per config."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
@@ -449,9 +489,14 @@ class Prober:
         if node.ip in self._models_in_flight:
             return
         self._models_in_flight.add(node.ip)
-        self._readiness.start(
-            (_MODELS, node.ip), list_models(self._client, node, timeout=self._timeout(), now=self._control_plane.now)
+        listing = list_models(
+            self._client,
+            node,
+            timeout=self._timeout(),
+            now=self._control_plane.now,
+            authorization=self._authorization(node.ip),
         )
+        self._readiness.start((_MODELS, node.ip), listing)
 
     async def _report(self) -> None:
         """Send each ended probe's events, then let the node be probed again."""
@@ -474,6 +519,14 @@ class Prober:
     def _timeout(self) -> float:
         return self._control_plane.snapshot.config.gateway.probe_timeout
 
+    def _authorization(self, ip: str) -> bytes:
+        config = self._control_plane.snapshot.config
+        read_for, authorizations = self._authorizations
+        if read_for is not config:
+            authorizations = upstream_authorizations(config)
+            self._authorizations = (config, authorizations)
+        return authorizations.get(ip, b"")
+
 
 _HEALTH, _MODELS = "health", "models"
 """The two kinds of probe a node has in flight at most one of each."""
@@ -489,90 +542,3 @@ def next_tick(last_tick: float, interval: float, now: float) -> float:
     if due > now:
         return due
     return last_tick + interval * math.floor((now - last_tick) / interval)
-
-
-# --- the event log ---------------------------------------------------------------------------
-
-
-class EventLogSink:
-    """Writes encoded events to the event log in batches, in a worker thread.
-
-    `submit` never blocks. A failed write drops its batch, counts it, and logs `event log write
-    failed` once per streak of failures; the next batch starts a new segment, so a torn line can
-    only be the last of its segment. When the backlog is full the newest events are dropped, so
-    the events before the first gap in `seq` stay a replayable prefix of the run.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        max_segment_bytes: int,
-        *,
-        log: JsonLog,
-        metrics: ControlPlaneMetrics,
-        backlog_limit: int = EVENT_LOG_BACKLOG,
-    ) -> None:
-        self.path = path
-        self._max_segment_bytes = max_segment_bytes
-        self._log = log
-        self._metrics = metrics
-        self._backlog_limit = backlog_limit
-        self._writer: EventLogWriter | None = None  # opened in the worker thread
-        self._pending: list[bytes] = []
-        self._wakeup = trio.Event()
-        self._failing = False
-
-    def submit(self, line: bytes) -> None:
-        if len(self._pending) >= self._backlog_limit:
-            self._metrics.event_log_dropped_events.inc()
-            return
-        self._pending.append(line)
-        self._wakeup.set()
-
-    async def run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            await trio.sleep(EVENT_LOG_BATCH_SECONDS)
-            self._wakeup = trio.Event()
-            await self._write_pending()
-
-    async def aclose(self) -> None:
-        """Write what is pending and close the file (call once `run` has been cancelled)."""
-        await self._write_pending()
-        if self._writer is not None:
-            with contextlib.suppress(OSError):
-                await trio.to_thread.run_sync(self._writer.close)
-
-    async def _write_pending(self) -> None:
-        batch, self._pending = self._pending, []
-        if not batch:
-            return
-        try:
-            await trio.to_thread.run_sync(self._write, batch)
-        except trio.Cancelled:
-            # Raised only before the thread starts (a started write is never abandoned): the
-            # batch is still unwritten, and `aclose` writes it.
-            self._pending[:0] = batch
-            raise
-        except OSError as exc:
-            self._metrics.event_log_write_errors.inc()
-            self._metrics.event_log_dropped_events.inc(len(batch))
-            if not self._failing:
-                self._failing = True
-                self._log.error("event log write failed", path=self.path, error=str(exc))
-            return
-        if self._failing:
-            self._failing = False
-            self._log.info("event log write recovered", path=self.path)
-
-    def _write(self, lines: list[bytes]) -> None:
-        """Runs in a worker thread."""
-        try:
-            if self._writer is None:
-                self._writer = EventLogWriter(self.path, self._max_segment_bytes)
-            self._writer.write_lines(b"".join(lines))
-        except OSError:
-            if self._writer is not None:
-                with contextlib.suppress(OSError):
-                    self._writer.close()
-            raise

@@ -33,9 +33,13 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     node: str = ""
     fields: tuple[tuple[str, str], ...] = ()
 
+    def log_fields(self) -> tuple[tuple[str, str], ...]:
+        """The line's fields: `seq`, then plinth's."""
+        return (("seq", str(self.seq)),) + self.fields
+
     def log_line(self) -> str:
         """plinth's JSON log line (§6) at the event's time, plus `seq`."""
-        return log_line(self.at, self.level, self.msg, (("seq", str(self.seq)),) + self.fields)
+        return log_line(self.at, self.level, self.msg, self.log_fields())
 
 
 class Recheck(msgspec.Struct, frozen=True, tag="recheck"):

@@ -1,6 +1,6 @@
 """The API listener's Quart-trio app: plinth's routes (§4) other than the completion POSTs.
 
-`GET /health` and `GET /v1/models` describe the current snapshot; unknown paths and methods get
+`GET /health`, `GET /v1/models` and `GET /v1/models/{id}` describe the current snapshot; unknown paths and methods get
 plinth's 404 and 405. `POST` to the two completion routes never gets here: the API listener's
 ASGI application (`dataplane.asgi`) answers those itself, and hands everything else to this app.
 The completion routes are declared here all the same, so that other methods on them get 405.
@@ -15,8 +15,9 @@ from quart_trio import QuartTrio
 from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
+from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
-from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply
+from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
 from dataplane.proxy import COMPLETION_PATHS, SnapshotViews
 from events.state import Health
 
@@ -76,7 +77,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
                     "names": node.models.names,
                     "age_seconds": node.models.age(now),
                     "fails": node.models.fails,
-                    "last_error": node.models.last_error,
+                    "last_error": _shown_error(node.models.last_error, view.config.health_hides_errors),
                 },
             }
             for node in nodes
@@ -101,6 +102,14 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
     async def models() -> Response:
         return Response(views.current().config.models_body, content_type="application/json")
 
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        """One model of the list (the SDKs' `models.retrieve`); vLLM's 404 for any other id."""
+        body = views.current().config.model_bodies.get(model_id)
+        if body is None:
+            return _response(error_reply(model_not_found(clipped(model_id))))
+        return Response(body, content_type="application/json")
+
     for path in COMPLETION_PATHS:
         # POSTs are answered by dataplane.asgi: the rule only makes other methods a 405.
         app.add_url_rule(path, f"completions {path}", methods=["POST"])
@@ -115,6 +124,15 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         return _response(error_reply(METHOD_NOT_ALLOWED, (b"allow", allow), close=_has_body()))
 
     return app
+
+
+HIDDEN_ERROR = "(hidden: gateway.health_hides_errors)"
+
+
+def _shown_error(error: str, hidden: bool) -> str:
+    """A node's error text as /health shows it: replaced when hidden, so that a failing node
+    still shows that it has an error."""
+    return HIDDEN_ERROR if hidden and error else error
 
 
 def _response(reply: Reply) -> Response:

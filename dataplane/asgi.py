@@ -30,11 +30,13 @@ import time
 import msgspec
 import trio
 
+from dataplane.access import key_accepted, unauthorized_reply
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
 from dataplane.proxy import (
     COMPLETION_PATHS,
+    ConfigView,
     Exchange,
     Proxy,
     SnapshotView,
@@ -75,14 +77,19 @@ class ApiApp:
         self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-            await self._completion(scope, receive, send)
+        if scope["type"] != "http":
+            await self._quart(scope, receive, send)
+            return
+        view = self._views.current()
+        if view.config.api_key_digests and not _admitted(scope, view.config):
+            await _refuse(receive, send, unauthorized_reply())
+        elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+            await self._completion(scope, receive, send, view)
         else:
             await self._quart(scope, receive, send)
 
-    async def _completion(self, scope, receive, send) -> None:
+    async def _completion(self, scope, receive, send, view: SnapshotView) -> None:
         started = time.perf_counter()
-        view = self._views.current()
         request_id = declared_length = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -159,6 +166,23 @@ async def _read_body(receive, declared_length: int | None, limit: int) -> bytes 
             pieces.append(piece)
         if not message["more_body"]:
             return b"".join(pieces)
+
+
+def _admitted(scope, config: ConfigView) -> bool:
+    """With client keys configured: whether the request holds one, or needs none (an open /health)."""
+    if config.health_open and scope["path"] == "/health":
+        return True
+    return key_accepted(scope["headers"], config.api_key_digests)
+
+
+async def _refuse(receive, send, reply: Reply) -> None:
+    """Answer a request with a complete error reply without reading its body (the watch drops it)."""
+    async with trio.open_nursery() as nursery:
+        watch = _DisconnectWatch(receive, nursery.cancel_scope)
+        watch.answered = True
+        nursery.start_soon(watch.run)
+        last = await _send_all_but_last(send, reply)
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 class _DisconnectWatch:

@@ -3,9 +3,8 @@
 One record per completion request that reached routing (past the body checks): its id, the model,
 the seq of the snapshot it was routed on (so `interlock explain --until-seq` over the event log
 shows the same cluster), the ring pool, the nodes excluded and why, every attempt, the final
-status and the duration. Recording never waits: records go into a bounded buffer that a
-background task drains in batches, writing from a worker thread; when the buffer is full a
-record is dropped and counted rather than stalling a request.
+status and the duration. Recording never waits: `DecisionLog` hands records to the appender the
+event log uses too (batched, off the trio thread, bounded; a full backlog drops and counts).
 
 `find_decisions` reads a log back, for `interlock explain --request-id`.
 """
@@ -14,12 +13,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from typing import BinaryIO, Protocol
+from typing import Protocol
 
 import msgspec
-import trio
+from prometheus_client import CollectorRegistry, Counter
 
+from controlplane.appender import LogAppender, SegmentedFile, open_configured_log
 from controlplane.logs import JsonLog
+from events.config import GatewayConfig
+from events.jsonl import read_records
 
 # Outcomes of one attempt.
 COMPLETED = "completed"
@@ -74,99 +76,56 @@ class DecisionRecorder(Protocol):
     def record(self, decision: Decision) -> None: ...
 
 
+DECISION_LOG_BACKLOG = 10_000
+"""Records waiting for the disk; beyond that the newest are dropped (and counted)."""
+
+
 class DecisionLog:
-    """A bounded buffer of decisions and the task that appends them to the configured file.
+    """The decision log's appender (`controlplane.appender`): records are queued, never waited
+    for, and written in batches from a worker thread; a failing write is counted and logged once
+    per streak, and never reaches the requests. `open_decision_log` locks the file first."""
 
-    `path_of()` names the file at each batch ("" = discard), so a reload that changes
-    `gateway.decision_log` takes effect without a restart. A failing write is logged once (until
-    writing works again) and never reaches the requests.
-    """
-
-    def __init__(self, path_of: Callable[[], str], log: JsonLog, capacity: int = 10_000) -> None:
-        self._path_of = path_of
-        self._log = log
-        self._send, self._receive = trio.open_memory_channel[Decision](capacity)
-        self._file: BinaryIO | None = None
-        self._failing = False
-        self.dropped = 0
+    def __init__(self, file: SegmentedFile, log: JsonLog, registry: CollectorRegistry) -> None:
+        self._encoder = msgspec.json.Encoder()
+        self.appender = LogAppender(
+            file,
+            log=log,
+            write_errors=Counter(
+                "interlock_decision_log_write_errors_total", "Failed writes to the decision log", registry=registry
+            ),
+            dropped=Counter(
+                "interlock_decision_log_dropped_records_total",
+                "Decision records dropped: the backlog was full",
+                registry=registry,
+            ),
+            backlog_limit=DECISION_LOG_BACKLOG,
+        )
 
     def record(self, decision: Decision) -> None:
-        """Queue a decision; never blocks (a full buffer drops it)."""
-        try:
-            self._send.send_nowait(decision)
-        except (trio.WouldBlock, trio.ClosedResourceError):
-            self.dropped += 1
+        """Queue a decision; never blocks (a full backlog drops it)."""
+        self.appender.submit(self._encoder.encode(decision) + b"\n")
 
-    def close(self) -> None:
-        """No more records: `run` writes what is queued and returns."""
-        self._send.close()
 
-    async def run(self) -> None:
-        encoder = msgspec.json.Encoder()
-        try:
-            async for first in self._receive:
-                batch = [first]
-                while True:
-                    try:
-                        batch.append(self._receive.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                lines = b"".join(encoder.encode(decision) + b"\n" for decision in batch)
-                path = self._path_of()
-                error = await trio.to_thread.run_sync(self._write, path, lines)
-                if error and not self._failing:
-                    self._log.error("decision log write failed", path=path, error=error)
-                self._failing = bool(error)
-                if self.dropped:
-                    self._log.warn("decision log buffer full; records dropped", dropped=self.dropped)
-                    self.dropped = 0
-        finally:
-            if self._file is not None:
-                self._file.close()
-
-    def _write(self, path: str, lines: bytes) -> str:
-        """Append whole lines (in a worker thread); the error text, or "" when written."""
-        try:
-            if self._file is not None and self._file.name != path:
-                self._file.close()
-                self._file = None
-            if not path:
-                return ""
-            if self._file is None:
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                self._file = open(path, "ab")
-            self._file.write(lines)
-            self._file.flush()
-        except OSError as err:
-            return str(err)
-        return ""
+def open_decision_log(gateway: GatewayConfig, log: JsonLog, registry: CollectorRegistry) -> DecisionLog | None:
+    """The configured decision log with its lock taken (`open_configured_log`), or None when
+    there is none."""
+    if not gateway.decision_log:
+        return None
+    file = open_configured_log(gateway, "decision_log", "decision log")
+    return DecisionLog(file, log, registry)
 
 
 # --- reading a decision log back -------------------------------------------------------------
-
-
-class DecisionLogError(Exception):
-    """A decision log line that is not a record; the message names the file and line."""
 
 
 _decode_decision = msgspec.json.Decoder(Decision)
 
 
 def read_decisions(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Iterator[Decision]:
-    """The records of a decision log, oldest first.
-
-    A last line without its newline that does not decode is a write cut short (a crash): it
-    is skipped and reported through `warn`. Any other bad line raises DecisionLogError.
-    """
-    with open(path, "rb") as lines:
-        for number, line in enumerate(lines, start=1):
-            try:
-                yield _decode_decision.decode(line)
-            except msgspec.DecodeError as err:
-                if line.endswith(b"\n"):
-                    raise DecisionLogError(f"{os.fspath(path)}:{number}: {err}") from None
-                if warn is not None:
-                    warn(f"{os.fspath(path)}:{number}: skipping torn last line ({err})")
+    """The records of a decision log (its name, or one segment), oldest first; the reading rules
+    are `events.jsonl`'s (LogFileError names a bad line)."""
+    for _, decision in read_records([path], _decode_decision, warn, "decision log"):
+        yield decision
 
 
 def find_decisions(

@@ -29,8 +29,9 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
+from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.routing import filter_by_model, is_unknown_model, ring_pool, unavailable_reason
+from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
 from dataplane.balancer import RoundRobin
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
@@ -56,7 +57,7 @@ from dataplane.errors import (
     model_not_found,
 )
 from dataplane.metrics import RequestMetrics
-from events.config import Config
+from events.config import Config, NodeConfig
 from events.state import ClusterState, NodeState
 from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
@@ -91,7 +92,7 @@ _HOP_BY_HOP = frozenset(
 _NOT_FORWARDED = _HOP_BY_HOP | {b"host", b"content-length", b"x-forwarded-for", b"x-request-id"}
 """Request headers that describe the client's connection, or that the gateway (or its HTTP
 client: Host and Content-Length) sets itself."""
-_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id"}
+_NOT_RETURNED = _HOP_BY_HOP | {b"date", b"x-request-id", b"x-interlock-node"}
 """Response headers that describe the node's connection, or that the gateway sets itself
 (hypercorn writes the Date)."""
 _NOT_RETURNED_WITH_BODY = _NOT_RETURNED | {b"content-length"}
@@ -121,9 +122,25 @@ class ConfigView:
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
+        self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
+        self.health_open = not gateway.health_requires_api_key
+        self.health_hides_errors = gateway.health_hides_errors
+        self.upstream_authorizations = upstream_authorizations(config)
+        """The `Authorization` each node with a key gets instead of the client's."""
+        self.node_headers = {node.ip: _node_header(node) for node in config.nodes}
+        """The header naming the node that served a request (a node's own header may say anything)."""
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
         self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
         """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
+        self.model_bodies = {model["id"]: msgspec.json.encode(model) for model in listed}
+        """`GET /v1/models/{id}`: each configured model's object, as the list has it."""
+
+
+def _node_header(node: NodeConfig) -> tuple[bytes, bytes]:
+    """`X-Interlock-Node`: the node's configured name, or its IP when the name is empty or not
+    printable ASCII (which a header cannot carry as it is)."""
+    named = node.name and node.name.isascii() and node.name.isprintable()
+    return (b"x-interlock-node", (node.name if named else node.ip).encode("ascii", "replace"))
 
 
 class Route:
@@ -133,9 +150,9 @@ class Route:
     __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
 
     def __init__(self, snapshot: ClusterState, model: str) -> None:
-        pool = ring_pool(snapshot, model)
+        self.ring = model_ring(snapshot, model)
+        pool = ring_members(snapshot, self.ring)
         candidates, dropped = filter_by_model(pool, model)
-        self.ring = snapshot.config.model_ring(model)
         self.ring_pool = tuple(node.ip for node in pool)
         self.candidates = candidates
         self.unknown = not candidates and is_unknown_model(snapshot, pool, model)
@@ -388,12 +405,20 @@ class Proxy:
     async def _attempt(self, exchange: Exchange, node: NodeState) -> Outcome:
         port = exchange.view.config.ports[node.ip]
         target = _TARGETS[exchange.path]
+        headers = exchange.headers
+        authorization = exchange.view.config.upstream_authorizations.get(node.ip)
+        if authorization is not None or exchange.view.config.api_key_digests:
+            # The client's key is the gateway's (when it checks keys) and not the node's: it
+            # goes no further, and the node's own key, if it has one, takes its place.
+            headers = [header for header in headers if header[0] != b"authorization"]
+            if authorization is not None:
+                headers.append((b"authorization", authorization))
         upstream: UpstreamResponse | None = None
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
                     upstream = await self._pool.request(
-                        b"POST", node.ip, port, target, exchange.headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
+                        b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
                     )
             except trio.TooSlowError:
                 return self._failed(exchange, UpstreamTimeout("timeout awaiting response headers"))
@@ -433,7 +458,7 @@ class Proxy:
             return self._failed(exchange, UpstreamTimeout("timed out waiting for first stream chunk"))
         if not first:
             # An empty body (a bodiless 201, say) is complete: commit it as it is.
-            return self._complete(exchange, upstream, b"")
+            return self._complete(exchange, node, upstream, b"")
         return self._commit(exchange, node, upstream, [first])
 
     async def _buffer(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Outcome:
@@ -453,10 +478,10 @@ class Proxy:
         except Exception as error:
             return self._failed(exchange, error)
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
-        return self._complete(exchange, upstream, body)
+        return self._complete(exchange, node, upstream, body)
 
-    def _complete(self, exchange: Exchange, upstream: UpstreamResponse, body: bytes) -> Outcome:
-        headers = _client_headers(upstream, exchange.request_id, with_length=False)
+    def _complete(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, body: bytes) -> Outcome:
+        headers = _client_headers(upstream, exchange, node, with_length=False)
         return Outcome(COMPLETED, status=upstream.status, reply=Reply(upstream.status, headers, body))
 
     def _pass_through(
@@ -474,7 +499,7 @@ class Proxy:
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
         """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
-        reply = Reply(upstream.status, _client_headers(upstream, exchange.request_id, with_length=True), b"")
+        reply = Reply(upstream.status, _client_headers(upstream, exchange, node, with_length=True), b"")
         reply.body = self._relay(exchange, node, upstream, first, reply)
         return Outcome(COMMITTED, status=upstream.status, reply=reply)
 
@@ -585,10 +610,11 @@ class Proxy:
             self._control_plane.observe(UpstreamRecovered(node=ip, at=now))
 
 
-def _client_headers(upstream: UpstreamResponse, request_id: str, *, with_length: bool) -> Headers:
-    """The node's headers (names lower-case) for the client; a complete body is sent with its
-    own Content-Length."""
+def _client_headers(upstream: UpstreamResponse, exchange: Exchange, node: NodeState, *, with_length: bool) -> Headers:
+    """The node's headers (names lower-case) for the client, with the request id and the node's
+    name; a complete body is sent with its own Content-Length."""
     dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
     headers = [(name, value) for name, value in upstream.headers if name not in dropped]
-    headers.append(request_id_header(request_id))
+    headers.append(request_id_header(exchange.request_id))
+    headers.append(exchange.view.config.node_headers[node.ip])
     return headers

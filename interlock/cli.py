@@ -1,12 +1,13 @@
 """The `interlock` command line.
 
-    interlock demo [--config PATH] [--once] [--quiet]
-    interlock serve [--config PATH]
+    interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr]
+    interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
+                    [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
     interlock check-config PATH [--strict]
-    interlock replay LOG… [--until-seq N | --at TIME] [--json]
-    interlock explain LOG… --model M [--until-seq N | --at TIME] [--json]
-    interlock explain [LOG…] --request-id ID --decisions FILE [--json]
-    interlock audit LOG… [--node IP] [--since T] [--until T] [--kind KIND[,KIND]]
+    interlock replay LOG… [--until-seq N | --at TIME] [--json] [--skip-invalid]
+    interlock explain LOG… --model M [--until-seq N | --at TIME] [--json] [--skip-invalid]
+    interlock explain [LOG…] --request-id ID --decisions FILE [--json] [--skip-invalid]
+    interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
@@ -22,19 +23,22 @@ import importlib.metadata
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 
-from controlplane.config import ConfigError, UnknownKey, describe_config, load_config
+from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
 from controlplane.logs import format_timestamp
-from controlplane.replay import audit, explain, replay
-from dataplane.decisions import DecisionLogError, find_decisions
-from events.log import EventLogError
+from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
+from dataplane.decisions import find_decisions
+from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
+from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
     explanation_to_builtins,
     parse_kinds,
     parse_time,
+    parse_time_through,
     render_explanation,
     render_state,
     state_to_builtins,
@@ -132,25 +136,54 @@ def run_check_config(args: argparse.Namespace) -> int:
 _LOGS_HELP = "event log segments in order, or a log's name for all its segments"
 
 
+_THROUGH_HELP = "(RFC 3339 or UNIX seconds; a whole second includes the events within it)"
+
+
 def _add_log_arguments(parser: argparse.ArgumentParser, *, moment: bool, optional: bool = False) -> None:
     parser.add_argument("logs", nargs="*" if optional else "+", metavar="LOG", help=_LOGS_HELP)
     if moment:
         when = parser.add_mutually_exclusive_group()
         when.add_argument("--until-seq", type=int, metavar="N", help="stop after the event numbered N")
         when.add_argument(
-            "--at", type=_argument_type(parse_time), metavar="TIME", help="the moment (RFC 3339 or UNIX seconds)"
+            "--at", type=_argument_type(parse_time_through), metavar="TIME", help=f"the moment {_THROUGH_HELP}"
         )
         parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_skip_invalid(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--skip-invalid",
+        action="store_true",
+        help="skip lines of a damaged log that are not valid events (each one reported) instead of stopping",
+    )
+
+
+def _replay(args: argparse.Namespace, **limits: float | int | None) -> ReplayResult:
+    """`replay` of the command's logs: warnings on stderr; with --skip-invalid, each invalid line
+    is reported as it is skipped, and their count at the end."""
+    warn = _warner(args)
+    skipped: list[str] = []
+
+    def skip(message: str) -> None:
+        skipped.append(message)
+        warn(message)
+
+    result = replay(args.logs, warn=warn, skip_invalid=skip if args.skip_invalid else None, **limits)
+    if skipped:
+        count = f"{len(skipped)} invalid line{'' if len(skipped) == 1 else 's'}"
+        warn(f"skipped {count}: from the first one on, the state may differ from the live gateway's")
+    return result
 
 
 def add_replay(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("replay", help="rebuild the cluster state recorded in an event log")
     _add_log_arguments(parser, moment=True)
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_replay)
 
 
 def run_replay(args: argparse.Namespace) -> int:
-    result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
+    result = _replay(args, until_seq=args.until_seq, until_at=args.at)
     now = result.moment(args.at)
     if args.json:
         _print_json(state_to_builtins(result, now))
@@ -168,6 +201,7 @@ def add_explain(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", metavar="M", help="the requested model, exactly as sent (unless --request-id)")
     parser.add_argument("--request-id", metavar="ID", help="explain this recorded request instead")
     parser.add_argument("--decisions", metavar="FILE", help="the decision log (gateway.decision_log) to find it in")
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_explain)
 
 
@@ -180,7 +214,7 @@ def run_explain(args: argparse.Namespace) -> int:
         return _error(args, "the following arguments are required: --model")
     if not args.logs:
         return _error(args, "the following arguments are required: LOG")
-    result = replay(args.logs, until_seq=args.until_seq, until_at=args.at, warn=_warner(args))
+    result = _replay(args, until_seq=args.until_seq, until_at=args.at)
     explanation = explain(result, args.model, args.at)
     if args.json:
         _print_json(explanation_to_builtins(explanation))
@@ -201,7 +235,7 @@ def _explain_request(args: argparse.Namespace) -> int:
         return _error(args, f"no request with id {args.request_id!r} in the decision log {args.decisions}")
     *earlier, decision = records
     # The control plane as the request saw it: the log replayed up to the snapshot it was routed on.
-    result = replay(args.logs, until_seq=decision.seq, warn=_warner(args)) if args.logs else None
+    result = _replay(args, until_seq=decision.seq) if args.logs else None
     if args.json:
         _print_json(request_to_builtins(decision, result))
     elif result is None:
@@ -214,9 +248,13 @@ def _explain_request(args: argparse.Namespace) -> int:
 def add_audit(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("audit", help="print the transition log lines the live gateway printed")
     _add_log_arguments(parser, moment=False)
-    parser.add_argument("--node", metavar="IP", help="only transitions of this node")
-    parser.add_argument("--since", type=_argument_type(parse_time), metavar="T", help="only from this time on")
-    parser.add_argument("--until", type=_argument_type(parse_time), metavar="T", help="only up to this time")
+    parser.add_argument("--node", metavar="IP|NAME", help="only transitions of this node (its IP, or its name)")
+    parser.add_argument(
+        "--since", type=_argument_type(parse_time), metavar="T", help="only from this time on (RFC 3339, UNIX seconds)"
+    )
+    parser.add_argument(
+        "--until", type=_argument_type(parse_time_through), metavar="T", help=f"only up to this time {_THROUGH_HELP}"
+    )
     parser.add_argument(
         "--kind",
         dest="kinds",
@@ -225,13 +263,22 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
         metavar="KIND[,KIND]",
         help="only these kinds: run, reload, health, models, offline",
     )
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_audit)
 
 
 def run_audit(args: argparse.Namespace) -> int:
-    result = replay(args.logs, warn=_warner(args))
-    lines = audit(result.transitions, node=args.node, since=args.since, until=args.until, kinds=args.kinds)
+    result = _replay(args)
+    nodes = None
+    if args.node is not None:
+        nodes = node_ips(result, args.node)
+        if not nodes:
+            known = ", ".join(sorted(f"{ip} ({name})" if name else ip for ip, name in result.configured_nodes))
+            return _error(args, f"argument --node: no node {args.node!r} in the log (its nodes: {known or 'none'})")
+    lines = audit(result.transitions, nodes=nodes, since=args.since, until=args.until, kinds=args.kinds)
     sys.stdout.write("".join(transition.log_line() + "\n" for transition in lines))
+    if not lines:
+        print(f"{args.prog}: no transition of the log's {len(result.transitions)} matches", file=sys.stderr)
     return EXIT_OK
 
 
@@ -274,7 +321,7 @@ def run_timeline(args: argparse.Namespace) -> int:
 
 SERVE_SIGNALS_HELP = """\
 signals:
-  SIGHUP            reload the config file (listen addresses and the event log
+  SIGHUP            reload the config file (listen addresses and the log
                     settings need a restart); an invalid file is rejected and
                     the running config stays in force
   SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
@@ -285,29 +332,81 @@ signals:
                     exit 0; any more are ignored
 
 exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
-invalid config file, an address it cannot listen on)"""
+invalid config file, an address it cannot listen on, an event or decision log
+another gateway holds), 2 for invalid options"""
 """What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
 the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
+
+
+CONFIG_ENV = "INTERLOCK_CONFIG"
+DEFAULT_CONFIG = "config/gateway.toml"
 
 
 def add_serve(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "serve",
         help="run the gateway (exit code 1 if it cannot start)",
-        description="Run the gateway: probe the nodes, serve the API and the metrics.",
+        description="Run the gateway: probe the nodes, serve the API and the metrics.\n"
+        "Each option but --config overrides a setting of the config file, at start and at every\n"
+        "reload; without it, the file's setting holds (its default in parentheses).",
         epilog=SERVE_SIGNALS_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--config", default="config/gateway.toml", metavar="PATH", help="the gateway's TOML config file"
+        "--config",
+        default=os.environ.get(CONFIG_ENV) or DEFAULT_CONFIG,
+        metavar="PATH",
+        help=f"the gateway's TOML config file (default: ${CONFIG_ENV} if set, else {DEFAULT_CONFIG})",
+    )
+    address = _argument_type(_listen_address)
+    api = parser.add_mutually_exclusive_group()
+    api.add_argument(
+        "--listen",
+        type=address,
+        metavar="HOST:PORT",
+        help=f"the API's address; :PORT is all interfaces, [::1]:PORT IPv6 (gateway.listen: {DEFAULT_LISTEN})",
+    )
+    api.add_argument("--host", metavar="HOST", help="as vLLM's --host: the API's host, with gateway.listen's port")
+    parser.add_argument(
+        "--port",
+        type=_argument_type(_port),
+        metavar="PORT",
+        help="as vLLM's --port: the API's port, with gateway.listen's host (or --host)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        type=address,
+        metavar="HOST:PORT",
+        help=f"the Prometheus metrics' address (gateway.metrics_listen: {DEFAULT_METRICS_LISTEN})",
+    )
+    parser.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        help=f"the least severe lines logged (gateway.log_level: {LOG_LEVELS[0]})",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help=f"json: plinth's JSON lines; text: for a terminal (gateway.log_format: {LOG_FORMATS[0]})",
     )
     parser.add_argument(
         "--workers",
         type=_argument_type(parse_workers),
         metavar="N|auto",
-        help="processes serving the API (overrides gateway.workers; auto: one per usable core)",
+        help="processes serving the API; auto: one per usable core (gateway.workers: 1)",
     )
     parser.set_defaults(run=run_serve)
+
+
+def _listen_address(text: str) -> str:
+    parse_listen_address(text)
+    return text
+
+
+def _port(text: str) -> int:
+    if text.isdigit() and 1 <= int(text) <= 65535:
+        return int(text)
+    raise ValueError(f"invalid port {text!r}: a number from 1 to 65535")
 
 
 def parse_workers(text: str) -> int | str:
@@ -321,7 +420,17 @@ def parse_workers(text: str) -> int | str:
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
-    return serve_gateway(args.config, package_version(), workers=args.workers)
+    if args.listen is not None and args.port is not None:
+        return _error(args, "argument --port: not allowed with argument --listen (its address has a port)")
+    overrides = Overrides(
+        listen=args.listen,
+        metrics_listen=args.metrics_listen,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        log_format=args.log_format,
+    )
+    return serve_gateway(args.config, package_version(), workers=args.workers, overrides=overrides)
 
 
 # --- demo ------------------------------------------------------------------------------------
@@ -331,15 +440,30 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser("demo", help="simulated nodes and the gateway, with one request through it")
     parser.add_argument("--config", default=None, metavar="PATH", help="the demo's TOML config (default: config/demo.toml)")
     parser.add_argument("--once", action="store_true", help="stop after the first request instead of serving on")
-    parser.add_argument("--quiet", action="store_true", help="do not print the gateway's JSON log (on stderr)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        metavar="PATH",
+        help="where the gateway's log and the config's relative log paths go "
+        "(default: $XDG_STATE_HOME/interlock/demo, else ~/.local/state/interlock/demo)",
+    )
+    parser.add_argument(
+        "--log-to-stderr", action="store_true", help="the gateway's log lines on stderr instead of DIR/gateway.log"
+    )
     parser.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from interlock.demo import DEMO_CONFIG  # the server stack, imported only to serve
+    from interlock.demo import DEMO_CONFIG, default_directory  # the server stack, imported only to serve
     from interlock.demo import run_demo as demo
 
-    return demo(args.config or str(DEMO_CONFIG), package_version(), once=args.once, quiet=args.quiet)
+    return demo(
+        args.config or str(DEMO_CONFIG),
+        package_version(),
+        once=args.once,
+        directory=args.dir or default_directory(),
+        log_to_stderr=args.log_to_stderr,
+    )
 
 
 # --- the program -----------------------------------------------------------------------------
@@ -358,6 +482,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help()  # a bare `interlock`: what it can do
+        return EXIT_OK
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit:  # --help, --version, or a usage error already reported
@@ -369,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`interlock audit … | head`): stop quietly.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
-    except (EventLogError, DecisionLogError, OSError) as err:
+    except (LogFileError, OSError) as err:
         print(f"{args.prog}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

@@ -2,25 +2,30 @@
 
 Starts one simulated node per `[[nodes]]` table of the demo config (on loopback addresses),
 runs the real gateway on that config, waits until it has discovered every node's models,
-sends one chat completion through it and prints the answer and the node that served it, then
-keeps serving until Ctrl-C (or stops at once with `--once`).
+sends one chat completion through it and prints the answer and the node that served it (the
+gateway's `X-Interlock-Node`), then keeps serving until Ctrl-C (or stops at once with `--once`).
+
+Its files go to one directory, whatever the working directory: the gateway's log
+(`gateway.log`, so that the terminal shows the answer, not log lines) and the event and decision
+logs when the config gives them relative paths.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
 from functools import partial
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 import prometheus_client
 import trio
 
-from controlplane.config import ConfigError, load_config
+from controlplane.config import ConfigError, Overrides, load_config
 from controlplane.logs import JsonLog
+from events.config import GatewayConfig
 from events.state import Discovery
 from fixtures.node import serve_nodes, specs_from_config
 from interlock.serve import Listening, serve
@@ -28,21 +33,55 @@ from interlock.serve import Listening, serve
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.toml"
 DISCOVERY_TIMEOUT = 15.0
 QUESTION = "Which node are you?"
+GATEWAY_LOG = "gateway.log"
 
 
-def run_demo(config_path: str, version: str, *, once: bool, quiet: bool) -> int:
+def default_directory() -> Path:
+    """Where the demo writes by default: `$XDG_STATE_HOME/interlock/demo` (`~/.local/state/…`)."""
+    state = os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state"
+    return Path(state) / "interlock" / "demo"
+
+
+def run_demo(config_path: str, version: str, *, once: bool, directory: Path, log_to_stderr: bool) -> int:
     """The `interlock demo` entry point; returns the exit code."""
     try:
-        load_config(config_path)
+        config = load_config(config_path)
     except ConfigError as error:
         print(f"fatal: loading config: {error}", file=sys.stderr)
         return 1
+    directory = directory.resolve()
+    log_path = None if log_to_stderr else directory / GATEWAY_LOG
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        log_stream: TextIO = sys.stderr if log_path is None else open(log_path, "w", encoding="utf-8")
+    except OSError as error:
+        print(f"demo: cannot write in {directory}: {error}", file=sys.stderr)
+        return 1
+    overrides = _files_in(directory, config.gateway)
+    written = [str(path) for path in (log_path, overrides.event_log, overrides.decision_log) if path]
+    print(f"demo files: {', '.join(written) or 'none'}")
     prometheus_client.disable_created_metrics()
-    with open(os.devnull, "w") if quiet else contextlib.nullcontext(sys.stderr) as log_stream:
-        return trio.run(partial(_demo, config_path, version, once=once, log=JsonLog(stream=log_stream)))
+    log = JsonLog(stream=log_stream)
+    demo = partial(_demo, config_path, version, once=once, overrides=overrides, log=log, log_path=log_path)
+    try:
+        return trio.run(demo)
+    finally:
+        if log_path is not None:
+            log_stream.close()
 
 
-async def _demo(config_path: str, version: str, *, once: bool, log: JsonLog) -> int:
+def _files_in(directory: Path, gateway: GatewayConfig) -> Overrides:
+    """The event and decision logs in `directory` when the config gives them relative paths."""
+
+    def placed(path: str) -> str | None:
+        return str(directory / path) if path and not os.path.isabs(path) else path or None
+
+    return Overrides(event_log=placed(gateway.event_log), decision_log=placed(gateway.decision_log))
+
+
+async def _demo(
+    config_path: str, version: str, *, once: bool, overrides: Overrides, log: JsonLog, log_path: Path | None
+) -> int:
     try:
         specs = specs_from_config(config_path)
     except (OSError, ValueError) as error:
@@ -63,7 +102,7 @@ async def _demo(config_path: str, version: str, *, once: bool, log: JsonLog) -> 
 
                 async def run_gateway() -> None:
                     nonlocal exit_code
-                    exit_code = await serve(config_path, version=version, ready=on_ready, log=log)
+                    exit_code = await serve(config_path, version=version, overrides=overrides, ready=on_ready, log=log)
                     ready.set()  # also when it could not start
 
                 nursery.start_soon(run_gateway)
@@ -72,6 +111,8 @@ async def _demo(config_path: str, version: str, *, once: bool, log: JsonLog) -> 
                     return exit_code or 1
                 if not await _first_request(listening[0]):
                     exit_code = 1
+                else:
+                    _print_what_next(listening[0], once=once, log_path=log_path)
                 if once or exit_code:
                     os.kill(os.getpid(), signal.SIGTERM)  # the same shutdown as Ctrl-C
             return exit_code
@@ -102,15 +143,27 @@ async def _first_request(listening: Listening) -> bool:
         return False
     answer = response.json()["choices"][0]["message"]["content"]
     print(f"< {answer}")
-    print(f"  served by {response.headers.get('x-served-by', '?')}, request id {response.headers.get('x-request-id')}")
-    print("\nTry it yourself (Ctrl-C stops the demo):")
-    print(
-        f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
-        f"""-d '{{"messages":[{{"role":"user","content":"hi"}}],"stream":true}}'"""
-    )
-    print(f"  curl -s {base}/health")
-    event_log = control_plane.snapshot.config.gateway.event_log
-    if event_log:
-        print(f"  .venv/bin/interlock explain {event_log} --model {model}")
+    print(f"  served by {response.headers.get('x-interlock-node')}, request id {response.headers.get('x-request-id')}")
     return True
 
+
+def _print_what_next(listening: Listening, *, once: bool, log_path: Path | None) -> None:
+    """What to try: requests of your own while the gateway serves, and `explain` on what it recorded."""
+    gateway = listening.control_plane.snapshot.config.gateway
+    model = listening.control_plane.snapshot.config.models.default
+    interlock = Path(sys.executable).with_name("interlock")
+    command = str(interlock) if interlock.exists() else "interlock"
+    if not once:
+        host, port = listening.api
+        base = f"http://{host}:{port}"
+        print("\nTry it yourself (Ctrl-C stops the demo):")
+        print(
+            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"""-d '{{"messages":[{{"role":"user","content":"hi"}}],"stream":true}}'"""
+        )
+        print(f"  curl -s {base}/health")
+        if log_path:
+            print(f"  tail -f {log_path}    # the gateway's log")
+    if gateway.event_log:
+        print(f"\n{'Explain' if once else 'And explain'} the routing from the recorded event log:")
+        print(f"  {command} explain {gateway.event_log} --model {model}")

@@ -43,7 +43,7 @@ def trace_exclusions(decision: Decision, result: ReplayResult) -> list[Cause]:
     causes = []
     for exclusion in decision.excluded:
         kind = _KIND_BEHIND.get(exclusion.reason, MODELS)
-        changes = audit(result.transitions, node=exclusion.node, kinds=[kind])
+        changes = audit(result.transitions, nodes=[exclusion.node], kinds=[kind])
         causes.append(
             Cause(
                 node=exclusion.node,

@@ -16,7 +16,7 @@ import msgspec
 from controlplane.logs import format_timestamp
 from controlplane.replay import Explanation, ReplayResult
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
-from controlplane.transitions import TRANSITION_KINDS
+from controlplane.transitions import TRANSITION_KINDS, Transition
 from events.state import NodeState
 
 # --- arguments -------------------------------------------------------------------------------
@@ -63,6 +63,18 @@ def parse_time(text: str) -> float:
     raise ValueError(f"invalid time {text!r}: expected RFC 3339 (2026-01-02T03:04:05Z) or UNIX seconds")
 
 
+LAST_MICROSECOND = 0.999999
+"""From the start of a second to its last microsecond (event times are recorded to the millisecond)."""
+
+
+def parse_time_through(text: str) -> float:
+    """`parse_time` for the end of a span (`--until`, `--at`): a time given to the whole second
+    (as log lines print it) stands for the last microsecond of that second, so the events
+    logged within it are included."""
+    moment = parse_time(text)
+    return moment if "." in text else moment + LAST_MICROSECOND
+
+
 
 # --- rendering -------------------------------------------------------------------------------
 
@@ -101,11 +113,15 @@ def render_state(result: ReplayResult, now: float) -> str:
     if result.event_count == 0:
         return "no events in the log before this moment"
     heading = f"state after seq {state.seq} ({format_timestamp(state.at)}), {result.event_count} events"
+    if result.from_seq:
+        heading += f" replayed from seq {result.from_seq}"
     if now != state.at:
         heading += f", seen at {format_timestamp(now)}"
     if state.config is None:
         return heading + "\nno run_started event yet: no nodes"
     run = f"run: interlock {state.version or '?'}, config {state.config_path or '?'}"
+    if result.stopped is not None:
+        run += "\n" + _stopped_text(result.stopped) + "; the nodes as it last saw them:"
     rows = []
     for node in state.nodes.values():
         models = node.models
@@ -134,8 +150,10 @@ def state_to_builtins(result: ReplayResult, now: float) -> dict[str, Any]:
         "at": state.at,
         "now": now,
         "event_count": result.event_count,
+        "from_seq": result.from_seq,
         "version": state.version,
         "config_path": state.config_path,
+        "stopped": _stopped_to_builtins(result.stopped),
         "config": msgspec.to_builtins(state.config) if state.config is not None else None,
         "nodes": [
             {**msgspec.to_builtins(node), "offline": node.is_offline(now)} for node in state.nodes.values()
@@ -172,6 +190,8 @@ def render_explanation(explanation: Explanation) -> str:
         for verdict in plan.verdicts
     ]
     lines += [""] + format_table(["NODE", "NAME", "RING", "STATUS", "MODELS", "VERDICT"], rows) + [""]
+    if explanation.stopped is not None:
+        lines.append(_stopped_text(explanation.stopped) + ": it routed nothing. Had it been running:")
     if explanation.refusal == NO_HEALTHY_NODE:
         lines.append(f'no node in the ring pool serves this model: the gateway answers 503 "{NO_HEALTHY_NODE}"')
     elif explanation.refusal == NO_REACHABLE_NODE:
@@ -190,4 +210,15 @@ def explanation_to_builtins(explanation: Explanation) -> dict[str, Any]:
         "now": explanation.now,
         **msgspec.to_builtins(explanation.plan),
         "refusal": explanation.refusal,
+        "stopped": _stopped_to_builtins(explanation.stopped),
     }
+
+
+def _stopped_text(stopped: Transition) -> str:
+    stop = f"it stopped at {format_timestamp(stopped.at)}, seq {stopped.seq}"
+    return f"the gateway was not running at this moment ({stop})"
+
+
+def _stopped_to_builtins(stopped: Transition | None) -> dict[str, Any] | None:
+    """When the gateway had stopped, for `--json`: the time and seq of its `gateway stopped`."""
+    return None if stopped is None else {"at": stopped.at, "seq": stopped.seq}

@@ -1,8 +1,9 @@
 """`interlock serve`: the composition root of a running gateway (plinth §7).
 
 Start-up, in this order: handle signals (from the start, so none is lost), load the config,
-bind both listen addresses, and only then start the control plane (probes, event log), so a
-gateway that cannot bind probes nothing and writes nothing. The control plane runs around
+bind both listen addresses, lock the decision log, and only then start the control plane (it
+locks the event log before probing or writing), so a gateway that cannot bind, or whose logs
+another gateway holds, probes nothing and writes nothing. The control plane runs around
 everything else: the API listener (`gateway.listen`, served here or by worker processes), the
 metrics listener (`gateway.metrics_listen`), the decision-log writer, and the control plane's
 signal handler.
@@ -15,7 +16,8 @@ second SIGTERM/SIGINT during the drain closes the connections still open at once
 workers); the rest of the shutdown is the same.
 
 Exit codes: 0 after a signalled shutdown, graceful or forced; 1 when the config cannot be
-loaded (`fatal: loading config: …` on stderr) or a listener cannot bind (`server error`).
+loaded (`fatal: loading config: …` on stderr), a listener cannot bind (`server error`), or a log
+is locked by another gateway (`fatal: event log X is in use by another process (pid N)`).
 """
 
 from __future__ import annotations
@@ -39,15 +41,16 @@ from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from controlplane.config import ConfigError, parse_listen_address
+from controlplane.appender import LogInUse
+from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
-from dataplane.decisions import DecisionLog, DecisionRecorder
+from dataplane.decisions import Decision, DecisionLog, DecisionRecorder, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
-from events.config import Config, GatewayConfig, Workers
+from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
 
 EXIT_OK = 0
@@ -77,6 +80,7 @@ async def serve(
     *,
     version: str,
     workers: Workers | None = None,
+    overrides: Overrides = NO_OVERRIDES,
     ready: Callable[[Listening], None] | None = None,
     log: JsonLog | None = None,
     response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
@@ -84,34 +88,44 @@ async def serve(
 ) -> int:
     """Run the gateway until SIGTERM or SIGINT; returns the exit code.
 
-    `workers` overrides `gateway.workers`. `ready` is called once both listeners accept
-    connections and signals are handled; `log` replaces the JSON log on stdout, and the two
+    `workers` overrides `gateway.workers`, `overrides` the other settings the command line
+    gives. `ready` is called once both listeners accept connections and signals are handled;
+    `log` replaces the log on stdout (which follows the config's log settings), and the two
     timeouts plinth's, for tests. Signals that come before the gateway is serving wait for it;
     those left when it returns are re-raised (see `run_serve`).
     """
-    log = log if log is not None else JsonLog()
+    if log is None:
+        log = JsonLog(level=overrides.log_level or LOG_LEVELS[0], format=overrides.log_format or LOG_FORMATS[0])
     with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
         try:
-            config = await load_config_logging_unknown_keys(config_path, log)
+            config = await load_config_logging_unknown_keys(config_path, log, overrides)
         except ConfigError as error:
             print(f"fatal: loading config: {error}", file=sys.stderr)
             return EXIT_FAILURE
+        log.configure(config.gateway)
         try:
             sockets = _bind_listeners(config.gateway)
         except ListenError as error:
             log.error("server error", error=str(error))
             return EXIT_FAILURE
+        decisions: DecisionLog | None = None
         try:
             registry = CollectorRegistry()
             count = worker_count(workers if workers is not None else config.gateway.workers)
             timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
+            decisions = await trio.to_thread.run_sync(open_decision_log, config.gateway, log, registry)
             async with open_control_plane(
-                config_path, config=config, version=version, log=log, registry=registry
+                config_path, config=config, overrides=overrides, version=version, log=log, registry=registry
             ) as control_plane:
-                return await _run(control_plane, signals, sockets, registry, log, ready, count, timeouts)
+                return await _run(control_plane, signals, sockets, registry, log, ready, count, timeouts, decisions)
+        except LogInUse as error:
+            print(f"fatal: {error.strerror}", file=sys.stderr)
+            return EXIT_FAILURE
         finally:
             for sock in sockets:
                 sock.close()
+            if decisions is not None:
+                decisions.appender.file.close()
 
 
 def worker_count(workers: Workers) -> int:
@@ -154,10 +168,10 @@ async def _run(
     ready: Callable[[Listening], None] | None,
     workers: int,
     timeouts: dict[str, float],
+    decisions: DecisionLog | None,
 ) -> int:
     config = control_plane.snapshot.config
     _log_topology(log, config)
-    decisions = DecisionLog(lambda: control_plane.snapshot.config.gateway.decision_log, log)
     stop_listening = trio.Event()
     drained = trio.Event()
 
@@ -180,7 +194,7 @@ async def _run(
                 api_socket,
                 workers,
                 log=log,
-                record_decision=decisions.record,
+                record_decision=decisions.record if decisions is not None else _discard,
                 metrics=WorkerMetrics(registry),
                 metrics_dir=metrics_dir,
             )
@@ -193,22 +207,34 @@ async def _run(
     api_socket, metrics_socket = sockets
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as serving:
-            serving.start_soon(decisions.run)
+            if decisions is not None:
+                serving.start_soon(decisions.appender.run)
             async with trio.open_nursery() as listeners:
                 await listeners.start(serve_api, api_socket)
                 log.info("api server listening", addr=config.gateway.listen)
                 await listeners.start(serve_on_socket, metrics_app(registry), metrics_socket, stop_listening)
                 log.info("metrics server listening", addr=config.gateway.metrics_listen)
                 handle_signals = partial(
-                    control_plane.serve_signals, signals, before_stop=drain, force=listeners.cancel_scope.cancel
+                    control_plane.serve_signals,
+                    signals,
+                    before_stop=drain,
+                    force=listeners.cancel_scope.cancel,
+                    on_hangup=decisions.appender.check_file if decisions is not None else None,
                 )
                 await nursery.start(handle_signals)
                 if ready is not None:
                     api, metrics = (sock.getsockname()[:2] for sock in sockets)
                     ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
-            decisions.close()  # the listeners are done: no request records any more
+            serving.cancel_scope.cancel()  # the listeners are done: no request records any more
+        if decisions is not None:
+            with trio.CancelScope(shield=True):
+                await decisions.appender.aclose()
         drained.set()
     return EXIT_OK
+
+
+def _discard(decision: Decision) -> None:
+    """Where decision records go without a decision log."""
 
 
 class ListenError(Exception):
@@ -295,7 +321,9 @@ def _log_topology(log: JsonLog, config: Config) -> None:
             log.info("model routed to ring", model=model.name, ring=model.ring)
 
 
-def run_serve(config_path: str, version: str, workers: Workers | None = None) -> int:
+def run_serve(
+    config_path: str, version: str, workers: Workers | None = None, overrides: Overrides = NO_OVERRIDES
+) -> int:
     """The `interlock serve` entry point.
 
     The handled signals are `serve`'s. Outside its signal receiver (the instant before it opens,
@@ -306,4 +334,4 @@ def run_serve(config_path: str, version: str, workers: Workers | None = None) ->
     prometheus_client.disable_created_metrics()  # plinth exposes no `_created` series
     for signum in HANDLED_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
-    return trio.run(partial(serve, config_path, version=version, workers=workers))
+    return trio.run(partial(serve, config_path, version=version, workers=workers, overrides=overrides))

@@ -94,14 +94,19 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         log.error("worker got no checkpoint from the leader")
         return EXIT_OUT_OF_STEP
     follower.apply(first)
+    _follow_log_settings(log, follower)
     stop = trio.Event()
     exit_code = 0
 
     async def follow() -> None:
+        """Apply the leader's events; the log follows the config in force, as the leader's does."""
         nonlocal exit_code
         try:
             async for event in events:
+                config = follower.snapshot.config
                 follower.apply(event)
+                if follower.snapshot.config is not config:
+                    _follow_log_settings(log, follower)
         except OutOfStep as error:
             log.error("worker out of step with the leader", error=str(error))
             exit_code = EXIT_OUT_OF_STEP
@@ -120,6 +125,12 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         await serve_on_socket(api_app, api_socket, stop)
         nursery.cancel_scope.cancel()
     return exit_code
+
+
+def _follow_log_settings(log: JsonLog, follower: Follower) -> None:
+    """The leader's log level and format, from the config in force."""
+    if follower.snapshot.config is not None:
+        log.configure(follower.snapshot.config.gateway)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,8 @@ import trio
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
+from dataplane.decisions import Decision, read_decisions
+from events.jsonl import list_segments
 from events.state import Discovery, NodeState
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
 from interlock.serve import Listening, serve
@@ -116,11 +118,13 @@ def config_text(
     models: Sequence[tuple[str, str]] = ((MODEL, ""),),
     default: str = "",
     health_interval: str = "30s",
+    node_settings: dict[str, dict[str, object]] | None = None,
     **gateway: object,
 ) -> str:
     """A gateway TOML with one [[nodes]] per simulated node (ip = its host, its name and both
     ports; rings by node name), listening on free ports of 127.0.0.1. `models` are (name, ring)
-    pairs for [[models.available]]; `gateway` adds [gateway] keys (durations as strings: "1s")."""
+    pairs for [[models.available]]; `node_settings` adds keys to nodes by name; `gateway` adds
+    [gateway] keys (durations as strings: "1s")."""
     rings = rings or {}
     lines = ["[gateway]", 'listen = "127.0.0.1:0"', 'metrics_listen = "127.0.0.1:0"']
     lines.append(f"health_interval = {_toml(health_interval)}")
@@ -134,6 +138,7 @@ def config_text(
             f"metrics_port = {node.metrics_port or 0}",
             f"ring = {_toml(rings.get(node.name, ''))}",
         ]
+        lines += [f"{key} = {_toml(value)}" for key, value in (node_settings or {}).get(node.name, {}).items()]
     lines += ["[models]", f"default = {_toml(default)}"]
     for name, ring in models:
         lines += ["[[models.available]]", f"name = {_toml(name)}", f"ring = {_toml(ring)}"]
@@ -293,6 +298,64 @@ async def nodes_and_gateway(
         yield nodes, gateway
 
 
+# --- `interlock serve` as a subprocess ----------------------------------------------------------
+
+
+class ServeProcess:
+    """An `interlock serve --config PATH` subprocess; its stdout (the JSON log) read on demand."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.output = b""
+
+    def messages(self) -> list[str]:
+        """The `msg` of each complete line written so far."""
+        return [msgspec.json.decode(line)["msg"] for line in self.output.split(b"\n")[:-1]]
+
+    def logged(self, msg: str) -> list[dict]:
+        """The complete lines written so far with this `msg`."""
+        lines = (msgspec.json.decode(line) for line in self.output.split(b"\n")[:-1])
+        return [line for line in lines if line["msg"] == msg]
+
+    async def wait_for_log(self, msg: str, timeout: float = 15.0) -> None:
+        """Read stdout until a line with this `msg` has been written."""
+        with trio.fail_after(timeout):
+            while msg not in self.messages():
+                chunk = await self.process.stdout.receive_some()
+                assert chunk, f"stdout closed before {msg!r}: {self.output.decode()}"
+                self.output += chunk
+
+    async def exit(self) -> tuple[int, list[dict], str]:
+        """Wait for the exit: the exit code, the log lines and stderr."""
+        with trio.fail_after(30):
+            while chunk := await self.process.stdout.receive_some():
+                self.output += chunk
+            errors = b""
+            while chunk := await self.process.stderr.receive_some():
+                errors += chunk
+            code = await self.process.wait()
+        return code, [msgspec.json.decode(line) for line in self.output.splitlines()], errors.decode()
+
+
+@asynccontextmanager
+async def serve_process(config_path: Path, **popen: object) -> AsyncIterator[ServeProcess]:
+    """`interlock serve --config config_path` (more subprocess.Popen arguments in `popen`), killed
+    at the end if still running."""
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=PROJECT_ROOT,
+        **popen,
+    )
+    try:
+        yield ServeProcess(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
 # --- requests and answers ----------------------------------------------------------------------
 
 
@@ -326,6 +389,11 @@ async def post_cut_short(http: httpx.AsyncClient, url: str, body: dict) -> tuple
         except httpx.RemoteProtocolError:
             return response, received
     raise AssertionError(f"the answer ended complete: {received[-200:]!r}")
+
+
+def decision_records(path: Path) -> list[Decision]:
+    """The records of the decision log at `path` written so far (none before its first segment)."""
+    return list(read_decisions(path)) if list_segments(path) else []
 
 
 def error_message(response: httpx.Response) -> str:

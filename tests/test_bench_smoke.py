@@ -155,3 +155,12 @@ def test_the_failover_drill_kills_a_node_under_load_and_counts_the_failures():
     [run] = json.loads(completed.stdout.splitlines()[-1])["runs"]
     assert run["retry_unanswered"] is True and run["requests"] > 0
     assert run["failed"] == 0, run["failures"]
+
+
+def test_the_log_files_bench_measures_the_writers_and_a_checkpoint():
+    from bench.log_files import measure_checkpoint, measure_writer
+
+    writer = measure_writer(batch_count=5, rounds=1)
+    assert writer["plain_us"] > 0 and writer["segmented_us"] > 0 and writer["batch_bytes"] > 0
+    checkpoint = measure_checkpoint(node_count=10, rounds=1)
+    assert checkpoint["nodes"] == 10 and checkpoint["kib"] > 0 and checkpoint["decode_ms"] > 0

@@ -82,6 +82,13 @@ def gateway_with(line: str) -> str:
         ('probe_timeout = "0s"', "probe_timeout must be greater than zero"),
         ('probe_timeout = "-5s"', "probe_timeout must be greater than zero"),
         ("event_log_max_bytes = -1", "event_log_max_bytes must be greater than zero"),
+        ("event_log_retain_bytes = -1", "event_log_retain_bytes must be non-negative (0: no bound)"),
+        ('event_log_retain_age = "-1h"', "event_log_retain_age must be non-negative (0: no bound)"),
+        ("decision_log_max_bytes = -1", "decision_log_max_bytes must be greater than zero"),
+        ("decision_log_retain_bytes = -1", "decision_log_retain_bytes must be non-negative (0: no bound)"),
+        ('decision_log_retain_age = "-1s"', "decision_log_retain_age must be non-negative (0: no bound)"),
+        ('decision_log_retain_age = "a week"', 'parsing decision_log_retain_age: time: invalid duration "a week"'),
+        ('decision_log = "var/log.jsonl"\nevent_log = "var/log.jsonl"', "decision_log must not be the event log's path"),
         ('health_interval = "3"', 'parsing health_interval: time: missing unit in duration "3"'),
         ('health_interval = "soon"', 'parsing health_interval: time: invalid duration "soon"'),
         ('probe_timeout = "5x"', 'parsing probe_timeout: time: unknown unit "x" in duration "5x"'),
@@ -457,6 +464,7 @@ def test_defaults_when_empty_or_zero(tmp_path: Path) -> None:
     text = (
         '[gateway]\nlisten = ""\nmetrics_listen = ""\nhealth_interval = ""\nhealth_fail_threshold = 0\n'
         'max_buffered_response_bytes = 0\nmax_request_body_bytes = 0\nprobe_timeout = ""\nevent_log_max_bytes = 0\n'
+        "decision_log_max_bytes = 0\n"
         '[[nodes]]\nip = "10.0.0.1"\nvllm_port = 0\nmetrics_port = 0\n'
     )
     assert load_text(tmp_path, text) == load_text(tmp_path, '[[nodes]]\nip = "10.0.0.1"\n')
@@ -468,7 +476,9 @@ def test_explicit_values_are_kept(tmp_path: Path) -> None:
         '[gateway]\nlisten = "127.0.0.1:8100"\nmetrics_listen = ":9191"\nhealth_interval = "1m30s"\n'
         "health_fail_threshold = 7\nmax_buffered_response_bytes = -1\nmax_request_body_bytes = 1024\n"
         'probe_timeout = "250ms"\nevent_log = "/var/log/interlock/events.jsonl"\nevent_log_max_bytes = 4096\n'
+        'event_log_retain_bytes = 0\nevent_log_retain_age = "168h"\n'
         'decision_log = "/var/log/interlock/decisions.jsonl"\nretry_unanswered = true\n'
+        'decision_log_max_bytes = 2048\ndecision_log_retain_bytes = 8192\ndecision_log_retain_age = "1h30m"\n'
         '[[nodes]]\nip = "10.0.0.1"\nvllm_port = 8001\nmetrics_port = 9101\n'
         "[[models.available]]\nname = 'm'\npipeline_stages = 1\n"
     )
@@ -483,7 +493,12 @@ def test_explicit_values_are_kept(tmp_path: Path) -> None:
         probe_timeout=0.25,
         event_log="/var/log/interlock/events.jsonl",
         event_log_max_bytes=4096,
+        event_log_retain_bytes=0,
+        event_log_retain_age=168 * 3600.0,
         decision_log="/var/log/interlock/decisions.jsonl",
+        decision_log_max_bytes=2048,
+        decision_log_retain_bytes=8192,
+        decision_log_retain_age=5400.0,
         retry_unanswered=True,
     )
     assert gateway.response_buffer_limit == 0
@@ -552,6 +567,7 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "vllm_port": 8000,
         "metrics_port": 9100,
         "ring": "ring-a",
+        "api_key_file": "",
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
@@ -621,6 +637,7 @@ def test_describe_config() -> None:
         "3 consecutive failures",
         "event log: none",
         "unanswered requests: 502 (retry_unanswered = false)",
+        "log: json lines, info and above",
     ]:
         assert expected in summary
     gateway = GatewayConfig(event_log="/tmp/events.jsonl", health_interval=90.0)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from controlplane.logs import Throttle, clipped
 from controlplane.reducer import OFFLINE_SECONDS
 from controlplane.runtime import open_control_plane
-from dataplane.decisions import AttemptRecord, DecisionLog, read_decisions
+from dataplane.decisions import AttemptRecord, open_decision_log, read_decisions
 from dataplane.metrics import RequestMetrics
 from dataplane.proxy import (
     UNSERVED_WARNING_INTERVAL,
@@ -32,6 +32,7 @@ from harness import (
     CapturedLog,
     chat,
     completions_to,
+    decision_records,
     error_message,
     node_processes,
     node_specs,
@@ -192,8 +193,8 @@ async def test_a_model_not_configured_and_listed_by_no_node_gets_vllms_404(tmp_p
         assert warning == warning | {"level": "warn", "model": "no-such`model", "request_id": "r-2"}
         assert await gateway.metric('gateway_requests_total{model="no-such`model",status="404"}') == 1
         assert [completions_to(node) for node in nodes] == [[], []]
-        await gateway.wait_for(lambda: decision_log.exists())
-        [decision] = read_decisions(decision_log)
+        await gateway.wait_for(lambda: decision_records(decision_log))
+        [decision] = decision_records(decision_log)
     assert (decision.request_id, decision.status, decision.attempts) == ("r-2", 404, ())
     assert [exclusion.reason for exclusion in decision.excluded] == ["missing", "missing"]
 
@@ -316,8 +317,8 @@ async def test_a_request_whose_node_is_killed_before_answering_is_retried_only_w
                     await trio.sleep(0.02)
             killed.kill()
         [response] = answers
-        await gateway.wait_for(lambda: decision_log.exists() and decision_log.read_text().endswith("\n"))
-        [decision] = read_decisions(decision_log)
+        await gateway.wait_for(lambda: decision_records(decision_log))
+        [decision] = decision_records(decision_log)
     first = decision.attempts[0]
     assert first.node == killed.host and first.error
     if retry_unanswered:
@@ -421,8 +422,8 @@ async def test_each_request_gets_a_decision_record(tmp_path):
         await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "first"})
         await gateway.wait_for(lambda: gateway.node(nodes[0].host).offline_until)
         await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "second"})
-        await gateway.wait_for(lambda: decision_log.exists() and len(decision_log.read_text().splitlines()) == 2)
-        first, second = (msgspec.json.decode(line) for line in decision_log.read_text().splitlines())
+        await gateway.wait_for(lambda: len(decision_records(decision_log)) == 2)
+        first, second = (msgspec.json.decode(msgspec.json.encode(record)) for record in decision_records(decision_log))
 
     n1, n2, n3 = (node.host for node in nodes)
     assert first["request_id"] == "first" and first["model"] == MODEL and first["path"] == CHAT
@@ -467,8 +468,8 @@ async def test_a_decision_records_the_nodes_the_attempt_loop_passed_over_when_it
             new_upstream_pool() as pool,
             trio.open_nursery() as nursery,
         ):
-            decisions = DecisionLog(lambda: str(decision_log), log)
-            nursery.start_soon(decisions.run)
+            decisions = open_decision_log(control_plane.snapshot.config.gateway, log, CollectorRegistry())
+            nursery.start_soon(decisions.appender.run)
             proxy = Proxy(control_plane, pool, RequestMetrics(CollectorRegistry()), log, decisions)
             n1 = nodes[0].host
             control_plane.observe(UpstreamFailed(node=n1, error="refused", at=clock[0]))
@@ -491,7 +492,8 @@ async def test_a_decision_records_the_nodes_the_attempt_loop_passed_over_when_it
                 started=time.perf_counter(),
             )
             reply = await proxy.forward(exchange)
-            decisions.close()
+            await decisions.appender.aclose()
+            nursery.cancel_scope.cancel()
         [decision] = read_decisions(decision_log)
     assert reply.status == 200
     assert decision.attempts[0].node == n1 and decision.attempts[0].outcome == "completed"

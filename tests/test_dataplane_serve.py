@@ -9,8 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -23,7 +21,17 @@ from events.types import RunStopped
 from fixtures.node import serve_nodes
 from interlock.serve import SHUTDOWN_GRACE_SECONDS, serve
 
-from harness import MODEL, CapturedLog, chat, completions_to, config_text, node_specs, nodes_and_gateway, sse_events
+from harness import (
+    MODEL,
+    CapturedLog,
+    chat,
+    completions_to,
+    config_text,
+    node_specs,
+    nodes_and_gateway,
+    serve_process,
+    sse_events,
+)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CHAT = "/v1/chat/completions"
@@ -175,53 +183,6 @@ async def test_interlock_serve_starts_logs_plinths_lines_and_stops_on_sigterm(tm
 
 
 # --- `interlock serve` as a subprocess -----------------------------------------------------------
-
-
-class ServeProcess:
-    """An `interlock serve --config PATH` subprocess; its stdout (the JSON log) read on demand."""
-
-    def __init__(self, process: trio.Process) -> None:
-        self.process = process
-        self.output = b""
-
-    def messages(self) -> list[str]:
-        """The `msg` of each complete line written so far."""
-        return [msgspec.json.decode(line)["msg"] for line in self.output.split(b"\n")[:-1]]
-
-    async def wait_for_log(self, msg: str) -> None:
-        """Read stdout until a line with this `msg` has been written."""
-        with trio.fail_after(15):
-            while msg not in self.messages():
-                chunk = await self.process.stdout.receive_some()
-                assert chunk, f"stdout closed before {msg!r}: {self.output.decode()}"
-                self.output += chunk
-
-    async def exit(self) -> tuple[int, list[dict], str]:
-        """Wait for the exit: the exit code, the log lines and stderr."""
-        with trio.fail_after(30):
-            while chunk := await self.process.stdout.receive_some():
-                self.output += chunk
-            errors = b""
-            while chunk := await self.process.stderr.receive_some():
-                errors += chunk
-            code = await self.process.wait()
-        return code, [msgspec.json.decode(line) for line in self.output.splitlines()], errors.decode()
-
-
-@asynccontextmanager
-async def serve_process(config_path: Path) -> AsyncIterator[ServeProcess]:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config_path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        cwd=PROJECT_ROOT,
-    )
-    try:
-        yield ServeProcess(process)
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
 
 
 def _listening_on(text: str, key: str, address: str) -> str:

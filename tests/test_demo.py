@@ -1,10 +1,16 @@
 """`interlock demo` end to end: a real subprocess, simulated nodes and the gateway, one request."""
 
+import json
 import re
+import signal
 import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
+
+from harness import decision_records
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.toml"
 
@@ -16,40 +22,84 @@ def free_port() -> int:
 
 
 def demo_config_on_free_ports(tmp_path: Path) -> Path:
-    """The bundled demo config, moved to free ports and a temporary event log."""
+    """The bundled demo config, moved to free ports."""
     text = DEMO_CONFIG.read_text()
     text = text.replace('"127.0.0.1:8080"', f'"127.0.0.1:{free_port()}"')
     text = text.replace('"127.0.0.1:9090"', f'"127.0.0.1:{free_port()}"')
     text = text.replace("vllm_port = 18000", f"vllm_port = {free_port()}")
     text = text.replace("metrics_port = 19100", f"metrics_port = {free_port()}")
-    text = text.replace('"var/demo/', f'"{tmp_path}/')
     path = tmp_path / "demo.toml"
     path.write_text(text)
     return path
 
 
-def test_demo_sends_a_request_through_the_gateway_and_stops_cleanly(tmp_path):
+def test_demo_answers_first_writes_its_files_in_its_directory_and_stops_cleanly(tmp_path):
     config = demo_config_on_free_ports(tmp_path)
+    elsewhere, demo_dir = tmp_path / "elsewhere", tmp_path / "demo"
+    elsewhere.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "demo", "--config", str(config), "--once"],
+        [sys.executable, "-m", "interlock.cli", "demo", "--config", str(config), "--once", "--dir", str(demo_dir)],
         capture_output=True,
         text=True,
         timeout=60,
+        cwd=elsewhere,
+        check=False,
     )
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"^< Hello from gpu-node-[12]\.", result.stdout, re.MULTILINE), result.stdout
-    assert re.search(r"served by gpu-node-[12], request id \w+", result.stdout)
-    assert "curl -s http://127.0.0.1:" in result.stdout
-    # The gateway's JSON log goes to stderr: it discovered the models and shut down cleanly.
-    assert '"msg":"models discovered"' in result.stderr
-    assert '"msg":"gateway stopped"' in result.stderr
+    assert (result.returncode, result.stderr) == (0, "")
+    out = result.stdout
+    assert out.startswith(f"demo files: {demo_dir}/gateway.log, {demo_dir}/events.jsonl, {demo_dir}/decisions.jsonl\n")
+    assert re.search(r"^< Hello from gpu-node-[12]\.", out, re.MULTILINE), out
+    assert re.search(r"served by gpu-node-[12], request id \w+", out)
+    # The gateway has stopped: nothing to curl, but the recorded run to explain.
+    assert "curl" not in out and "Try it yourself" not in out
+    assert f"explain {demo_dir}/events.jsonl --model Qwen/Qwen2.5-7B-Instruct" in out
+    assert list(elsewhere.iterdir()) == []
+    # The gateway's log went to its file: it discovered the models and shut down cleanly.
+    messages = [json.loads(line)["msg"] for line in (demo_dir / "gateway.log").read_text().splitlines()]
+    assert "models discovered" in messages and messages[-1] == "gateway stopped"
     # The run was recorded, and the recorded log explains the demo's routing.
     explained = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "explain", str(tmp_path / "events.jsonl"),
+        [sys.executable, "-m", "interlock.cli", "explain", str(demo_dir / "events.jsonl"),
          "--model", "Qwen/Qwen2.5-7B-Instruct"],
         capture_output=True,
         text=True,
         timeout=30,
-    )
+        check=False,
+    )  # fmt: skip
     assert explained.returncode == 0, explained.stderr
     assert "gpu-node-3" in explained.stdout and "not in ring" in explained.stdout
+    assert len(decision_records(demo_dir / "decisions.jsonl")) == 1
+
+
+def test_demo_log_to_stderr_puts_the_gateways_log_on_stderr(tmp_path):
+    config = demo_config_on_free_ports(tmp_path)
+    demo_dir = tmp_path / "demo"
+    command = [sys.executable, "-m", "interlock.cli", "demo", "--config", str(config), "--once", "--dir", str(demo_dir)]
+    result = subprocess.run([*command, "--log-to-stderr"], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"demo files: {demo_dir}/events.jsonl, {demo_dir}/decisions.jsonl\n")
+    assert '"msg":"models discovered"' in result.stderr and '"msg":"gateway stopped"' in result.stderr
+    assert not (demo_dir / "gateway.log").exists()
+
+
+def test_a_serving_demo_offers_commands_that_work_until_ctrl_c(tmp_path):
+    config = demo_config_on_free_ports(tmp_path)
+    command = [sys.executable, "-m", "interlock.cli", "demo", "--config", str(config), "--dir", str(tmp_path / "demo")]
+    demo = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("  tail -f ")):
+            line = demo.stdout.readline()
+            assert line, "".join(lines) + demo.stderr.read()
+            lines.append(line)
+        [health] = [line.split()[-1] for line in lines if line.startswith("  curl -s ") and line.endswith("/health\n")]
+        assert httpx.get(health, trust_env=False).status_code == 200  # the server it offers is up
+        assert lines[-1] == f"  tail -f {tmp_path}/demo/gateway.log    # the gateway's log\n"
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=30) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        demo.stdout.close()
+        demo.stderr.close()

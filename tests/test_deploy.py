@@ -259,7 +259,7 @@ def test_the_container_image_builds_serves_reloads_and_stops(tmp_path):
         log = podman("logs", container).stdout
         assert exit_code == "0" and '"msg":"gateway stopped"' in log, log[-3000:]
         # The decision and event logs were written where the unit keeps them too.
-        podman("cp", f"{container}:/var/log/interlock/decisions.jsonl", tmp_path / "decisions.jsonl")
+        podman("cp", f"{container}:/var/log/interlock/decisions.000001.jsonl", tmp_path / "decisions.jsonl")
         decisions = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
         assert [(decision["model"], decision["status"]) for decision in decisions] == [("test-model", 200)]
         podman("cp", f"{container}:/var/lib/interlock/events.000001.jsonl", tmp_path / "events.jsonl")

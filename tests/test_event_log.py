@@ -6,17 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from controlplane.appender import SegmentedFile
 from events.config import ClusterConfig, Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
-from events.log import (
-    EventLogError,
-    EventLogWriter,
-    decode_event,
-    encode_event,
-    expand_log_paths,
-    last_seq,
-    list_segments,
-    read_events,
-)
+from events.jsonl import LogFileError, expand_log_paths, list_segments
+from events.log import decode_event, encode_event, last_seq, read_events
 from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeState
 from events.types import (
     EVENT_TYPES,
@@ -126,9 +119,9 @@ def test_every_event_survives_encode_then_decode(original):
 @given(st.lists(any_event, min_size=1, max_size=8))
 def test_every_event_survives_write_then_read(tmp_path_factory, events):
     log = tmp_path_factory.mktemp("log") / "events.jsonl"
-    writer = EventLogWriter(log, max_segment_bytes=1024)
+    writer = SegmentedFile(log, "event log", max_segment_bytes=1024)
     for original in events:
-        writer.append(original)
+        writer.write(encode_event(original))
     writer.close()
     assert list(read_events([log])) == events
 
@@ -140,10 +133,10 @@ def probes(count: int, first_seq: int = 1) -> list[HealthProbed]:
     return [HealthProbed(at=T0 + i, seq=first_seq + i, node="10.0.0.1", ok=True, status=200) for i in range(count)]
 
 
-def write(log, events, max_segment_bytes: int = 1 << 20) -> EventLogWriter:
-    writer = EventLogWriter(log, max_segment_bytes)
+def write(log, events, max_segment_bytes: int = 1 << 20) -> SegmentedFile:
+    writer = SegmentedFile(log, "event log", max_segment_bytes=max_segment_bytes)
     for item in events:
-        writer.append(item)
+        writer.write(encode_event(item))
     writer.close()
     return writer
 
@@ -174,8 +167,8 @@ def test_a_new_writer_starts_a_new_segment_after_the_existing_ones(tmp_path):
     assert first.current_segment is None  # closed
     (tmp_path / "events.000007.jsonl").write_bytes(encode_event(probes(3)[2]))
     (tmp_path / "other.000009.jsonl").write_bytes(b"")  # another log's segment
-    writer = EventLogWriter(log, 1 << 20)
-    writer.append(probes(4)[3])
+    writer = SegmentedFile(log, "event log", max_segment_bytes=1 << 20)
+    writer.write(encode_event(probes(4)[3]))
     assert writer.current_segment == tmp_path / "events.000008.jsonl"
     writer.close()
     assert [p.name for p in list_segments(log)] == ["events.000001.jsonl", "events.000007.jsonl", "events.000008.jsonl"]
@@ -183,7 +176,7 @@ def test_a_new_writer_starts_a_new_segment_after_the_existing_ones(tmp_path):
 
 
 def test_a_missing_log_is_an_error_naming_it(tmp_path):
-    with pytest.raises(EventLogError, match="events.jsonl: no such event log or segment"):
+    with pytest.raises(LogFileError, match="events.jsonl: no such event log or segment"):
         list(read_events([tmp_path / "events.jsonl"]))
 
 
@@ -220,7 +213,7 @@ def test_a_bad_line_in_the_middle_names_file_and_line(tmp_path):
     path = segment_with(tmp_path, first, b'{"type": "health_probe", "at": \n', second)
     reader = read_events([path])
     assert next(reader) == probes(1)[0]
-    with pytest.raises(EventLogError) as caught:
+    with pytest.raises(LogFileError) as caught:
         next(reader)
     assert str(caught.value).startswith(f"{path}:2: ")
 
@@ -232,7 +225,7 @@ def test_an_unknown_event_type_names_the_line(tmp_path, position):
     if position == "middle":
         lines.append(encode_event(probes(3)[2]))
     path = segment_with(tmp_path, *lines)
-    with pytest.raises(EventLogError) as caught:
+    with pytest.raises(LogFileError) as caught:
         list(read_events([path], warn=pytest.fail))
     assert str(caught.value).startswith(f"{path}:2: ")
     assert "node_exploded" in str(caught.value)

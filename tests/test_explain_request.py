@@ -11,11 +11,12 @@ import msgspec
 import pytest
 import trio
 
+from events.jsonl import list_segments
 from events.log import read_events
 from events.types import HealthProbed, ModelsListed
 from interlock.cli import main
 
-from harness import MODEL, chat, node_specs, nodes_and_gateway
+from harness import MODEL, chat, decision_records, node_specs, nodes_and_gateway
 
 CHAT = "/v1/chat/completions"
 
@@ -53,8 +54,9 @@ async def record_requests(tmp_path: Path) -> Recorded:
         unserved = chat("nobody-serves-this")
         await gateway.http.post(gateway.url + CHAT, json=unserved, headers={"X-Request-Id": "unserved"})
         await gateway.http.post(gateway.url + CHAT, json=chat("no-such-model"), headers={"X-Request-Id": "unknown"})
-        await gateway.wait_for(lambda: decisions.exists() and len(decisions.read_text().splitlines()) == 4)
-    return Recorded(decisions=decisions, events=events, n1=n1, n2=n2, n3=n3)
+        await gateway.wait_for(lambda: len(decision_records(decisions)) == 4)
+    [segment] = list_segments(decisions)  # the decision log's one segment, whose lines the tests read
+    return Recorded(decisions=segment, events=events, n1=n1, n2=n2, n3=n3)
 
 
 @pytest.fixture(scope="module")

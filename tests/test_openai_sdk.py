@@ -116,3 +116,17 @@ async def test_a_request_over_the_body_limit_is_an_api_status_error_413(tmp_path
     failure = caught.value
     assert failure.status_code == 413
     assert failure.body["message"] == "request body too large"
+
+
+async def test_retrieving_a_model_gives_its_object_in_the_list_and_an_unknown_one_the_not_found_error(tmp_path):
+    models = [("org/with-a-slash", ""), (MODEL, "")]
+    async with gateway_and_sdk(tmp_path, node_specs(1), models=models) as (gateway, client):
+        page = await client.models.list()
+        retrieved = [await client.models.retrieve(model.id) for model in page.data]
+        with pytest.raises(openai.NotFoundError) as caught:
+            await client.models.retrieve("org/not-configured")
+        raw = await gateway.http.get(gateway.url + "/v1/models/org/with-a-slash")  # the slash unescaped
+    assert retrieved == page.data
+    assert raw.json() == {"id": "org/with-a-slash", "object": "model", "owned_by": "cluster"}
+    assert caught.value.status_code == 404 and caught.value.code == "model_not_found"
+    assert caught.value.body["message"] == "The model `org/not-configured` does not exist."

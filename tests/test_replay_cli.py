@@ -18,7 +18,7 @@ import pytest
 
 from controlplane.replay import audit, replay
 from events.config import Config, ModelsConfig, NodeConfig
-from events.log import decode_event, encode_event
+from events.log import decode_event, encode_event, read_events
 from events.types import EVENT_TYPES, Checkpoint, HealthProbed, ProbeCrashed, RunStarted
 from fixtures import scenarios
 from interlock.cli import main
@@ -123,16 +123,24 @@ def test_until_seq_gives_the_earlier_state(capsys):
     assert {row["STATUS"] for row in rows.values()} == {"healthy"}
 
 
-@pytest.mark.parametrize(
-    "moment",
-    ["2026-01-02T03:04:35Z", "2026-01-02T05:04:35+02:00", "2026-01-02t03:04:35.000z", str(START + 30)],
-)
+@pytest.mark.parametrize("moment", ["2026-01-02t03:04:35.000z", "2026-01-02T05:04:35.0+02:00", str(START + 30)])
 def test_at_gives_the_state_at_that_time_in_any_time_form(capsys, moment):
     code, out, _ = run_cli(capsys, "replay", SCENARIO, "--at", moment)
     assert code == 0
     assert out.startswith("state after seq 59 (2026-01-02T03:04:32Z), 59 events, seen at 2026-01-02T03:04:35Z\n")
     rows = parse_table(out)
     assert rows["10.0.0.1"]["OFFLINE"] == "until 2026-01-02T03:04:42Z (7.0s left)"
+
+
+@pytest.mark.parametrize("moment", ["2026-01-02T03:04:35Z", "2026-01-02T05:04:35+02:00", str(int(START + 30))])
+def test_at_a_whole_second_includes_the_events_within_that_second(capsys, moment):
+    # As a log line prints it: events 60-68 happened at 03:04:35 and some milliseconds.
+    assert all(int(event.at) == START + 30 for event in read_events([SCENARIO]) if 60 <= event.seq <= 68)
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--at", moment)
+    assert code == 0
+    assert out.startswith("state after seq 68 (2026-01-02T03:04:35Z), 68 events, seen at 2026-01-02T03:04:35Z\n")
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_7B, "--at", moment)
+    assert out.startswith("moment     2026-01-02T03:04:35Z, after event seq 68\n")
 
 
 def test_json_matches_the_replayed_state(capsys):
@@ -293,6 +301,75 @@ def test_audit_filters_by_time(capsys):
     transitions = replay([SCENARIO]).transitions
     expected = audit(transitions, since=START + 55, until=START + 75)
     assert out.splitlines() == [t.log_line() for t in expected]
+
+
+def test_audit_since_and_until_a_log_lines_own_timestamp_give_that_second(capsys):
+    _, out, _ = run_cli(capsys, "audit", SCENARIO, "--node", "10.0.0.3", "--kind", "health")
+    dead = json.loads(out.splitlines()[-1])
+    assert (dead["to"], dead["timestamp"]) == ("dead", "2026-01-02T03:05:30Z")
+    code, out, _ = run_cli(capsys, "audit", SCENARIO, "--since", dead["timestamp"], "--until", dead["timestamp"])
+    assert code == 0
+    assert json.loads(out.splitlines()[-1]) == dead
+    assert {json.loads(line)["timestamp"] for line in out.splitlines()} == {dead["timestamp"]}
+
+
+def test_audit_node_is_an_ip_or_a_name(capsys):
+    by_ip = run_cli(capsys, "audit", SCENARIO, "--node", "10.0.0.3")
+    by_name = run_cli(capsys, "audit", SCENARIO, "--node", "gpu-node-3")
+    assert by_name == by_ip and by_ip[0] == 0 and len(by_ip[1].splitlines()) == 4
+    reloaded_in = run_cli(capsys, "audit", SCENARIO, "--node", "gpu-node-5")  # a node a reload added
+    assert {json.loads(line)["node"] for line in reloaded_in[1].splitlines()} == {"10.0.0.5"}
+
+
+def test_audit_says_when_nothing_matches_and_names_the_nodes_when_the_node_is_unknown(capsys):
+    code, out, err = run_cli(capsys, "audit", SCENARIO, "--node", "gpu-node-2", "--kind", "offline")
+    assert (code, out) == (0, "")
+    assert one_error_line(err) == "interlock audit: no transition of the log's 25 matches"
+    code, out, err = run_cli(capsys, "audit", SCENARIO, "--node", "gpu-node-9")
+    assert (code, out) == (2, "")
+    assert one_error_line(err) == (
+        "interlock audit: error: argument --node: no node 'gpu-node-9' in the log (its nodes: "
+        "10.0.0.1 (gpu-node-1), 10.0.0.2 (gpu-node-2), 10.0.0.3 (gpu-node-3), 10.0.0.4 (gpu-node-4), "
+        "10.0.0.5 (gpu-node-5))"
+    )
+
+
+def test_replay_and_explain_after_the_gateway_stopped_say_so(capsys):
+    stopped = [t for t in replay([SCENARIO]).transitions if t.msg == "gateway stopped"][-1]
+    later = str(stopped.at + 60)
+    note = f"the gateway was not running at this moment (it stopped at 2026-01-02T03:06:06Z, seq {stopped.seq})"
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--at", later)
+    assert code == 0 and out.splitlines()[2] == note + "; the nodes as it last saw them:"
+    code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_7B, "--at", later)
+    assert code == 0 and note + ": it routed nothing. Had it been running:" in out.splitlines()
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--at", later, "--json")
+    assert json.loads(out)["stopped"] == {"at": stopped.at, "seq": stopped.seq}
+    # Before the stop: no such note.
+    code, out, _ = run_cli(capsys, "replay", SCENARIO, "--until-seq", stopped.seq - 1, "--json")
+    assert json.loads(out)["stopped"] is None
+    _, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_7B, "--until-seq", stopped.seq - 1)
+    assert "not running" not in out
+
+
+def test_skip_invalid_replays_a_damaged_log_reporting_each_line_it_skipped(capsys, tmp_path):
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    assert all(b'"type":"gpu_scrape"' in line for line in lines[9:11])  # no transition depends on them
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_bytes(b"".join([*lines[:9], b'{"type":"no_such_event","at":1,"seq":10}\n', b"\x00\n", *lines[11:]]))
+    code, out, err = run_cli(capsys, "audit", damaged)
+    assert (code, out) == (2, "")
+    assert one_error_line(err).startswith(f"interlock audit: error: {damaged}:10: ")
+    code, out, err = run_cli(capsys, "audit", damaged, "--skip-invalid")
+    assert code == 0
+    assert err.splitlines() == [
+        f"interlock audit: warning: {damaged}:10: skipping invalid line (Invalid value 'no_such_event' - at `$.type`)",
+        f"interlock audit: warning: {damaged}:11: skipping invalid line "
+        "(JSON is malformed: invalid character (byte 0))",
+        "interlock audit: warning: events 10-11 are missing from the log (seq 12 follows 9)",
+        "interlock audit: warning: skipped 2 invalid lines: from the first one on, the state may differ from the live "
+        "gateway's",
+    ]
+    assert out == run_cli(capsys, "audit", SCENARIO)[1]
 
 
 # --- check-config ----------------------------------------------------------------------------

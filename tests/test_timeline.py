@@ -215,7 +215,7 @@ def test_the_page_loads_nothing_from_the_network(tmp_path, capsys):
         ),
         (["--since", "2026-01-02T04:00:00Z"], "nothing to draw: the log ends at 2026-01-02T03:06:06Z, before --since"),
         (["--until", "2026-01-02T03:00:00Z"], "no events in the log up to --until"),
-        (["--decisions", "/nonexistent/decisions.jsonl"], "No such file or directory"),
+        (["--decisions", "/nonexistent/decisions.jsonl"], "/nonexistent/decisions.jsonl: no such decision log or segment"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, options, message):

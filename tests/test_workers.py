@@ -27,7 +27,7 @@ from events.types import Checkpoint
 from fixtures.node import serve_nodes
 from interlock.serve import SHUTDOWN_GRACE_SECONDS
 
-from harness import Gateway, chat, config_text, node_specs, nodes_and_gateway, sse_events
+from harness import Gateway, chat, config_text, decision_records, node_specs, nodes_and_gateway, sse_events
 
 CHAT = "/v1/chat/completions"
 FAST = {"health_interval": "0.1s"}
@@ -70,7 +70,7 @@ async def routed_by_every_worker(gateway: Gateway, decisions: Path, *, to: str, 
             response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
             assert response.status_code == 200
             await trio.sleep(0.01)  # the records reach the leader's log in batches
-            records = read_decisions(decisions) if decisions.exists() else []
+            records = decision_records(decisions)
             if wanted <= {(record.worker, attempt.node) for record in records for attempt in record.attempts}:
                 return
     raise AssertionError(f"not every worker of {sorted(workers)} routed to {to}")
@@ -123,10 +123,10 @@ async def test_a_node_that_dies_under_load_is_avoided_by_every_worker_and_no_req
                 response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
                 statuses.append(response.status_code)
                 await trio.sleep(0.01)  # the records reach the leader's log in batches
-                after = [record for record in read_decisions(decisions) if record.seq >= dead_at]
+                after = [record for record in decision_records(decisions) if record.seq >= dead_at]
                 if {record.worker for record in after} == {1, 2}:
                     break
-        await gateway.wait_for(lambda: len(decisions.read_bytes().splitlines()) == len(statuses))
+        await gateway.wait_for(lambda: len(decision_records(decisions)) == len(statuses))
     records = list(read_decisions(decisions))
     after = [record for record in records if record.seq >= dead_at]
     assert {record.worker for record in after} == {1, 2}
@@ -153,7 +153,7 @@ async def test_a_killed_worker_is_started_again_and_catches_up(tmp_path):
                     response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
                     assert response.status_code == 200
                     await trio.sleep(0.15)  # the decision reaches the leader's log in batches
-                    records = list(read_decisions(decisions)) if decisions.exists() else []
+                    records = decision_records(decisions)
                     if any(record.worker == 1 for record in records[-1:]):
                         break
 

@@ -1,0 +1,238 @@
+"""`interlock serve`'s command line: the options that override the config file (at start and at
+every reload), INTERLOCK_CONFIG, the log level and format (workers included), `--help`, and a
+bare `interlock`. Each runs the real `interlock` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from controlplane.config import ConfigError, Overrides, load_config
+from events.log import read_events
+from fixtures.node import serve_nodes
+
+from harness import MODEL, chat, config_text, node_specs
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (INFO |WARN |ERROR) \S.*")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Gateway:
+    """An `interlock serve` subprocess; its stdout read on demand."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self.output = ""
+
+    async def read_until(self, text: str) -> None:
+        with trio.fail_after(20):
+            while text not in self.output:
+                chunk = await self.process.stdout.receive_some()
+                assert chunk, f"stdout closed before {text!r}: {self.output}"
+                self.output += chunk.decode()
+
+    async def stop(self) -> tuple[int, str, str]:
+        """SIGTERM, then the exit code, all of stdout and stderr."""
+        self.process.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            while chunk := await self.process.stdout.receive_some():
+                self.output += chunk.decode()
+            errors = b""
+            while chunk := await self.process.stderr.receive_some():
+                errors += chunk
+            return await self.process.wait(), self.output, errors.decode()
+
+
+@asynccontextmanager
+async def interlock_serve(*options: str, env: dict[str, str] | None = None) -> AsyncIterator[Gateway]:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "interlock.cli", "serve", *options],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=PROJECT_ROOT,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        yield Gateway(process)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_listen_options_and_INTERLOCK_CONFIG_override_the_file_at_start_and_on_reload(tmp_path):
+    event_log = tmp_path / "events.jsonl"
+    api, metrics = free_port(), free_port()
+    async with serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes, event_log=str(event_log)))  # listens on port 0
+        options = ("--listen", f"127.0.0.1:{api}", "--metrics-listen", f"127.0.0.1:{metrics}")
+        async with interlock_serve(*options, env={"INTERLOCK_CONFIG": str(config_path)}) as gateway:
+            await gateway.read_until('"metrics server listening"')
+            async with httpx.AsyncClient(trust_env=False) as client:
+                assert (await client.get(f"http://127.0.0.1:{api}/health")).status_code == 200
+                assert "gateway_requests_total" in (await client.get(f"http://127.0.0.1:{metrics}/metrics")).text
+            gateway.process.send_signal(signal.SIGHUP)
+            await gateway.read_until('"config reloaded"')
+            code, output, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    lines = [msgspec.json.decode(line) for line in output.splitlines()]
+    listening = {line["msg"]: line["addr"] for line in lines if line["msg"].endswith("server listening")}
+    assert listening == {"api server listening": f"127.0.0.1:{api}", "metrics server listening": f"127.0.0.1:{metrics}"}
+    # The reload kept the command line's addresses: nothing "changed; requires restart".
+    assert [line["msg"] for line in lines if "requires restart" in line["msg"]] == []
+    recorded = [event.config.gateway.listen for event in read_events([event_log]) if hasattr(event, "config")]
+    assert recorded == [f"127.0.0.1:{api}"] * 2  # run_started and config_reloaded
+
+
+async def test_port_keeps_the_files_host_and_log_format_text_writes_a_line_for_a_person(tmp_path):
+    api = free_port()
+    async with serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes, helth_interval="1s"))  # an unknown key: a warning
+        async with interlock_serve("--config", str(config_path), "--port", str(api), "--log-format", "text") as gateway:
+            await gateway.read_until(" metrics server listening ")
+            code, output, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    lines = output.splitlines()
+    assert all(TEXT_LINE.fullmatch(line) for line in lines), output
+    assert any(line.endswith(f" INFO  api server listening  addr=127.0.0.1:{api}") for line in lines), output
+    [warning] = [line for line in lines if " WARN " in line]
+    assert warning.endswith(
+        f"WARN  unknown config key  file={config_path} key=gateway.helth_interval did_you_mean=gateway.health_interval"
+    )
+    assert lines[-1].endswith("INFO  gateway stopped  seq=" + lines[-1].rsplit("=", 1)[1])
+
+
+@pytest.mark.parametrize("level", ["warn", "error"])
+async def test_workers_log_at_the_leaders_level_and_format(tmp_path, level):
+    api = free_port()
+    async with serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        # A configured model that no node serves: a request for it is a warning, from its worker.
+        config_path.write_text(config_text(nodes, models=[(MODEL, ""), ("unserved", "")], workers=2))
+        options = ("--config", str(config_path), "--port", str(api), "--log-format", "text", "--log-level", level)
+        async with interlock_serve(*options) as gateway:
+            async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+                with trio.fail_after(20):
+                    while True:  # until the node's models are discovered and both workers listen
+                        try:
+                            response = await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat())
+                        except httpx.TransportError:
+                            response = None
+                        if response is not None and response.status_code == 200:
+                            break
+                        await trio.sleep(0.1)
+                unserved = await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat("unserved"))
+                assert unserved.status_code == 503  # its warning was written before the answer
+            code, output, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    lines = output.splitlines()
+    assert all(TEXT_LINE.fullmatch(line) for line in lines), output
+    assert not [line for line in lines if " INFO " in line], output  # the leader's and the workers'
+    warnings = [line for line in lines if " no node serves requested model " in line]
+    if level == "error":
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert re.search(r" WARN  no node serves requested model  worker=[12] model=unserved request_id=\w+$", warning)
+
+
+def test_serve_help_shows_each_default_and_a_bare_interlock_lists_the_commands():
+    def interlock(*argv: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "interlock.cli", *argv]
+        return subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=False)
+
+    help_text = " ".join(interlock("serve", "--help").stdout.split())
+    for default in [
+        "(default: $INTERLOCK_CONFIG if set, else config/gateway.toml)",
+        "(gateway.listen: :8000)",
+        "(gateway.metrics_listen: :9090)",
+        "(gateway.log_level: info)",
+        "(gateway.log_format: json)",
+        "(gateway.workers: 1)",
+        "as vLLM's --host",
+        "as vLLM's --port",
+        "2 for invalid options",
+    ]:
+        assert default in help_text
+    bare = interlock()
+    assert bare.returncode == 0
+    for command in ("demo", "serve", "check-config", "replay", "explain", "audit", "timeline"):
+        assert re.search(rf"^    {command}\b", bare.stdout, re.MULTILINE), bare.stdout
+    wrong = interlock("serve", "--listen", ":1", "--port", "2")
+    assert (wrong.returncode, wrong.stderr) == (
+        2,
+        "interlock serve: error: argument --port: not allowed with argument --listen (its address has a port)\n",
+    )
+
+
+async def test_a_reload_applies_the_files_log_level(tmp_path):
+    async with serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes))
+        async with interlock_serve("--config", str(config_path)) as gateway:
+            await gateway.read_until('"metrics server listening"')
+            # workers = 2 needs a restart: a warning, logged after the reload's new level took effect.
+            config_path.write_text(config_text(nodes, log_level="warn", workers=2))
+            gateway.process.send_signal(signal.SIGHUP)
+            await gateway.read_until('"gateway.workers changed; requires restart"')
+            code, output, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    messages = [msgspec.json.decode(line)["msg"] for line in output.splitlines()]
+    after_reload = messages[messages.index("gateway.workers changed; requires restart") :]
+    assert after_reload == ["gateway.workers changed; requires restart"]  # no `config reloaded`, `gateway stopped`
+
+
+def test_an_unknown_log_level_names_the_key_and_the_levels(tmp_path):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text(config_text([], log_level="debug") + '[[nodes]]\nip = "10.0.0.1"\n')
+    result = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "check-config", str(config_path)],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stderr) == (
+        2,
+        f'{config_path}: gateway.log_level: log_level must be one of info, warn, error (got "debug")\n',
+    )
+
+
+@pytest.mark.parametrize(
+    ("listen", "overrides", "expected"),
+    [
+        (":8000", Overrides(port=8001), ":8001"),  # all interfaces stay all interfaces
+        ("10.1.2.3:8000", Overrides(host="127.0.0.1"), "127.0.0.1:8000"),
+        ("10.1.2.3:8000", Overrides(host="::1", port=9000), "[::1]:9000"),
+        ("[::1]:8000", Overrides(port=9000), "[::1]:9000"),
+        ("10.1.2.3:8000", Overrides(listen="127.0.0.1:7000"), "127.0.0.1:7000"),
+    ],
+)
+def test_host_and_port_each_replace_one_half_of_the_files_listen(tmp_path, listen, overrides, expected):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text(f'[gateway]\nlisten = "{listen}"\n[[nodes]]\nip = "10.0.0.1"\n')
+    assert load_config(config_path, overrides=overrides).gateway.listen == expected
+
+
+def test_an_override_that_collides_with_the_file_is_refused_by_the_loader(tmp_path):
+    config_path = tmp_path / "gateway.toml"
+    config_path.write_text('[gateway]\nmetrics_listen = ":9090"\n[[nodes]]\nip = "10.0.0.1"\n')
+    with pytest.raises(ConfigError, match='metrics_listen: metrics_listen ":9090" and listen ":9090" both bind'):
+        load_config(config_path, overrides=Overrides(port=9090))
