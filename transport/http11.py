@@ -364,21 +364,26 @@ class _Connection:
             data, searched, interim = data[end + 4 :], 0, True  # 100 Continue, 103 Early Hints…
 
     async def _receive_head_bytes(self, *, first: bool, reused: bool) -> bytes:
-        first_on_reused = first and reused
         try:
             data = await self.receive(wait_first=first)
         except ConnectionLost as error:
-            if first_on_reused:
-                raise WriteFailed(f"{error} (on a reused keep-alive connection)") from None
-            if first:
-                raise LostBeforeResponse(str(error)) from None
-            raise
+            raise _head_read_failure(error, first=first, reused=reused) from None
         if data:
             return data
-        if first_on_reused:
-            raise WriteFailed("the server closed the keep-alive connection before responding")
-        lost = LostBeforeResponse if first else ConnectionLost
-        raise lost("the server closed the connection before the response head was complete")
+        raise _head_read_failure(None, first=first, reused=reused)
+
+
+def _head_read_failure(error: ConnectionLost | None, *, first: bool, reused: bool) -> HttpError:
+    """What it means that reading a response head failed (`error`) or met the end of the
+    connection (None); `first`: before any byte of a response."""
+    if first and reused:
+        if error is not None:
+            return WriteFailed(f"{error} (on a reused keep-alive connection)")
+        return WriteFailed("the server closed the keep-alive connection before responding")
+    if error is not None:
+        return LostBeforeResponse(str(error)) if first else error
+    lost = LostBeforeResponse if first else ConnectionLost
+    return lost("the server closed the connection before the response head was complete")
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -807,21 +812,13 @@ def _receive_steps(connection: _Connection, deadline: float, *, wait_first: bool
 
 def _head_bytes_steps(connection: _Connection, first: bool, reused: bool, deadline: float) -> Exchange:
     """`_Connection._receive_head_bytes` as steps."""
-    first_on_reused = first and reused
     try:
         data = yield from _receive_steps(connection, deadline, wait_first=first)
     except ConnectionLost as error:
-        if first_on_reused:
-            raise WriteFailed(f"{error} (on a reused keep-alive connection)") from None
-        if first:
-            raise LostBeforeResponse(str(error)) from None
-        raise
+        raise _head_read_failure(error, first=first, reused=reused) from None
     if data:
         return data
-    if first_on_reused:
-        raise WriteFailed("the server closed the keep-alive connection before responding")
-    lost = LostBeforeResponse if first else ConnectionLost
-    raise lost("the server closed the connection before the response head was complete")
+    raise _head_read_failure(None, first=first, reused=reused)
 
 
 def _sized_body_steps(
