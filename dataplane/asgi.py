@@ -213,7 +213,9 @@ async def _send_all_but_last(send, reply: Reply) -> bytes:
     what is left for the last send (a complete body, or nothing after a flowing one)."""
     body = reply.body
     if isinstance(body, bytes):
-        headers = [*reply.headers, (b"content-length", b"%d" % len(body))]
+        headers = reply.headers
+        if reply.status != 204 and reply.status != 304:  # they have no body, nor a length for one
+            headers = [*headers, (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         return body
     try:

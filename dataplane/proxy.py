@@ -611,9 +611,12 @@ class Proxy:
 
 
 def _client_headers(upstream: UpstreamResponse, exchange: Exchange, node: NodeState, *, with_length: bool) -> Headers:
-    """The node's headers (names lower-case) for the client, with the request id and the node's
-    name; a complete body is sent with its own Content-Length."""
+    """The node's headers (names lower-case) for the client, less those its Connection header
+    names, with the request id and the node's name; a complete body is sent with its own
+    Content-Length."""
     dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
+    if upstream.connection_options:
+        dropped = dropped.union(upstream.connection_options)
     headers = [(name, value) for name, value in upstream.headers if name not in dropped]
     headers.append(request_id_header(exchange.request_id))
     headers.append(exchange.view.config.node_headers[node.ip])

@@ -76,11 +76,13 @@ async def both_ways(response: bytes) -> list[tuple[int, bytes] | tuple[type, str
         b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nContent-",
         b"",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nBad Trailer: x\r\n\r\n",
     ],
     ids=[
         "sized", "chunked", "interim", "no-body", "error-status", "until-close", "repeated-length", "bad-status",
         "bare-lf", "bad-length", "cut-short", "bad-chunk-size", "chunk-without-crlf", "long-chunk-line", "101",
-        "cut-head", "closed",
+        "cut-head", "closed", "unsupported-coding", "bad-trailer",
     ],
 )  # fmt: skip
 async def test_a_prepared_request_reads_each_response_as_the_client_does(response):
