@@ -350,28 +350,11 @@ class _Connection:
     async def exchange(self, message: bytes, method: bytes, reused: bool) -> Response:
         """Write the request and read the response head (interim 1xx responses skipped)."""
         await self.send(message)
-        data = b""
-        searched = 0
-        interim = False
-        while True:
-            end = data.find(b"\r\n\r\n", searched)
-            if end < 0:
-                if len(data) > MAX_HEAD_BYTES:
-                    raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
-                if data and data.count(b"\n") != data.count(b"\r\n"):  # at once: no CRLF CRLF will come
-                    raise ProtocolError(f"bare LF in the response head {data[:100]!r}")
-                searched = max(0, len(data) - 3)
-                more = await self._receive_head_bytes(first=not data and not interim, reused=reused)
-                data = data + more if data else more
-                continue
-            if end > MAX_HEAD_BYTES:
-                raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
-            version, status, reason, headers = parse_head(data[:end])
-            if status >= 200:
-                return Response(self, method, version, status, reason, headers, data[end + 4 :])
-            if status == 101:
-                raise ProtocolError("unexpected 101 Switching Protocols")
-            data, searched, interim = data[end + 4 :], 0, True  # 100 Continue, 103 Early Hints…
+        scanner = _HeadScanner()
+        first = True
+        while (head := scanner.feed(await self._receive_head_bytes(first=first, reused=reused))) is None:
+            first = False
+        return Response(self, method, *head)
 
     async def _receive_head_bytes(self, *, first: bool, reused: bool) -> bytes:
         try:
@@ -394,6 +377,43 @@ def _head_read_failure(error: ConnectionLost | None, *, first: bool, reused: boo
         return LostBeforeResponse(str(error)) if first else error
     lost = LostBeforeResponse if first else ConnectionLost
     return lost("the server closed the connection before the response head was complete")
+
+
+class _HeadScanner:
+    """Finds the final head in a response's bytes, fed as they arrive (interim 1xx responses
+    skipped). Sans-IO: both ways of reading a response, `_Connection.exchange` and
+    `_exchange_steps`, feed it."""
+
+    __slots__ = ("_data", "_searched")
+
+    def __init__(self) -> None:
+        self._data = b""
+        self._searched = 0
+        """Where the next search for CRLF CRLF starts: none ends before it."""
+
+    def feed(self, more: bytes) -> tuple[bytes, int, bytes, list[tuple[bytes, bytes]], bytes] | None:
+        """The final head once `more` completes it: (version, status, reason, headers, the bytes
+        after it); None while more bytes are needed. Raises ProtocolError as soon as the bytes
+        cannot be the start of a response this client accepts."""
+        data = self._data + more if self._data else more
+        searched = self._searched
+        while True:
+            end = data.find(b"\r\n\r\n", searched)
+            if end < 0:
+                if len(data) > MAX_HEAD_BYTES:
+                    raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
+                if data and data.count(b"\n") != data.count(b"\r\n"):  # at once: no CRLF CRLF will come
+                    raise ProtocolError(f"bare LF in the response head {data[:100]!r}")
+                self._data, self._searched = data, max(0, len(data) - 3)
+                return None
+            if end > MAX_HEAD_BYTES:
+                raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
+            version, status, reason, headers = parse_head(data[:end])
+            if status >= 200:
+                return version, status, reason, headers, data[end + 4 :]
+            if status == 101:
+                raise ProtocolError("unexpected 101 Switching Protocols")
+            data, searched = data[end + 4 :], 0  # 100 Continue, 103 Early Hints…
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -785,30 +805,12 @@ def _exchange_steps(
 ) -> Exchange:
     """`_Connection.exchange` and `Response.read_body` as steps."""
     yield from _send_steps(connection, request.message, deadline)
-    data = b""
-    searched = 0
-    interim = False
-    while True:
-        end = data.find(b"\r\n\r\n", searched)
-        if end < 0:
-            if len(data) > MAX_HEAD_BYTES:
-                raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
-            if data and data.count(b"\n") != data.count(b"\r\n"):  # at once: no CRLF CRLF will come
-                raise ProtocolError(f"bare LF in the response head {data[:100]!r}")
-            searched = max(0, len(data) - 3)
-            more = yield from _head_bytes_steps(connection, not data and not interim, reused, deadline)
-            data = data + more if data else more
-            continue
-        if end > MAX_HEAD_BYTES:
-            raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
-        version, status, reason, headers = parse_head(data[:end])
-        if status >= 200:
-            break
-        if status == 101:
-            raise ProtocolError("unexpected 101 Switching Protocols")
-        data, searched, interim = data[end + 4 :], 0, True
+    scanner = _HeadScanner()
+    first = True
+    while (head := scanner.feed((yield from _head_bytes_steps(connection, first, reused, deadline)))) is None:
+        first = False
+    version, status, _, headers, rest = head
     framing, length, reusable, _ = _framing(request.method, version, status, headers)
-    rest = data[end + 4 :]
     if framing == _NONE:
         body = b""
     elif framing == _LENGTH:
