@@ -441,8 +441,7 @@ class Response:
 
     __slots__ = (
         "status", "reason", "version", "headers", "content_length", "connection_options", "complete",
-        "_connection", "_reusable", "_framing", "_buffer", "_position", "_left", "_received", "_chunk_state",
-        "_trailer_bytes",
+        "_connection", "_reusable", "_framing", "_buffer", "_position", "_left", "_received", "_chunks",
     )  # fmt: skip
 
     def __init__(
@@ -462,14 +461,17 @@ class Response:
         self.complete = False
         """The body has been read to its end."""
         self._connection: _Connection | None = connection
-        self._buffer = rest
         self._position = 0
         self._received = 0
-        self._chunk_state = _SIZE
-        self._trailer_bytes = 0
         self._framing, self.content_length, self._reusable, self.connection_options = _framing(
             method, version, status, headers
         )
+        if self._framing == _CHUNKED:
+            self._chunks: _ChunkDecoder | None = _ChunkDecoder(rest)
+            self._buffer = b""
+        else:
+            self._chunks = None
+            self._buffer = rest
         self._left = self.content_length or 0
         if self._framing == _NONE or (self._framing == _LENGTH and self._left == 0):
             self._end()
@@ -558,32 +560,68 @@ class Response:
         return data
 
     async def _next_chunked(self) -> bytes:
+        chunks = self._chunks
         while True:
-            data = self._decode_chunks()
-            if data or self._chunk_state == _END:
-                if self._chunk_state == _END:
-                    if self._position < len(self._buffer):
-                        self._reusable = False  # bytes after the last chunk
-                    self._end()
+            data = chunks.decode()
+            if chunks.state == _END:
+                if chunks.position < len(chunks.buffer):
+                    self._reusable = False  # bytes after the last chunk
+                self._end()
+                return data
+            if data:
                 return data
             more = await self._connection.receive()
             if not more:
                 raise ConnectionLost("connection closed in the middle of a chunked body")
-            rest = self._buffer[self._position :]
-            self._buffer, self._position = (rest + more if rest else more), 0
+            chunks.feed(more)
 
-    def _decode_chunks(self) -> bytes:
-        """Decode what the buffer holds; the data found (b"" if none: more bytes are needed)."""
-        buffer, position, end = self._buffer, self._position, len(self._buffer)
+    def _end(self) -> None:
+        """The body is complete: the connection goes back to its pool, or is closed."""
+        connection, self._connection = self._connection, None
+        self.complete = True
+        if self._reusable and self._position >= len(self._buffer):
+            connection.pool.give_back(connection)
+        else:
+            connection.close()
+
+
+class _ChunkDecoder:
+    """A chunked body's bytes, fed as they arrive, decoded into its data (RFC 9112 §7.1); the
+    trailers are checked, then dropped. Sans-IO: both ways of reading a body, `Response` and
+    `_chunked_body_steps`, feed it."""
+
+    __slots__ = ("buffer", "position", "state", "left", "trailer_bytes", "limit", "declared")
+
+    def __init__(self, data: bytes, limit: int | None = None) -> None:
+        self.buffer = data
+        self.position = 0
+        """Where the bytes not decoded yet start in `buffer` (once `state` is _END: the bytes after the body)."""
+        self.state = _SIZE
+        self.left = 0
+        """The bytes of the current chunk's data not decoded yet."""
+        self.trailer_bytes = 0
+        self.limit = limit
+        """A size line that takes the body past it is refused (BodyTooLarge); None: no limit."""
+        self.declared = 0
+        """The sizes of the chunks read so far, added up (only with a limit)."""
+
+    def feed(self, more: bytes) -> None:
+        rest = self.buffer[self.position :]
+        self.buffer, self.position = (rest + more if rest else more), 0
+
+    def decode(self) -> bytes:
+        """Decode what the buffer holds; the data found (b"" if none: more bytes are needed,
+        unless `state` is _END)."""
+        buffer, position, end = self.buffer, self.position, len(self.buffer)
         pieces = []
-        state = self._chunk_state
+        state = self.state
         while position < end:
             if state == _DATA:
-                taken = min(self._left, end - position)
+                taken = min(self.left, end - position)
                 pieces.append(buffer[position : position + taken])
                 position += taken
-                self._left -= taken
-                if not self._left:
+                self.left -= taken
+                if not self.left:
                     state = _DATA_END
             elif state == _DATA_END:
                 if end - position < 2:
@@ -598,17 +636,21 @@ class Response:
                     if end - position >= MAX_CHUNK_LINE_BYTES:
                         raise ProtocolError(f"chunk size line exceeds {MAX_CHUNK_LINE_BYTES} bytes")
                     break
-                self._left = _chunk_size(buffer[position:line_end])
+                self.left = _chunk_size(buffer[position:line_end])
+                if self.limit is not None:
+                    self.declared += self.left
+                    if self.declared > self.limit:
+                        raise BodyTooLarge(self.limit)
                 position = line_end + 2
-                state = _DATA if self._left else _TRAILERS
+                state = _DATA if self.left else _TRAILERS
             elif state == _TRAILERS:
                 line_end = buffer.find(b"\r\n", position)
                 if line_end < 0:
-                    if self._trailer_bytes + end - position > MAX_HEAD_BYTES:
+                    if self.trailer_bytes + end - position > MAX_HEAD_BYTES:
                         raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
                     break
-                self._trailer_bytes += line_end + 2 - position
-                if self._trailer_bytes > MAX_HEAD_BYTES:
+                self.trailer_bytes += line_end + 2 - position
+                if self.trailer_bytes > MAX_HEAD_BYTES:
                     raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
                 if line_end == position:
                     position += 2
@@ -621,19 +663,10 @@ class Response:
                 position = line_end + 2
             else:
                 break
-        self._buffer, self._position, self._chunk_state = buffer, position, state
+        self.buffer, self.position, self.state = buffer, position, state
         if len(pieces) == 1:
             return pieces[0]
         return b"".join(pieces)
-
-    def _end(self) -> None:
-        """The body is complete: the connection goes back to its pool, or is closed."""
-        connection, self._connection = self._connection, None
-        self.complete = True
-        if self._reusable and self._position >= len(self._buffer):
-            connection.pool.give_back(connection)
-        else:
-            connection.close()
 
 
 def _framing(
@@ -883,57 +916,19 @@ def _sized_body_steps(
     return data[:length], data[length:]
 
 
-def _more_chunked_steps(connection: _Connection, buffer: bytes, position: int, deadline: float) -> Exchange:
-    more = yield from _receive_steps(connection, deadline)
-    if not more:
-        raise ConnectionLost("connection closed in the middle of a chunked body")
-    return buffer[position:] + more
-
-
-def _chunked_body_steps(connection: _Connection, buffer: bytes, deadline: float, limit: int | None) -> Exchange:
+def _chunked_body_steps(connection: _Connection, data: bytes, deadline: float, limit: int | None) -> Exchange:
     """(body, bytes after it) of a chunked body; a chunk that would take the body past `limit`
     is refused as soon as its size line is read."""
+    chunks = _ChunkDecoder(data, limit)
     pieces = []
-    size = 0
-    position = 0
     while True:
-        line_end = buffer.find(b"\r\n", position, position + MAX_CHUNK_LINE_BYTES)
-        if line_end < 0:
-            if len(buffer) - position >= MAX_CHUNK_LINE_BYTES:
-                raise ProtocolError(f"chunk size line exceeds {MAX_CHUNK_LINE_BYTES} bytes")
-            buffer, position = (yield from _more_chunked_steps(connection, buffer, position, deadline)), 0
-            continue
-        chunk = _chunk_size(buffer[position:line_end])
-        position = line_end + 2
-        if not chunk:
-            break
-        size += chunk
-        if limit is not None and size > limit:
-            raise BodyTooLarge(limit)
-        while len(buffer) - position < chunk + 2:
-            buffer, position = (yield from _more_chunked_steps(connection, buffer, position, deadline)), 0
-        if not buffer.startswith(b"\r\n", position + chunk):
-            raise ProtocolError("chunk data not followed by CRLF")
-        pieces.append(buffer[position : position + chunk])
-        position += chunk + 2
-    trailer_bytes = 0
-    while True:
-        line_end = buffer.find(b"\r\n", position)
-        if line_end < 0:
-            if trailer_bytes + len(buffer) - position > MAX_HEAD_BYTES:
-                raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
-            buffer, position = (yield from _more_chunked_steps(connection, buffer, position, deadline)), 0
-            continue
-        trailer_bytes += line_end + 2 - position
-        if trailer_bytes > MAX_HEAD_BYTES:
-            raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
-        if line_end == position:
-            return b"".join(pieces), buffer[position + 2 :]
-        trailer = buffer[position:line_end]
-        if _CONTROL_BYTE.search(trailer):
-            raise ProtocolError(f"control byte in the chunked trailers {trailer[:100]!r}")
-        _field_line(trailer)  # checked, then dropped
-        position = line_end + 2
+        pieces.append(chunks.decode())
+        if chunks.state == _END:
+            return b"".join(pieces), chunks.buffer[chunks.position :]
+        more = yield from _receive_steps(connection, deadline)
+        if not more:
+            raise ConnectionLost("connection closed in the middle of a chunked body")
+        chunks.feed(more)
 
 
 def _body_until_close_steps(connection: _Connection, data: bytes, deadline: float, limit: int | None) -> Exchange:
