@@ -52,6 +52,8 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         # Like plinth's mux: OPTIONS is a method like any other (405).
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
+    # No redirect from `/v1//models` to `/v1/models`: a path with doubled slashes is no route.
+    app.url_map.merge_slashes = False
 
     @app.get("/health")
     async def health() -> Response:
@@ -110,9 +112,14 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
             return _response(error_reply(model_not_found(clipped(model_id))))
         return Response(body, content_type="application/json")
 
+    async def completions_elsewhere() -> Response:
+        """A POST werkzeug matches to a completion rule on another path (it strips leading
+        slashes: `//v1/chat/completions`): dataplane.asgi answers the exact paths only."""
+        return _response(error_reply(NOT_FOUND, close=_has_body()))
+
     for path in COMPLETION_PATHS:
-        # POSTs are answered by dataplane.asgi: the rule only makes other methods a 405.
-        app.add_url_rule(path, f"completions {path}", methods=["POST"])
+        # POSTs to the exact paths are answered by dataplane.asgi: the rule makes other methods a 405.
+        app.add_url_rule(path, f"completions {path}", completions_elsewhere, methods=["POST"])
 
     @app.errorhandler(NotFound)
     async def not_found(error: NotFound) -> Response:

@@ -7,7 +7,9 @@ messages: steps 1-3 of plinth's pipeline (read the body within the limit, parse 
 and `stream`, inject the default model), then the proxy (routing and the attempt loop), whose
 `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
 unchanged: `/health`, `/v1/models`, the 404s, and other methods on the completion paths (405).
-Each request reads the control plane's snapshot once and keeps it throughout.
+Each request reads the control plane's snapshot once and keeps it throughout. A target that is
+not a path (absolute-form, `*`) and a WebSocket handshake get a JSON 400 here: the Quart app
+serves paths, and HTTP only.
 
 Two things hypercorn (trio) does shape `_completion`:
 - A client that goes away makes no `send` fail: hypercorn drops what is sent after that and
@@ -32,7 +34,17 @@ import trio
 
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
-from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
+from dataplane.errors import (
+    INVALID_BODY,
+    INVALID_TARGET,
+    MAX_MODEL_NAME_LENGTH,
+    MODEL_NAME_TOO_LONG,
+    NO_MODEL,
+    REQUEST_TOO_LARGE,
+    WEBSOCKET_NOT_SUPPORTED,
+    Reply,
+    error_reply,
+)
 from dataplane.proxy import (
     COMPLETION_PATHS,
     Exchange,
@@ -51,6 +63,10 @@ class CompletionFields(msgspec.Struct):
     model: str | None = None
     stream: bool | None = None
 
+
+MAX_REQUEST_ID_LENGTH = 200
+"""A longer X-Request-Id is replaced by a new id (as Heroku's router does): the id goes into
+log lines and decision records, which must not carry unbounded client text."""
 
 _decode_fields = msgspec.json.Decoder(CompletionFields | None)
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw] | None)
@@ -75,8 +91,15 @@ class ApiApp:
         self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+        kind = scope["type"]
+        if kind == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
             await self._completion(scope, receive, send)
+        elif kind == "http" and not scope["path"].startswith("/"):
+            await _send_complete(send, error_reply(INVALID_TARGET, close=True))
+        elif kind == "websocket":
+            reply = error_reply(WEBSOCKET_NOT_SUPPORTED)
+            await send({"type": "websocket.http.response.start", "status": reply.status, "headers": reply.headers})
+            await send({"type": "websocket.http.response.body", "body": reply.body})
         else:
             await self._quart(scope, receive, send)
 
@@ -89,7 +112,8 @@ class ApiApp:
                 request_id = request_id or value.decode("latin-1")
             elif name == b"content-length":
                 declared_length = int(value)  # hypercorn (h11) accepts only digits here
-        request_id = request_id or os.urandom(16).hex()
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH:
+            request_id = os.urandom(16).hex()
         try:
             body = await _read_body(receive, declared_length, view.config.body_limit)
         except _ClientLeft:
@@ -113,9 +137,11 @@ class ApiApp:
             return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
             return error_reply(INVALID_BODY, request_id_header(request_id))
         model = fields.model if fields is not None else None
+        if model and len(model) > MAX_MODEL_NAME_LENGTH:
+            return error_reply(MODEL_NAME_TOO_LONG, request_id_header(request_id))
         stream = bool(fields.stream) if fields is not None else False
         if not model:
             model = view.config.default_model
@@ -182,6 +208,12 @@ class _DisconnectWatch:
             pass
         if not self.answered:
             self._work.cancel()
+
+
+async def _send_complete(send, reply: Reply) -> None:
+    """Send a reply whose body is complete."""
+    last = await _send_all_but_last(send, reply)
+    await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 async def _send_all_but_last(send, reply: Reply) -> bytes:

@@ -30,7 +30,14 @@ import msgspec
 import trio
 
 from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
+from controlplane.routing import (
+    filter_by_model,
+    is_known_model,
+    is_unknown_model,
+    model_ring,
+    ring_members,
+    unavailable_reason,
+)
 from dataplane.balancer import RoundRobin
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
@@ -55,7 +62,7 @@ from dataplane.errors import (
     error_reply,
     model_not_found,
 )
-from dataplane.metrics import RequestMetrics
+from dataplane.metrics import OTHER_MODELS, RequestMetrics
 from events.config import Config, NodeConfig
 from events.state import ClusterState, NodeState
 from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
@@ -139,9 +146,11 @@ def _node_header(node: NodeConfig) -> tuple[bytes, bytes]:
 
 class Route:
     """One model's routing on one snapshot: the ring pool, and the candidates the model filter
-    keeps; when there is none, whether the model is unknown (`routing.is_unknown_model`)."""
+    keeps; when there is none, whether the model is unknown (`routing.is_unknown_model`). Its
+    `metric_model` is the model's label in the metrics: its name only when it is known
+    (`routing.is_known_model`), so that what clients send never grows the label set."""
 
-    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown", "metric_model")
 
     def __init__(self, snapshot: ClusterState, model: str) -> None:
         self.ring = model_ring(snapshot, model)
@@ -150,6 +159,7 @@ class Route:
         self.ring_pool = tuple(node.ip for node in pool)
         self.candidates = candidates
         self.unknown = not candidates and is_unknown_model(snapshot, pool, model)
+        self.metric_model = model if is_known_model(snapshot, pool, model) else OTHER_MODELS
         self.excluded = tuple(Exclusion(node.ip, reason) for node, reason in dropped)
         counts: dict[str, int] = {}
         for _, reason in dropped:
@@ -337,14 +347,13 @@ class Proxy:
     async def forward(self, exchange: Exchange) -> Reply:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
         route = exchange.route
-        model = exchange.model
         for reason, count in route.exclusion_counts:
-            self._metrics.excluded(model, reason, count)
+            self._metrics.excluded(route.metric_model, reason, count)
         candidates = route.candidates
         if not candidates:
             if route.ring_pool:
                 self._warn_unserved(exchange)
-            return self._error(exchange, model_not_found(model) if route.unknown else NO_HEALTHY_NODE)
+            return self._error(exchange, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
         tried: set[str] = set()
         try:
             for _ in range(len(candidates)):
@@ -480,7 +489,7 @@ class Proxy:
         limit: int,
     ) -> Outcome:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
-        self._metrics.passthrough(exchange.model, reason)
+        self._metrics.passthrough(exchange.route.metric_model, reason)
         return self._commit(exchange, node, upstream, buffered)
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
@@ -546,9 +555,9 @@ class Proxy:
                 self._log.error("response truncated after commit", node=node.ip, error=error)
         elif kind == CLIENT_GONE and outcome.committed:
             self._log.error("client write failed after commit", node=node.ip, error=error)
-            self._metrics.client_write_failure(exchange.model)
+            self._metrics.client_write_failure(exchange.route.metric_model)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
-            self._metrics.attempt(exchange.model, outcome.status or 502)
+            self._metrics.attempt(exchange.route.metric_model, outcome.status or 502)
         exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
 
     def _error(self, exchange: Exchange, error: ApiError) -> Reply:
@@ -557,7 +566,7 @@ class Proxy:
 
     def _finish(self, exchange: Exchange, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
-        self._metrics.request_done(exchange.model, status, time.perf_counter() - exchange.started)
+        self._metrics.request_done(exchange.route.metric_model, status, time.perf_counter() - exchange.started)
         self._record(exchange, status)
 
     def _record(self, exchange: Exchange, status: int | None) -> None:
