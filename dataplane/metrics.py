@@ -114,7 +114,11 @@ def metrics_app(registry: CollectorRegistry) -> QuartTrio:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        page = await trio.to_thread.run_sync(generate_latest, registry, limiter=one_scrape_at_a_time)
+        # A cancelled scrape (the scraper left, a forced shutdown) does not wait for the render;
+        # the limiter stays taken until the render ends.
+        page = await trio.to_thread.run_sync(
+            generate_latest, registry, limiter=one_scrape_at_a_time, abandon_on_cancel=True
+        )
         return Response(page, content_type=CONTENT_TYPE_LATEST)
 
     return app
