@@ -79,7 +79,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
                     "names": node.models.names,
                     "age_seconds": node.models.age(now),
                     "fails": node.models.fails,
-                    "last_error": node.models.last_error,
+                    "last_error": _shown_error(node.models.last_error, view.config.health_hides_errors),
                 },
             }
             for node in nodes
@@ -131,6 +131,15 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         return _response(error_reply(METHOD_NOT_ALLOWED, (b"allow", allow), close=_has_body()))
 
     return app
+
+
+HIDDEN_ERROR = "(hidden: gateway.health_hides_errors)"
+
+
+def _shown_error(error: str, hidden: bool) -> str:
+    """A node's error text as /health shows it: replaced when hidden, so that a failing node
+    still shows that it has an error."""
+    return HIDDEN_ERROR if hidden and error else error
 
 
 def _response(reply: Reply) -> Response:

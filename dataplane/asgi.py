@@ -32,6 +32,7 @@ import time
 import msgspec
 import trio
 
+from dataplane.access import key_accepted, unauthorized_reply
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import (
@@ -47,6 +48,7 @@ from dataplane.errors import (
 )
 from dataplane.proxy import (
     COMPLETION_PATHS,
+    ConfigView,
     Exchange,
     Proxy,
     SnapshotView,
@@ -92,20 +94,26 @@ class ApiApp:
 
     async def __call__(self, scope, receive, send) -> None:
         kind = scope["type"]
-        if kind == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-            await self._completion(scope, receive, send)
-        elif kind == "http" and not scope["path"].startswith("/"):
-            await _send_complete(send, error_reply(INVALID_TARGET, close=True))
-        elif kind == "websocket":
+        if kind == "websocket":
             reply = error_reply(WEBSOCKET_NOT_SUPPORTED)
             await send({"type": "websocket.http.response.start", "status": reply.status, "headers": reply.headers})
             await send({"type": "websocket.http.response.body", "body": reply.body})
+            return
+        if kind != "http":
+            await self._quart(scope, receive, send)
+            return
+        view = self._views.current()
+        if not scope["path"].startswith("/"):
+            await _refuse(receive, send, error_reply(INVALID_TARGET, close=True))
+        elif view.config.api_key_digests and not _admitted(scope, view.config):
+            await _refuse(receive, send, unauthorized_reply())
+        elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+            await self._completion(scope, receive, send, view)
         else:
             await self._quart(scope, receive, send)
 
-    async def _completion(self, scope, receive, send) -> None:
+    async def _completion(self, scope, receive, send, view: SnapshotView) -> None:
         started = time.perf_counter()
-        view = self._views.current()
         request_id = declared_length = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -187,6 +195,23 @@ async def _read_body(receive, declared_length: int | None, limit: int) -> bytes 
             return b"".join(pieces)
 
 
+def _admitted(scope, config: ConfigView) -> bool:
+    """With client keys configured: whether the request holds one, or needs none (an open /health)."""
+    if config.health_open and scope["path"] == "/health":
+        return True
+    return key_accepted(scope["headers"], config.api_key_digests)
+
+
+async def _refuse(receive, send, reply: Reply) -> None:
+    """Answer a request with a complete error reply without reading its body (the watch drops it)."""
+    async with trio.open_nursery() as nursery:
+        watch = _DisconnectWatch(receive, nursery.cancel_scope)
+        watch.answered = True
+        nursery.start_soon(watch.run)
+        last = await _send_all_but_last(send, reply)
+        await send({"type": "http.response.body", "body": last, "more_body": False})
+
+
 class _DisconnectWatch:
     """Cancels a request's work when its client goes away before the last send, and meanwhile
     drops the request body messages left unread.
@@ -208,12 +233,6 @@ class _DisconnectWatch:
             pass
         if not self.answered:
             self._work.cancel()
-
-
-async def _send_complete(send, reply: Reply) -> None:
-    """Send a reply whose body is complete."""
-    last = await _send_all_but_last(send, reply)
-    await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 async def _send_all_but_last(send, reply: Reply) -> bytes:

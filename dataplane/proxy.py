@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
+from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.routing import (
     filter_by_model,
@@ -128,6 +129,11 @@ class ConfigView:
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
+        self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
+        self.health_open = not gateway.health_requires_api_key
+        self.health_hides_errors = gateway.health_hides_errors
+        self.upstream_authorizations = upstream_authorizations(config)
+        """The `Authorization` each node with a key gets instead of the client's."""
         self.node_headers = {node.ip: _node_header(node) for node in config.nodes}
         """The header naming the node that served a request (a node's own header may say anything)."""
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
@@ -408,12 +414,20 @@ class Proxy:
     async def _attempt(self, exchange: Exchange, node: NodeState) -> Outcome:
         port = exchange.view.config.ports[node.ip]
         target = _TARGETS[exchange.path]
+        headers = exchange.headers
+        authorization = exchange.view.config.upstream_authorizations.get(node.ip)
+        if authorization is not None or exchange.view.config.api_key_digests:
+            # The client's key is the gateway's (when it checks keys) and not the node's: it
+            # goes no further, and the node's own key, if it has one, takes its place.
+            headers = [header for header in headers if header[0] != b"authorization"]
+            if authorization is not None:
+                headers.append((b"authorization", authorization))
         upstream: UpstreamResponse | None = None
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
                     upstream = await self._pool.request(
-                        b"POST", node.ip, port, target, exchange.headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
+                        b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
                     )
             except trio.TooSlowError:
                 return self._failed(exchange, UpstreamTimeout("timeout awaiting response headers"))
