@@ -136,53 +136,32 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-async def _exchange(stream, request: bytes, buffer: bytearray) -> tuple[int, bytes]:
-    """One request on a keep-alive connection: the status and body (Content-Length framed)."""
-    await stream.send_all(request)
-    while b"\r\n\r\n" not in buffer:
-        buffer += await stream.receive_some(1 << 20)
-    end = buffer.index(b"\r\n\r\n")
-    head, rest = bytes(buffer[:end]), buffer[end + 4 :]
-    length = 0
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    while len(rest) < length:
-        rest += await stream.receive_some(1 << 20)
-    buffer[:] = rest[length:]
-    return int(head.split()[1]), bytes(rest[:length])
-
-
-def _post(body: bytes) -> bytes:
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
-    return head + b"content-length: %d\r\n\r\n" % len(body) + body
-
-
-def _get(path: str) -> bytes:
-    return b"GET %s HTTP/1.1\r\nhost: gw\r\n\r\n" % path.encode()
+async def _request(client, port: int, method: bytes, target: bytes, body: bytes = b"") -> tuple[int, bytes]:
+    """One request on the client's keep-alive connections: the status and the whole body."""
+    headers = [(b"content-type", b"application/json")] if body else []
+    response = await client.request(method, "127.0.0.1", port, target, headers, body)
+    return response.status, await response.read_body()
 
 
 def send_unique_names(port: int, requests: int, name_bytes: int, connections: int = 16) -> dict[int, int]:
     """`requests` completion requests, each for a new model name; the count of each status."""
     import trio
 
+    from transport.http11 import HttpClient
+
     statuses: dict[int, int] = {}
 
-    async def connection(index: int) -> None:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        buffer = bytearray()
-        async with stream:
-            for number in range(index, requests, connections):
-                name = f"{number:010d}-".ljust(name_bytes, "u")
-                body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}]}).encode()
-                status, _ = await _exchange(stream, _post(body), buffer)
-                statuses[status] = statuses.get(status, 0) + 1
+    async def connection(client: HttpClient, index: int) -> None:
+        for number in range(index, requests, connections):
+            name = f"{number:010d}-".ljust(name_bytes, "u")
+            body = json.dumps({"model": name, "messages": [{"role": "user", "content": "hi"}]}).encode()
+            status, _ = await _request(client, port, b"POST", b"/v1/chat/completions", body)
+            statuses[status] = statuses.get(status, 0) + 1
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
+        async with HttpClient(max_idle_per_host=connections) as client, trio.open_nursery() as nursery:
             for index in range(connections):
-                nursery.start_soon(connection, index)
+                nursery.start_soon(connection, client, index)
 
     trio.run(main)
     return statuses
@@ -191,10 +170,11 @@ def send_unique_names(port: int, requests: int, name_bytes: int, connections: in
 def scrape_page(port: int) -> bytes:
     import trio
 
+    from transport.http11 import HttpClient
+
     async def main() -> bytes:
-        stream = await trio.open_tcp_stream("127.0.0.1", port)
-        async with stream:
-            status, body = await _exchange(stream, _get("/metrics"), bytearray())
+        async with HttpClient() as client:
+            status, body = await _request(client, port, b"GET", b"/metrics")
         assert status == 200, status
         return body
 
@@ -210,39 +190,35 @@ def health_latency_during_scrapes(api_port: int, metrics_port: int, scrapes: int
     """/health latency on one connection: alone, then while `scrapes` scrapes run back to back."""
     import trio
 
+    from transport.http11 import HttpClient
+
     async def main() -> dict:
         phases: dict[str, list[float]] = {"alone": [], "during_scrape": []}
         scrape_times: list[float] = []
         scraping = trio.Event()
         scraped = trio.Event()
 
-        async def scraper() -> None:
-            stream = await trio.open_tcp_stream("127.0.0.1", metrics_port)
-            buffer = bytearray()
-            async with stream:
-                await trio.sleep(alone_seconds)
-                scraping.set()
-                for _ in range(scrapes):
-                    started = time.perf_counter()
-                    await _exchange(stream, _get("/metrics"), buffer)
-                    scrape_times.append(time.perf_counter() - started)
+        async def scraper(client: HttpClient) -> None:
+            await trio.sleep(alone_seconds)
+            scraping.set()
+            for _ in range(scrapes):
+                started = time.perf_counter()
+                await _request(client, metrics_port, b"GET", b"/metrics")
+                scrape_times.append(time.perf_counter() - started)
             scraped.set()
 
-        async def asker() -> None:
-            stream = await trio.open_tcp_stream("127.0.0.1", api_port)
-            buffer = bytearray()
-            async with stream:
-                while not scraped.is_set():
-                    phase = "during_scrape" if scraping.is_set() else "alone"
-                    started = time.perf_counter()
-                    status, _ = await _exchange(stream, _get("/health"), buffer)
-                    assert status == 200, status
-                    phases[phase].append(time.perf_counter() - started)
-                    await trio.sleep(0.005)
+        async def asker(client: HttpClient) -> None:
+            while not scraped.is_set():
+                phase = "during_scrape" if scraping.is_set() else "alone"
+                started = time.perf_counter()
+                status, _ = await _request(client, api_port, b"GET", b"/health")
+                assert status == 200, status
+                phases[phase].append(time.perf_counter() - started)
+                await trio.sleep(0.005)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(asker)
-            await scraper()
+        async with HttpClient() as client, trio.open_nursery() as nursery:
+            nursery.start_soon(asker, client)
+            await scraper(client)
         return {
             **{phase: _percentiles(values) for phase, values in phases.items()},
             "scrape_seconds": [round(value, 2) for value in scrape_times],
