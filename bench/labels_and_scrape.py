@@ -2,8 +2,8 @@
 metrics"): memory and /metrics after requests for ever new model names, and API latency while
 a large /metrics page is scraped.
 
-    .venv/bin/python bench/client_input.py [--tree PATH] [--requests 110000] [--name-bytes 230]
-                                           [--padding-series 1000000] [--scrapes 3]
+    .venv/bin/python bench/labels_and_scrape.py [--tree PATH] [--requests 110000] [--name-bytes 230]
+                                              [--padding-series 1000000] [--scrapes 3]
 
 `--tree` is the checkout whose gateway is measured (default: this one), so that an older
 commit, exported with `git archive <commit> | tar -x -C DIR`, is measured by the same script:
@@ -274,6 +274,7 @@ def measure(tree: Path, requests: int, name_bytes: int, padding: int, scrapes: i
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the processes started are stopped
     if sys.argv[1:2] == ["serve"]:
         serve_main(sys.argv[2], int(sys.argv[3]))
         return
