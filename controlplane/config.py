@@ -131,7 +131,14 @@ NO_OVERRIDES = Overrides()
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout", "event_log_retain_age", "decision_log_retain_age")
+_DURATION_KEYS = (
+    "health_interval",
+    "probe_timeout",
+    "event_log_retain_age",
+    "decision_log_retain_age",
+    "request_body_timeout",
+    "request_body_idle_timeout",
+)
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
@@ -315,6 +322,9 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
+    for key in ("request_body_timeout", "request_body_idle_timeout"):
+        if getattr(gateway, key) <= 0:
+            raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
     if gateway.decision_log and gateway.decision_log == gateway.event_log:
         raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
     for log in ("event_log", "decision_log"):

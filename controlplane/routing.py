@@ -49,17 +49,12 @@ def filter_by_model(pool: list[NodeState], model: str) -> tuple[list[NodeState],
     return kept, dropped
 
 
-def is_known_model(state: ClusterState, pool: list[NodeState], model: str) -> bool:
-    """A model configured, or in a list a node of its ring pool gave (last lists included)."""
-    if state.config is not None and any(entry.name == model for entry in state.config.models.available):
-        return True
-    return any(model in (node.models.names or ()) for node in pool)
-
-
 def is_unknown_model(state: ClusterState, pool: list[NodeState], model: str) -> bool:
-    """A model nothing here could serve: not known (`is_known_model`), and no node of the pool
-    untried (which could still list it)."""
-    return not is_known_model(state, pool, model) and not any(node.models.state == Discovery.UNTRIED for node in pool)
+    """A model nothing here could serve: not configured, in no list a node of its ring pool
+    gave (last lists included), and no node of the pool untried (which could still list it)."""
+    if state.config is not None and any(entry.name == model for entry in state.config.models.available):
+        return False
+    return not any(node.models.state == Discovery.UNTRIED or model in (node.models.names or ()) for node in pool)
 
 
 def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:

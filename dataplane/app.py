@@ -46,14 +46,14 @@ class _HttpConnection(TrioASGIHTTPConnection):
 def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: int = 0) -> QuartTrio:
     app = QuartTrio("interlock")
     app.asgi_http_class = _HttpConnection
+    # `/v1//models` is not a route (werkzeug would redirect to `/v1/models`, in HTML).
+    app.url_map = app.url_map_class(merge_slashes=False)
     app.config.update(
         # No request body is read here (the 404 and 405 answers leave it unread): no limit.
         MAX_CONTENT_LENGTH=None,
         # Like plinth's mux: OPTIONS is a method like any other (405).
         PROVIDE_AUTOMATIC_OPTIONS=False,
     )
-    # No redirect from `/v1//models` to `/v1/models`: a path with doubled slashes is no route.
-    app.url_map.merge_slashes = False
 
     @app.get("/health")
     async def health() -> Response:
@@ -112,14 +112,14 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
             return _response(error_reply(model_not_found(clipped(model_id))))
         return Response(body, content_type="application/json")
 
-    async def completions_elsewhere() -> Response:
-        """A POST werkzeug matches to a completion rule on another path (it strips leading
-        slashes: `//v1/chat/completions`): dataplane.asgi answers the exact paths only."""
-        return _response(error_reply(NOT_FOUND, close=_has_body()))
+    async def not_the_completion_path() -> Response:
+        """A POST that werkzeug matched to a completion rule though its path differs from the
+        rule's (werkzeug drops leading slashes: `//v1/chat/completions`)."""
+        raise NotFound()
 
     for path in COMPLETION_PATHS:
-        # POSTs to the exact paths are answered by dataplane.asgi: the rule makes other methods a 405.
-        app.add_url_rule(path, f"completions {path}", completions_elsewhere, methods=["POST"])
+        # POSTs are answered by dataplane.asgi: the rule only makes other methods a 405.
+        app.add_url_rule(path, f"completions {path}", not_the_completion_path, methods=["POST"])
 
     @app.errorhandler(NotFound)
     async def not_found(error: NotFound) -> Response:

@@ -7,9 +7,7 @@ messages: steps 1-3 of plinth's pipeline (read the body within the limit, parse 
 and `stream`, inject the default model), then the proxy (routing and the attempt loop), whose
 `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
 unchanged: `/health`, `/v1/models`, the 404s, and other methods on the completion paths (405).
-Each request reads the control plane's snapshot once and keeps it throughout. A target that is
-not a path (absolute-form, `*`) and a WebSocket handshake get a JSON 400 here: the Quart app
-serves paths, and HTTP only.
+Each request reads the control plane's snapshot once and keeps it throughout.
 
 Two things hypercorn (trio) does shape `_completion`:
 - A client that goes away makes no `send` fail: hypercorn drops what is sent after that and
@@ -37,12 +35,13 @@ from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import (
     INVALID_BODY,
-    INVALID_TARGET,
     MAX_MODEL_NAME_LENGTH,
     MODEL_NAME_TOO_LONG,
     NO_MODEL,
+    NOT_FOUND,
+    REQUEST_TIMEOUT,
     REQUEST_TOO_LARGE,
-    WEBSOCKET_NOT_SUPPORTED,
+    ApiError,
     Reply,
     error_reply,
 )
@@ -65,10 +64,6 @@ class CompletionFields(msgspec.Struct):
     model: str | None = None
     stream: bool | None = None
 
-
-MAX_REQUEST_ID_LENGTH = 200
-"""A longer X-Request-Id is replaced by a new id (as Heroku's router does): the id goes into
-log lines and decision records, which must not carry unbounded client text."""
 
 _decode_fields = msgspec.json.Decoder(CompletionFields | None)
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw] | None)
@@ -93,22 +88,19 @@ class ApiApp:
         self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
-        kind = scope["type"]
-        if kind == "websocket":
-            reply = error_reply(WEBSOCKET_NOT_SUPPORTED)
-            await send({"type": "websocket.http.response.start", "status": reply.status, "headers": reply.headers})
-            await send({"type": "websocket.http.response.body", "body": reply.body})
-            return
-        if kind != "http":
-            await self._quart(scope, receive, send)
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await _refuse_websocket(send)
+            else:
+                await self._quart(scope, receive, send)
             return
         view = self._views.current()
-        if not scope["path"].startswith("/"):
-            await _refuse(receive, send, error_reply(INVALID_TARGET, close=True))
-        elif view.config.api_key_digests and not _admitted(scope, view.config):
+        if view.config.api_key_digests and not _admitted(scope, view.config):
             await _refuse(receive, send, unauthorized_reply())
         elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
             await self._completion(scope, receive, send, view)
+        elif "://" in scope["path"] and not scope["path"].startswith("/"):
+            await self(_origin_form(scope), receive, send)
         else:
             await self._quart(scope, receive, send)
 
@@ -120,10 +112,9 @@ class ApiApp:
                 request_id = request_id or value.decode("latin-1")
             elif name == b"content-length":
                 declared_length = int(value)  # hypercorn (h11) accepts only digits here
-        if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH:
-            request_id = os.urandom(16).hex()
+        request_id = request_id or os.urandom(16).hex()
         try:
-            body = await _read_body(receive, declared_length, view.config.body_limit)
+            body = await _read_body(receive, declared_length, view.config)
         except _ClientLeft:
             return
         async with trio.open_nursery() as nursery:
@@ -139,13 +130,13 @@ class ApiApp:
             watch.answered = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _reply(self, scope, body: bytes | None, request_id: str, view: SnapshotView, started: float) -> Reply:
+    async def _reply(self, scope, body: bytes | ApiError, request_id: str, view: SnapshotView, started: float) -> Reply:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
-        if body is None:
-            return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
+        if isinstance(body, ApiError):
+            return error_reply(body, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
-        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
             return error_reply(INVALID_BODY, request_id_header(request_id))
         model = fields.model if fields is not None else None
         if model and len(model) > MAX_MODEL_NAME_LENGTH:
@@ -171,28 +162,51 @@ class ApiApp:
         return await self._proxy.forward(exchange)
 
 
+def _origin_form(scope: dict) -> dict:
+    """The scope of a request whose target is in absolute form (`POST http://host/v1/…`, which
+    HTTP/1.1 servers must accept) as if it had been in origin form (`/v1/…`)."""
+    _, _, authority_and_path = scope["path"].partition("://")
+    path = "/" + authority_and_path.partition("/")[2]
+    return {**scope, "path": path, "raw_path": path.encode()}
+
+
+async def _refuse_websocket(send) -> None:
+    """The API serves no WebSocket: the upgrade request gets the JSON 404 any unknown route gets
+    (hypercorn's `websocket.http.response` extension sends it as a plain HTTP response)."""
+    headers = [*NOT_FOUND.headers, (b"content-length", b"%d" % len(NOT_FOUND.body))]
+    await send({"type": "websocket.http.response.start", "status": NOT_FOUND.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": NOT_FOUND.body})
+
+
 class _ClientLeft(Exception):
     """The client went away before its request body was complete."""
 
 
-async def _read_body(receive, declared_length: int | None, limit: int) -> bytes | None:
-    """The request body, or None when it is larger than `limit` (the rest is then left unread)."""
-    if declared_length is not None and declared_length > limit:
-        return None
+async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | ApiError:
+    """The request body; or, with the rest left unread, REQUEST_TOO_LARGE when it is larger
+    than the limit, REQUEST_TIMEOUT when it takes longer than the body timeout in all or the
+    idle timeout between two pieces."""
+    if declared_length is not None and declared_length > config.body_limit:
+        return REQUEST_TOO_LARGE
     pieces = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientLeft
-        piece = message["body"]
-        if piece:
-            size += len(piece)
-            if size > limit:
-                return None
-            pieces.append(piece)
-        if not message["more_body"]:
-            return b"".join(pieces)
+    now = trio.current_time()
+    give_up_at = now + config.body_timeout
+    with trio.CancelScope(deadline=min(give_up_at, now + config.body_idle_timeout)) as waiting:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _ClientLeft
+            piece = message["body"]
+            if piece:
+                size += len(piece)
+                if size > config.body_limit:
+                    return REQUEST_TOO_LARGE
+                pieces.append(piece)
+            if not message["more_body"]:
+                return b"".join(pieces)
+            waiting.deadline = min(give_up_at, trio.current_time() + config.body_idle_timeout)
+    return REQUEST_TIMEOUT
 
 
 def _admitted(scope, config: ConfigView) -> bool:
@@ -240,7 +254,9 @@ async def _send_all_but_last(send, reply: Reply) -> bytes:
     what is left for the last send (a complete body, or nothing after a flowing one)."""
     body = reply.body
     if isinstance(body, bytes):
-        headers = [*reply.headers, (b"content-length", b"%d" % len(body))]
+        headers = reply.headers
+        if reply.status != 204 and reply.status != 304:  # they have no body, nor a length for one
+            headers = [*headers, (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         return body
     try:

@@ -4,11 +4,6 @@ Names, labels and help texts are plinth's (dashboards depend on them); the histo
 DefBuckets. Everything is registered on the registry the control plane shares with us, never
 on prometheus_client's global default registry. Labelled children are cached by their label
 values as the caller has them, so counting on the request path is a dict lookup and an increment.
-A `model` label is a model the gateway knows (configured, or listed by a node) or OTHER_MODELS:
-the label set never grows with what clients send.
-
-`/metrics` is rendered in a worker thread (prometheus_client is thread-safe), one scrape at a
-time: however large the page, the event loop, and with it the API, goes on meanwhile.
 """
 
 from __future__ import annotations
@@ -20,9 +15,6 @@ from quart import Response
 from quart_trio import QuartTrio
 
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
-
-OTHER_MODELS = "(other)"
-"""The `model` label of every request for a model neither configured nor listed by a node."""
 
 
 class RequestMetrics:
@@ -107,18 +99,16 @@ class _Children:
 
 
 def metrics_app(registry: CollectorRegistry) -> QuartTrio:
-    """The second listener's app: `/metrics` only (plinth serves nothing else there)."""
+    """The second listener's app: `/metrics` only (plinth serves nothing else there).
+
+    The page is rendered in a worker thread (the client library is thread-safe): a big page
+    must not hold up the API on the event loop."""
     app = QuartTrio(__name__)
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
-    one_scrape_at_a_time = trio.CapacityLimiter(1)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        # A cancelled scrape (the scraper left, a forced shutdown) does not wait for the render;
-        # the limiter stays taken until the render ends.
-        page = await trio.to_thread.run_sync(
-            generate_latest, registry, limiter=one_scrape_at_a_time, abandon_on_cancel=True
-        )
+        page = await trio.to_thread.run_sync(generate_latest, registry)
         return Response(page, content_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -31,14 +31,7 @@ import trio
 
 from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.routing import (
-    filter_by_model,
-    is_known_model,
-    is_unknown_model,
-    model_ring,
-    ring_members,
-    unavailable_reason,
-)
+from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
 from dataplane.balancer import RoundRobin
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
@@ -63,7 +56,7 @@ from dataplane.errors import (
     error_reply,
     model_not_found,
 )
-from dataplane.metrics import OTHER_MODELS, RequestMetrics
+from dataplane.metrics import RequestMetrics
 from events.config import Config, NodeConfig
 from events.state import ClusterState, NodeState
 from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
@@ -125,6 +118,8 @@ class ConfigView:
         gateway = config.gateway
         self.default_model = config.models.default
         self.body_limit = gateway.request_body_limit
+        self.body_timeout = gateway.request_body_timeout
+        self.body_idle_timeout = gateway.request_body_idle_timeout
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered
@@ -152,11 +147,9 @@ def _node_header(node: NodeConfig) -> tuple[bytes, bytes]:
 
 class Route:
     """One model's routing on one snapshot: the ring pool, and the candidates the model filter
-    keeps; when there is none, whether the model is unknown (`routing.is_unknown_model`). Its
-    `metric_model` is the model's label in the metrics: its name only when it is known
-    (`routing.is_known_model`), so that what clients send never grows the label set."""
+    keeps; when there is none, whether the model is unknown (`routing.is_unknown_model`)."""
 
-    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown", "metric_model")
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
 
     def __init__(self, snapshot: ClusterState, model: str) -> None:
         self.ring = model_ring(snapshot, model)
@@ -165,12 +158,16 @@ class Route:
         self.ring_pool = tuple(node.ip for node in pool)
         self.candidates = candidates
         self.unknown = not candidates and is_unknown_model(snapshot, pool, model)
-        self.metric_model = model if is_known_model(snapshot, pool, model) else OTHER_MODELS
         self.excluded = tuple(Exclusion(node.ip, reason) for node, reason in dropped)
         counts: dict[str, int] = {}
         for _, reason in dropped:
             counts[reason] = counts.get(reason, 0) + 1
         self.exclusion_counts = tuple(counts.items())
+
+
+OTHER_MODELS = "(other)"
+"""The `model` label of every request for a model neither configured nor listed by a node: the
+labels stay bounded by the config and the nodes, whatever names clients send."""
 
 
 class SnapshotView:
@@ -191,6 +188,16 @@ class SnapshotView:
             if len(self._routes) < self.MAX_ROUTES:
                 self._routes[model] = route
         return route
+
+    def metric_model(self, model: str) -> str:
+        """`model` as the metrics' `model` label: itself when configured or listed by a node."""
+        return model if model in self._known_models else OTHER_MODELS
+
+    @functools.cached_property
+    def _known_models(self) -> frozenset[str]:
+        configured = (model.name for model in self.snapshot.config.models.available)
+        listed = (name for node in self.snapshot.node_list() for name in node.models.names or ())
+        return frozenset((*configured, *listed))
 
     @functools.cached_property
     def state_digest(self) -> str:
@@ -222,8 +229,8 @@ class Exchange:
     """A completion request on its way through the attempt loop."""
 
     __slots__ = (
-        "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts",
-        "skipped",
+        "request_id", "path", "model", "metric_model", "stream", "body", "headers", "view", "route", "at",
+        "started", "attempts", "skipped",
     )  # fmt: skip
 
     def __init__(
@@ -242,6 +249,7 @@ class Exchange:
         self.request_id = request_id
         self.path = path
         self.model = model
+        self.metric_model = view.metric_model(model)
         self.stream = stream
         self.body = body
         self.headers = headers
@@ -354,7 +362,7 @@ class Proxy:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
         route = exchange.route
         for reason, count in route.exclusion_counts:
-            self._metrics.excluded(route.metric_model, reason, count)
+            self._metrics.excluded(exchange.metric_model, reason, count)
         candidates = route.candidates
         if not candidates:
             if route.ring_pool:
@@ -503,7 +511,7 @@ class Proxy:
         limit: int,
     ) -> Outcome:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
-        self._metrics.passthrough(exchange.route.metric_model, reason)
+        self._metrics.passthrough(exchange.metric_model, reason)
         return self._commit(exchange, node, upstream, buffered)
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
@@ -569,9 +577,9 @@ class Proxy:
                 self._log.error("response truncated after commit", node=node.ip, error=error)
         elif kind == CLIENT_GONE and outcome.committed:
             self._log.error("client write failed after commit", node=node.ip, error=error)
-            self._metrics.client_write_failure(exchange.route.metric_model)
+            self._metrics.client_write_failure(exchange.metric_model)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
-            self._metrics.attempt(exchange.route.metric_model, outcome.status or 502)
+            self._metrics.attempt(exchange.metric_model, outcome.status or 502)
         exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
 
     def _error(self, exchange: Exchange, error: ApiError) -> Reply:
@@ -580,7 +588,7 @@ class Proxy:
 
     def _finish(self, exchange: Exchange, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
-        self._metrics.request_done(exchange.route.metric_model, status, time.perf_counter() - exchange.started)
+        self._metrics.request_done(exchange.metric_model, status, time.perf_counter() - exchange.started)
         self._record(exchange, status)
 
     def _record(self, exchange: Exchange, status: int | None) -> None:
@@ -620,9 +628,12 @@ class Proxy:
 
 
 def _client_headers(upstream: UpstreamResponse, exchange: Exchange, node: NodeState, *, with_length: bool) -> Headers:
-    """The node's headers (names lower-case) for the client, with the request id and the node's
-    name; a complete body is sent with its own Content-Length."""
+    """The node's headers (names lower-case) for the client, less those its Connection header
+    names, with the request id and the node's name; a complete body is sent with its own
+    Content-Length."""
     dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
+    if upstream.connection_options:
+        dropped = dropped.union(upstream.connection_options)
     headers = [(name, value) for name, value in upstream.headers if name not in dropped]
     headers.append(request_id_header(exchange.request_id))
     headers.append(exchange.view.config.node_headers[node.ip])

@@ -82,6 +82,9 @@ def gateway_with(line: str) -> str:
         ('probe_timeout = "0s"', "probe_timeout must be greater than zero"),
         ('probe_timeout = "-5s"', "probe_timeout must be greater than zero"),
         ("event_log_max_bytes = -1", "event_log_max_bytes must be greater than zero"),
+        ('request_body_timeout = "0s"', "request_body_timeout must be greater than zero"),
+        ('request_body_idle_timeout = "-1s"', "request_body_idle_timeout must be greater than zero"),
+        ('request_body_idle_timeout = "10"', 'parsing request_body_idle_timeout: time: missing unit in duration "10"'),
         ("event_log_retain_bytes = -1", "event_log_retain_bytes must be non-negative (0: no bound)"),
         ('event_log_retain_age = "-1h"', "event_log_retain_age must be non-negative (0: no bound)"),
         ("decision_log_max_bytes = -1", "decision_log_max_bytes must be greater than zero"),
@@ -367,7 +370,7 @@ def test_unknown_keys_are_ignored_and_reported(tmp_path: Path) -> None:
     assert unknown == [
         ("top_level", ""),
         ("cluster.region", ""),
-        ("gateway.request_overload_threshold", ""),
+        ("gateway.request_overload_threshold", "gateway.request_body_timeout"),
         ("nodes[0].gpu_count", ""),
         ("models.available[0].quantization", ""),
         ("telemetry", ""),
@@ -452,6 +455,9 @@ def test_defaults_when_absent(tmp_path: Path) -> None:
         event_log="",
         event_log_max_bytes=67108864,
         decision_log="",
+        request_body_timeout=60.0,
+        request_body_idle_timeout=10.0,
+        http2=False,
         retry_unanswered=False,
     )
     assert config.nodes == (
