@@ -65,6 +65,10 @@ class CompletionFields(msgspec.Struct):
     stream: bool | None = None
 
 
+MAX_REQUEST_ID_LENGTH = 200
+"""A longer X-Request-Id is replaced by a new id (as Heroku's router does): the id goes into log
+lines and decision records, which must not carry unbounded client text."""
+
 _decode_fields = msgspec.json.Decoder(CompletionFields | None)
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw] | None)
 _encode = msgspec.json.Encoder()
@@ -112,7 +116,8 @@ class ApiApp:
                 request_id = request_id or value.decode("latin-1")
             elif name == b"content-length":
                 declared_length = int(value)  # hypercorn (h11) accepts only digits here
-        request_id = request_id or os.urandom(16).hex()
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH:
+            request_id = os.urandom(16).hex()
         try:
             body = await _read_body(receive, declared_length, view.config)
         except _ClientLeft:
