@@ -130,7 +130,14 @@ NO_OVERRIDES = Overrides()
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = ("health_interval", "probe_timeout", "event_log_retain_age", "decision_log_retain_age")
+_DURATION_KEYS = (
+    "health_interval",
+    "probe_timeout",
+    "request_body_timeout",
+    "request_body_idle_timeout",
+    "event_log_retain_age",
+    "decision_log_retain_age",
+)
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
 
@@ -296,6 +303,9 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
+    for key in ("request_body_timeout", "request_body_idle_timeout"):
+        if getattr(gateway, key) <= 0:
+            raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
     if gateway.decision_log and gateway.decision_log == gateway.event_log:
         raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
     for log in ("event_log", "decision_log"):
@@ -456,6 +466,11 @@ def describe_config(config: Config) -> str:
         lines.append(f"  {model.name}  {ring}")
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
         lines.append(f"{what}: {_describe_log(gateway, key)}")
+    lines.append(
+        f"request bodies: within {_seconds_text(gateway.request_body_timeout)}, "
+        f"idle for at most {_seconds_text(gateway.request_body_idle_timeout)} (else 408)"
+    )
+    lines.append("http/2: on (h2c and prior knowledge)" if gateway.http2 else "http/2: off (HTTP/1.1 only)")
     if gateway.retry_unanswered:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:

@@ -24,6 +24,7 @@ Two things hypercorn (trio) does shape `_completion`:
 
 from __future__ import annotations
 
+import enum
 import os
 import time
 
@@ -32,9 +33,10 @@ import trio
 
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
-from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TOO_LARGE, Reply, error_reply
+from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TIMEOUT, REQUEST_TOO_LARGE, Reply, error_reply
 from dataplane.proxy import (
     COMPLETION_PATHS,
+    ConfigView,
     Exchange,
     Proxy,
     SnapshotView,
@@ -91,7 +93,7 @@ class ApiApp:
                 declared_length = int(value)  # hypercorn (h11) accepts only digits here
         request_id = request_id or os.urandom(16).hex()
         try:
-            body = await _read_body(receive, declared_length, view.config.body_limit)
+            body = await _read_body(receive, declared_length, view.config)
         except _ClientLeft:
             return
         async with trio.open_nursery() as nursery:
@@ -107,10 +109,12 @@ class ApiApp:
             watch.answered = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _reply(self, scope, body: bytes | None, request_id: str, view: SnapshotView, started: float) -> Reply:
+    async def _reply(self, scope, body: bytes | _Unread, request_id: str, view: SnapshotView, started: float) -> Reply:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
-        if body is None:
+        if body is _Unread.TOO_LARGE:
             return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
+        if body is _Unread.TIMED_OUT:
+            return error_reply(REQUEST_TIMEOUT, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
         except msgspec.DecodeError:
@@ -141,24 +145,39 @@ class _ClientLeft(Exception):
     """The client went away before its request body was complete."""
 
 
-async def _read_body(receive, declared_length: int | None, limit: int) -> bytes | None:
-    """The request body, or None when it is larger than `limit` (the rest is then left unread)."""
+class _Unread(enum.Enum):
+    """Why `_read_body` left the rest of a body unread."""
+
+    TOO_LARGE = enum.auto()
+    TIMED_OUT = enum.auto()
+
+
+async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | _Unread:
+    """The request body, or why the rest of it was left unread: it is larger than the limit, or
+    the client took longer than the body timeout to send it all, or than the idle timeout to
+    send its next piece. One cancel scope per body, its deadline moved on at each piece."""
+    limit = config.body_limit
     if declared_length is not None and declared_length > limit:
-        return None
+        return _Unread.TOO_LARGE
     pieces = []
     size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise _ClientLeft
-        piece = message["body"]
-        if piece:
-            size += len(piece)
-            if size > limit:
-                return None
-            pieces.append(piece)
-        if not message["more_body"]:
-            return b"".join(pieces)
+    started = trio.current_time()
+    give_up = started + config.body_timeout
+    with trio.CancelScope(deadline=min(give_up, started + config.body_idle_timeout)) as deadline:
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                raise _ClientLeft
+            piece = message["body"]
+            if piece:
+                size += len(piece)
+                if size > limit:
+                    return _Unread.TOO_LARGE
+                pieces.append(piece)
+            if not message["more_body"]:
+                return b"".join(pieces)
+            deadline.deadline = min(give_up, trio.current_time() + config.body_idle_timeout)
+    return _Unread.TIMED_OUT
 
 
 class _DisconnectWatch:

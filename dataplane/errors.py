@@ -52,6 +52,7 @@ class ApiError:
 
 NOT_FOUND = ApiError(404, "404 page not found", "not_found")
 METHOD_NOT_ALLOWED = ApiError(405, "Method Not Allowed", "method_not_allowed")
+REQUEST_TIMEOUT = ApiError(408, "request body timed out", "request_timeout")
 REQUEST_TOO_LARGE = ApiError(413, "request body too large", "request_too_large")
 INVALID_BODY = ApiError(400, "invalid request body", "invalid_request_body")
 NO_MODEL = ApiError(400, "model not specified and no default model is configured", "model_not_specified")

@@ -117,6 +117,8 @@ class ConfigView:
         gateway = config.gateway
         self.default_model = config.models.default
         self.body_limit = gateway.request_body_limit
+        self.body_timeout = gateway.request_body_timeout
+        self.body_idle_timeout = gateway.request_body_idle_timeout
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered

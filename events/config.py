@@ -19,6 +19,8 @@ DEFAULT_HEALTH_FAIL_THRESHOLD = 3
 DEFAULT_MAX_BUFFERED_RESPONSE_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_PROBE_TIMEOUT = 5.0
+DEFAULT_REQUEST_BODY_TIMEOUT = 60.0
+DEFAULT_REQUEST_BODY_IDLE_TIMEOUT = 10.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_DECISION_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_RETAIN_BYTES = 1024 * 1024 * 1024
@@ -68,6 +70,12 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     workers: Workers = 1
     """Processes serving the API: 1 is the gateway alone; more (or "auto", one per usable core)
     start that many workers that follow this process's control plane."""
+    request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT
+    """Seconds a client may take to send a whole request body (a Go duration in the file)."""
+    request_body_idle_timeout: float = DEFAULT_REQUEST_BODY_IDLE_TIMEOUT
+    """Seconds a client may leave a request body unfinished without sending any of it."""
+    http2: bool = False
+    """Whether the API port also speaks HTTP/2 (prior knowledge and h2c upgrade); HTTP/1.1 only if not."""
     retry_unanswered: bool = False
     """Retry a non-streaming request on another node when its connection broke before any byte
     of the response arrived (plinth answers 502)."""
