@@ -466,10 +466,11 @@ def describe_config(config: Config) -> str:
         lines.append(f"  {model.name}  {ring}")
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
         lines.append(f"{what}: {_describe_log(gateway, key)}")
-    lines.append(
-        f"request bodies: within {_seconds_text(gateway.request_body_timeout)}, "
-        f"idle for at most {_seconds_text(gateway.request_body_idle_timeout)} (else 408)"
+    body_limits = (
+        f"within {_seconds_text(gateway.request_body_timeout)}, "
+        f"idle for at most {_seconds_text(gateway.request_body_idle_timeout)}"
     )
+    lines.append(f"request bodies: {body_limits} (else 408)")
     lines.append("http/2: on (h2c and prior knowledge)" if gateway.http2 else "http/2: off (HTTP/1.1 only)")
     if gateway.retry_unanswered:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")

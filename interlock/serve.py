@@ -34,7 +34,6 @@ from functools import partial
 
 import prometheus_client
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
@@ -51,6 +50,7 @@ from dataplane.decisions import Decision, DecisionLog, DecisionRecorder, open_de
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
+from interlock.http_versions import ServerConfig, use_connection_protocol
 from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
 
 EXIT_OK = 0
@@ -185,7 +185,9 @@ async def _run(
         """This process serves the API, or its workers do (then until `stop_listening`)."""
         if workers == 1:
             async with api_application(control_plane, log, decisions, registry=registry, **timeouts) as app:
-                await serve_on_socket(app, api_socket, stop_listening, task_status=task_status)
+                await serve_on_socket(
+                    app, api_socket, stop_listening, http2=config.gateway.http2, task_status=task_status
+                )
             return
         with tempfile.TemporaryDirectory(prefix="interlock-metrics-") as metrics_dir:
             MultiProcessCollector(registry, path=metrics_dir)
@@ -252,9 +254,10 @@ def _bind_listeners(gateway: GatewayConfig) -> tuple[socket.socket, socket.socke
         raise
 
 
-def _hypercorn_config() -> HypercornConfig:
+def _hypercorn_config(http2: bool) -> ServerConfig:
     """hypercorn as every listener of the gateway runs it."""
-    config = HypercornConfig()
+    config = ServerConfig()
+    config.http2 = http2
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
@@ -286,10 +289,13 @@ async def serve_on_socket(
     listening: socket.socket,
     stopped: trio.Event,
     *,
+    http2: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on a listening socket until `stopped` is set, then drain."""
-    config = _hypercorn_config()
+    """Serve `app` on a listening socket until `stopped` is set, then drain; in HTTP/1.1, and
+    with `http2` also in HTTP/2 (see interlock.http_versions)."""
+    config = _hypercorn_config(http2)
+    use_connection_protocol()
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,

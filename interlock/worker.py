@@ -122,7 +122,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         nursery.start_soon(follow)
         nursery.start_soon(reports.send_to, leader)
         nursery.start_soon(stop_on_sigterm)
-        await serve_on_socket(api_app, api_socket, stop)
+        await serve_on_socket(api_app, api_socket, stop, http2=follower.snapshot.config.gateway.http2)
         nursery.cancel_scope.cancel()
     return exit_code
 
