@@ -1,7 +1,7 @@
 """Clients that cost the gateway without asking anything of it: slow request bodies, rapid reset.
 
-    python -m bench.client_input --slow-bodies [--clients 2000] [--seconds 75] [--source DIR]
-    python -m bench.client_input --rapid-reset [--streams 5000] [--http2] [--source DIR]
+    python -m bench.client_input --slow-bodies [--clients 2000] [--seconds 75] [--workers N] [--source DIR]
+    python -m bench.client_input --rapid-reset [--streams 5000] [--http2] [--workers N] [--source DIR]
 
 Starts one simulated node (`python -m fixtures.node`, which records every request it receives)
 and `interlock serve` in front of it, run from `--source` (default: this checkout; give an
@@ -9,8 +9,8 @@ unpacked `git archive main` to measure main), then:
 
 - `--slow-bodies`: `--clients` connections each send the head of a completion request
   (`Content-Length: 100000`) and then one body byte per second. Every 15 s, and after
-  `--seconds`, prints how many are still open (neither answered nor closed by the gateway) and
-  the gateway's RSS. With the default limits (60 s in all, 10 s idle) none should be left.
+  `--seconds`, prints how many are still open (neither answered nor closed by the gateway), how
+  the others ended, and the RSS of the gateway's first process (the leader with `--workers`). With the default limits (60 s in all, 10 s idle) none should be left.
 - `--rapid-reset`: one HTTP/2 connection (prior knowledge; `--http2` writes `gateway.http2 =
   true` in the config) opens up to `--streams` streams, each with a whole completion request,
   and resets each at once, and opens another connection whenever the gateway closes one, until
@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import h2.config
@@ -41,10 +42,12 @@ from bench.servers import HOST, PROJECT_ROOT
 MODEL = "bench-model"
 NODE_HOST = "127.0.0.2"
 CHAT = "/v1/chat/completions"
+H2_REQUEST_HEADERS = [(":method", "POST"), (":path", CHAT), (":scheme", "http"), (":authority", "gw"),
+                      ("content-type", "application/json")]  # fmt: skip
 BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}]}).encode()
 
 
-def start(processes: Processes, folder: Path, source: Path, http2: bool) -> tuple[int, int, int]:
+def start(processes: Processes, folder: Path, source: Path, http2: bool, workers: int) -> tuple[int, int, int]:
     """The node and the gateway: (gateway port, node port, gateway pid)."""
     node_port, node_metrics = free_port(NODE_HOST), free_port(NODE_HOST)
     argv = [
@@ -61,7 +64,7 @@ def start(processes: Processes, folder: Path, source: Path, http2: bool) -> tupl
         + f'[[nodes]]\nip = "{NODE_HOST}"\nvllm_port = {node_port}\nmetrics_port = {node_metrics}\n'
         + f'[[models.available]]\nname = "{MODEL}"\n'
     )
-    gateway = processes.start("interlock", [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)],
+    gateway = processes.start("interlock", [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config), "--workers", str(workers)],
                               cores=None, cwd=source)  # fmt: skip
 
     def node_known(status: int, body: bytes) -> bool:
@@ -82,6 +85,7 @@ async def slow_bodies(port: int, pid: int, clients: int, seconds: float) -> dict
     """`clients` connections trickling a body a byte a second; how many are open over time."""
     open_connections = 0
     samples = []
+    endings: Counter[str] = Counter()
 
     async def client() -> None:
         nonlocal open_connections
@@ -96,11 +100,12 @@ async def slow_bodies(port: int, pid: int, clients: int, seconds: float) -> dict
                 await stream.send_all(head.encode())
                 while True:
                     with trio.move_on_after(1):
-                        await stream.receive_some(65536)  # an answer (408) or the end: no longer held
+                        answer = await stream.receive_some(65536)  # an answer (408) or the end: no longer held
+                        endings[answer.split(b"\r\n", 1)[0].decode("latin-1") or "closed"] += 1
                         break
                     await stream.send_all(b" ")
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
+                endings[type(error).__name__] += 1
             finally:
                 open_connections -= 1
 
@@ -112,9 +117,10 @@ async def slow_bodies(port: int, pid: int, clients: int, seconds: float) -> dict
         for at in [*range(15, int(seconds), 15), seconds]:
             await trio.sleep_until(started + at)
             samples.append({"seconds": at, "open": open_connections, "gateway_rss_mib": round(rss_mib(pid), 1)})
-            print(f"after {at:>5.0f} s: {open_connections:>5} connections open, gateway RSS {samples[-1]['gateway_rss_mib']} MiB")
+            print(f"after {at:>5.0f} s: {open_connections:>5} connections open, gateway RSS {samples[-1]['gateway_rss_mib']} MiB, "
+                  f"ended: {dict(endings)}")  # fmt: skip
         nursery.cancel_scope.cancel()
-    return {"clients": clients, "samples": samples}
+    return {"clients": clients, "samples": samples, "endings": dict(endings)}
 
 
 async def rapid_reset(port: int, node_port: int, streams: int) -> dict:
@@ -124,7 +130,7 @@ async def rapid_reset(port: int, node_port: int, streams: int) -> dict:
         await http.delete(f"http://{NODE_HOST}:{node_port}/_control/requests")
     opened, connections, goaways = 0, 0, set()
     while opened < streams:
-        opened_here, goaway = await _reset_streams_on_one_connection(port, streams - opened)
+        opened_here, goaway = await reset_streams_on_one_connection(port, streams - opened)
         connections += 1
         opened += opened_here
         goaways.add(goaway)
@@ -140,13 +146,11 @@ async def rapid_reset(port: int, node_port: int, streams: int) -> dict:
     return {"streams": streams, "sent": opened, "connections": connections, "goaway": goaway_names, "started": started}
 
 
-async def _reset_streams_on_one_connection(port: int, streams: int) -> tuple[int, object]:
-    """Up to `streams` streams opened with a whole request and reset at once, until the gateway
-    closes the connection: how many, and the GOAWAY's error code (None without one)."""
+async def reset_streams_on_one_connection(port: int, streams: int, body: bytes = BODY) -> tuple[int, object]:
+    """Up to `streams` streams opened with a whole request (`body`) and reset at once, until the
+    gateway closes the connection: how many, and the GOAWAY's error code (None without one)."""
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()
-    headers = [(":method", "POST"), (":path", CHAT), (":scheme", "http"), (":authority", "gw"),
-               ("content-type", "application/json")]  # fmt: skip
     opened, goaway = 0, None
     sending = trio.Lock()
     async with await trio.open_tcp_stream(HOST, port) as stream:
@@ -173,12 +177,12 @@ async def _reset_streams_on_one_connection(port: int, streams: int) -> tuple[int
                 await send()
                 nursery.start_soon(read)
                 while opened < streams and goaway is None:
-                    if client.outbound_flow_control_window < len(BODY):
+                    if client.outbound_flow_control_window < len(body):
                         await trio.sleep(0.001)
                         continue
                     stream_id = client.get_next_available_stream_id()
-                    client.send_headers(stream_id, headers)
-                    client.send_data(stream_id, BODY, end_stream=True)
+                    client.send_headers(stream_id, H2_REQUEST_HEADERS)
+                    client.send_data(stream_id, body, end_stream=True)
                     client.reset_stream(stream_id)
                     opened += 1
                     await send()
@@ -200,15 +204,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=75.0)
     parser.add_argument("--streams", type=int, default=5000)
     parser.add_argument("--http2", action="store_true", help="write gateway.http2 = true")
+    parser.add_argument("--workers", type=int, default=1, help="interlock serve --workers")
     parser.add_argument("--source", type=Path, default=PROJECT_ROOT, help="the gateway's code (default: here)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="client-input-") as temporary, Processes(Path(temporary)) as processes:
-        port, node_port, pid = start(processes, Path(temporary), args.source.resolve(), args.http2)
+        port, node_port, pid = start(processes, Path(temporary), args.source.resolve(), args.http2, args.workers)
         if args.slow_bodies:
             figures = trio.run(slow_bodies, port, pid, args.clients, args.seconds)
         else:
             figures = trio.run(rapid_reset, port, node_port, args.streams)
-    print(json.dumps({"source": str(args.source), "http2": args.http2, **figures}))
+    print(json.dumps({"source": str(args.source), "http2": args.http2, "workers": args.workers, **figures}))
 
 
 if __name__ == "__main__":

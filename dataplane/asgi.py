@@ -155,12 +155,36 @@ class _Unread(enum.Enum):
 async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | _Unread:
     """The request body, or why the rest of it was left unread: it is larger than the limit, or
     the client took longer than the body timeout to send it all, or than the idle timeout to
-    send its next piece. One cancel scope per body, its deadline moved on at each piece."""
+    send its next piece.
+
+    hypercorn (trio) gives the app its queue's `receive`: a whole body already queued (most
+    bodies, which come with their head) is taken at once, and only a body still arriving is
+    read in a cancel scope with the deadlines (a scope costs more than the rest of this)."""
     limit = config.body_limit
     if declared_length is not None and declared_length > limit:
         return _Unread.TOO_LARGE
-    pieces = []
-    size = 0
+    queue = getattr(receive, "__self__", None)
+    if isinstance(queue, trio.MemoryReceiveChannel):
+        try:
+            message = queue.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
+            if message["type"] != "http.request":
+                raise _ClientLeft
+            body = message["body"]
+            if not message["more_body"]:
+                return body if len(body) <= limit else _Unread.TOO_LARGE
+            return await _read_rest(receive, [body], config)
+    return await _read_rest(receive, [], config)
+
+
+async def _read_rest(receive, pieces: list[bytes], config: ConfigView) -> bytes | _Unread:
+    """The rest of a body that began with `pieces`, within the limit and the deadlines."""
+    limit = config.body_limit
+    size = sum(map(len, pieces))
+    if size > limit:
+        return _Unread.TOO_LARGE
     started = trio.current_time()
     give_up = started + config.body_timeout
     with trio.CancelScope(deadline=min(give_up, started + config.body_idle_timeout)) as deadline:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import trio
 
+from bench.client_input import H2_REQUEST_HEADERS, reset_streams_on_one_connection
 from interlock.http_versions import H2_RESET_ALLOWANCE
 
 from harness import chat, completions_to, node_specs, nodes_and_gateway
@@ -38,7 +39,7 @@ async def test_without_http2_the_preface_is_refused_and_h2c_upgrades_are_ignored
         client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         client.initiate_connection()
         stream_id = client.get_next_available_stream_id()
-        client.send_headers(stream_id, _request_headers())
+        client.send_headers(stream_id, H2_REQUEST_HEADERS)
         client.send_data(stream_id, json.dumps(chat()).encode(), end_stream=True)
         async with await trio.open_tcp_stream(*_address(gateway.url)) as stream:
             await stream.send_all(client.data_to_send())
@@ -65,7 +66,8 @@ async def test_with_http2_requests_are_served_and_rapid_resets_start_a_handful_o
             responses = [await http2_only.post(gateway.url + CHAT, json=chat()) for _ in range(3)]
         assert [(r.status_code, r.http_version) for r in responses] == [(200, "HTTP/2")] * 3
         assert len(completions_to(nodes[0])) == 3
-        opened, goaway = await _open_and_reset_streams(gateway.url, 2000)
+        body = json.dumps(chat()).encode()
+        opened, goaway = await reset_streams_on_one_connection(_address(gateway.url)[1], 2000, body)
         assert goaway == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
         assert opened <= 2 * H2_RESET_ALLOWANCE
         started = len(completions_to(nodes[0])) - 3
@@ -73,61 +75,3 @@ async def test_with_http2_requests_are_served_and_rapid_resets_start_a_handful_o
         # The gateway serves on.
         response = await gateway.http.post(gateway.url + CHAT, json=chat())
         assert response.status_code == 200
-
-
-def _request_headers() -> list[tuple[str, str]]:
-    return [
-        (":method", "POST"),
-        (":path", CHAT),
-        (":scheme", "http"),
-        (":authority", "gw"),
-        ("content-type", "application/json"),
-    ]
-
-
-async def _open_and_reset_streams(url: str, streams: int) -> tuple[int, int | None]:
-    """The rapid-reset attacker: on one HTTP/2 connection, up to `streams` times, open a stream
-    with a whole completion request and reset it at once. How many streams it opened before the
-    gateway closed the connection, and the GOAWAY's error code (None without one)."""
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    body = json.dumps(chat()).encode()
-    opened = 0
-    goaway = None
-    async with await trio.open_tcp_stream(*_address(url)) as stream:
-        await stream.send_all(client.data_to_send())
-        sending = trio.Lock()
-
-        async def send() -> None:
-            async with sending:
-                await stream.send_all(client.data_to_send())
-
-        async def read() -> None:
-            nonlocal goaway
-            while data := await stream.receive_some(65536):
-                for event in client.receive_data(data):
-                    if isinstance(event, h2.events.ConnectionTerminated):
-                        goaway = event.error_code
-                await send()
-
-        with trio.fail_after(20):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(read)
-                try:
-                    while opened < streams and goaway is None:
-                        if client.outbound_flow_control_window < len(body):
-                            await trio.sleep(0.001)  # the window updates come in `read`
-                            continue
-                        stream_id = client.get_next_available_stream_id()
-                        client.send_headers(stream_id, _request_headers())
-                        client.send_data(stream_id, body, end_stream=True)
-                        client.reset_stream(stream_id)
-                        opened += 1
-                        await send()
-                except (h2.exceptions.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass  # the gateway closed the connection
-                with trio.move_on_after(5):
-                    while goaway is None:
-                        await trio.sleep(0.01)
-                nursery.cancel_scope.cancel()
-    return opened, goaway
