@@ -10,7 +10,7 @@ unpacked `git archive main` to measure main), then:
 - `--slow-bodies`: `--clients` connections each send the head of a completion request
   (`Content-Length: 100000`) and then one body byte per second. Every 15 s, and after
   `--seconds`, prints how many are still open (neither answered nor closed by the gateway), how
-  the others ended, and the RSS of the gateway's first process (the leader with `--workers`). With the default limits (60 s in all, 10 s idle) none should be left.
+  the others ended, and the RSS of the gateway's processes (its workers included). With the default limits (60 s in all, 10 s idle) none should be left.
 - `--rapid-reset`: one HTTP/2 connection (prior knowledge; `--http2` writes `gateway.http2 =
   true` in the config) opens up to `--streams` streams, each with a whole completion request,
   and resets each at once, and opens another connection whenever the gateway closes one, until
@@ -36,7 +36,7 @@ import h2.exceptions
 import httpx
 import trio
 
-from bench.processes import Processes, free_port, wait_until_healthy
+from bench.processes import Processes, free_port, group_pids, wait_until_healthy
 from bench.servers import HOST, PROJECT_ROOT
 
 MODEL = "bench-model"
@@ -74,11 +74,16 @@ def start(processes: Processes, folder: Path, source: Path, http2: bool, workers
     return port, node_port, gateway.pid
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def rss_mib(pgid: int) -> float:
+    """The resident memory of a process group (the gateway and its workers)."""
+    total = 0
+    for pid in group_pids(pgid):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
+    return total / 1024
 
 
 async def slow_bodies(port: int, pid: int, clients: int, seconds: float) -> dict:

@@ -130,13 +130,13 @@ async def _send_and_read_until_closed(stream: trio.SocketStream, data: bytes, by
 
 
 @pytest.mark.parametrize(
-    ("byte_every", "limit"),
-    [(None, "request_body_idle_timeout"), (0.05, "request_body_timeout")],
-    ids=["nothing-after-the-head", "a-byte-now-and-then"],
+    ("byte_every", "limit", "workers"),
+    [(None, "request_body_idle_timeout", 1), (0.05, "request_body_timeout", 1), (0.05, "request_body_timeout", 2)],
+    ids=["nothing-after-the-head", "a-byte-now-and-then", "a-byte-now-and-then-to-a-worker"],
 )
-async def test_a_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path, byte_every, limit):
+async def test_a_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path, byte_every, limit, workers):
     timeouts = {"request_body_timeout": "600ms", "request_body_idle_timeout": "200ms"}
-    async with nodes_and_gateway(tmp_path, node_specs(1), **timeouts) as (nodes, gateway):
+    async with nodes_and_gateway(tmp_path, node_specs(1), workers=workers, **timeouts) as (nodes, gateway):
         host, port = gateway.url.removeprefix("http://").split(":")
         head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nX-Request-Id: slow-1\r\nContent-Length: 1000\r\n\r\n{{"
         async with await trio.open_tcp_stream(host, int(port)) as stream:
