@@ -1,224 +1,254 @@
-"""Clients that cost the gateway without asking anything of it: slow request bodies, rapid reset.
+"""What hostile client input costs a running gateway (issue 9): memory and /metrics after
+requests for ever new model names, /health latency during a /metrics scrape, slow-body
+connections still open after the body timeouts, upstream requests started by the HTTP/2
+rapid-reset attack.
 
-    python -m bench.client_input --slow-bodies [--clients 2000] [--seconds 75] [--workers N] [--source DIR]
-    python -m bench.client_input --rapid-reset [--streams 5000] [--http2] [--workers N] [--source DIR]
+    .venv/bin/python -m bench.client_input [--project DIR] [--names N] [--slow-clients N]
 
-Starts one simulated node (`python -m fixtures.node`, which records every request it receives)
-and `interlock serve` in front of it, run from `--source` (default: this checkout; give an
-unpacked `git archive main` to measure main), then:
-
-- `--slow-bodies`: `--clients` connections each send the head of a completion request
-  (`Content-Length: 100000`) and then one body byte per second. Every 15 s, and after
-  `--seconds`, prints how many are still open (neither answered nor closed by the gateway), how
-  the others ended, and the RSS of the gateway's processes (its workers included). With the default limits (60 s in all, 10 s idle) none should be left.
-- `--rapid-reset`: one HTTP/2 connection (prior knowledge; `--http2` writes `gateway.http2 =
-  true` in the config) opens up to `--streams` streams, each with a whole completion request,
-  and resets each at once, and opens another connection whenever the gateway closes one, until
-  `--streams` were opened (or a connection takes none). Prints the connections, their GOAWAY
-  codes, and the requests the node received (completions started for nothing).
-
-The figures end as one JSON object. Every process is stopped at the end, also on an error.
+`--project` runs the `interlock serve` of another checkout (e.g. `git worktree add /tmp/main
+main`), for a before/after pair; the simulated node is always this checkout's. One JSON line out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import statistics
+import subprocess
 import sys
 import tempfile
-from collections import Counter
+import time
 from pathlib import Path
 
 import h2.config
 import h2.connection
-import h2.events
 import h2.exceptions
 import httpx
 import trio
 
-from bench.processes import Processes, free_port, group_pids, wait_until_healthy
-from bench.servers import HOST, PROJECT_ROOT
-
-MODEL = "bench-model"
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
 NODE_HOST = "127.0.0.2"
+MODEL = "test-model"
 CHAT = "/v1/chat/completions"
-H2_REQUEST_HEADERS = [(":method", "POST"), (":path", CHAT), (":scheme", "http"), (":authority", "gw"),
-                      ("content-type", "application/json")]  # fmt: skip
-BODY = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+BODY_TIMEOUT, BODY_IDLE_TIMEOUT = 4.0, 2.0
 
 
-def start(processes: Processes, folder: Path, source: Path, http2: bool, workers: int) -> tuple[int, int, int]:
-    """The node and the gateway: (gateway port, node port, gateway pid)."""
-    node_port, node_metrics = free_port(NODE_HOST), free_port(NODE_HOST)
-    argv = [
-        sys.executable, "-m", "fixtures.node", "--host", NODE_HOST, "--base-port", str(node_port),
-        "--metrics-base-port", str(node_metrics), "--models", MODEL,
-    ]  # fmt: skip
-    node = processes.start("node", argv, cores=None, cwd=PROJECT_ROOT)
-    wait_until_healthy(NODE_HOST, node_port, node)
-    port = free_port()
-    config = folder / "gateway.toml"
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def _start_node() -> tuple[trio.Process, int]:
+    argv = [sys.executable, "-m", "fixtures.node", "--host", NODE_HOST, "--base-port", "0", "--models", MODEL]
+    process = await trio.lowlevel.open_process(argv, cwd=PROJECT_ROOT, stdout=subprocess.PIPE)
+    output = b""
+    while b"\n" not in output:
+        output += await process.stdout.receive_some()
+    vllm_url = output.decode().split()[2]
+    return process, int(vllm_url.rpartition(":")[2])
+
+
+async def _start_gateway(project: Path, folder: Path, node_port: int, *, http2: bool) -> tuple[trio.Process, int, int]:
+    port, metrics_port = _free_port(), _free_port()
+    config = folder / f"gateway-{int(http2)}.toml"
     config.write_text(
-        f'[gateway]\nlisten = "{HOST}:{port}"\nmetrics_listen = "{HOST}:{free_port()}"\nhealth_interval = "1s"\n'
-        + ("http2 = true\n" if http2 else "")
-        + f'[[nodes]]\nip = "{NODE_HOST}"\nvllm_port = {node_port}\nmetrics_port = {node_metrics}\n'
-        + f'[[models.available]]\nname = "{MODEL}"\n'
+        f'[gateway]\nlisten = "127.0.0.1:{port}"\nmetrics_listen = "127.0.0.1:{metrics_port}"\nhealth_interval = "1s"\n'
+        f'request_body_timeout = "{BODY_TIMEOUT}s"\nrequest_body_idle_timeout = "{BODY_IDLE_TIMEOUT}s"\n'
+        f"http2 = {str(http2).lower()}\n"
+        f'[[nodes]]\nip = "{NODE_HOST}"\nname = "n1"\nvllm_port = {node_port}\nmetrics_port = {node_port}\n'
+        f'[[models.available]]\nname = "{MODEL}"\n'
     )
-    gateway = processes.start("interlock", [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config), "--workers", str(workers)],
-                              cores=None, cwd=source)  # fmt: skip
-
-    def node_known(status: int, body: bytes) -> bool:
-        return status == 200 and json.loads(body).get("models_ok") == 1
-
-    wait_until_healthy(HOST, port, gateway, accept=node_known)
-    return port, node_port, gateway.pid
-
-
-def rss_mib(pgid: int) -> float:
-    """The resident memory of a process group (the gateway and its workers)."""
-    total = 0
-    for pid in group_pids(pgid):
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        total += sum(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:"))
-    return total / 1024
+    argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
+    env = {**os.environ, "PYTHONPATH": str(project)}
+    process = await trio.lowlevel.open_process(argv, cwd=project, env=env, stdout=subprocess.DEVNULL)
+    async with httpx.AsyncClient(trust_env=False) as http:
+        with trio.fail_after(20):
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    health = (await http.get(f"http://127.0.0.1:{port}/health")).json()
+                    if health["models_ok"] == health["nodes"]:
+                        break
+                await trio.sleep(0.1)
+    return process, port, metrics_port
 
 
-async def slow_bodies(port: int, pid: int, clients: int, seconds: float) -> dict:
-    """`clients` connections trickling a body a byte a second; how many are open over time."""
-    open_connections = 0
-    samples = []
-    endings: Counter[str] = Counter()
+async def _node_completions(http: httpx.AsyncClient, node_port: int) -> int:
+    requests = (await http.get(f"http://{NODE_HOST}:{node_port}/_control/requests")).json()
+    await http.delete(f"http://{NODE_HOST}:{node_port}/_control/requests")
+    return sum(1 for request in requests if request["method"] == "POST" and request["path"].startswith("/v1/"))
+
+
+async def _unique_names(http: httpx.AsyncClient, url: str, count: int) -> None:
+    """`count` requests, each for a model nobody serves, with a 230-byte name of its own."""
+    sent = 0
 
     async def client() -> None:
-        nonlocal open_connections
+        nonlocal sent
+        while sent < count:
+            sent += 1
+            name = f"{sent:010d}-" + "n" * 219
+            await http.post(url + CHAT, json={"model": name, "messages": []})
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(32):
+            nursery.start_soon(client)
+
+
+async def _health_during_scrape(http: httpx.AsyncClient, url: str, metrics_url: str) -> dict:
+    """/health latencies (ms) while one /metrics scrape runs, and the page's size."""
+    latencies: list[float] = []
+    page_bytes = 0
+    async with trio.open_nursery() as nursery:
+        done = trio.Event()
+
+        async def scrape() -> None:
+            nonlocal page_bytes
+            page_bytes = len((await http.get(metrics_url + "/metrics", timeout=120)).content)
+            done.set()
+
+        nursery.start_soon(scrape)
+        await trio.sleep(0.01)
+        while not done.is_set():
+            started = time.perf_counter()
+            await http.get(url + "/health")
+            latencies.append((time.perf_counter() - started) * 1000)
+    return {
+        "metrics_page_bytes": page_bytes,
+        "health_during_scrape_ms_median": round(statistics.median(latencies), 2) if latencies else None,
+        "health_during_scrape_ms_max": round(max(latencies), 2) if latencies else None,
+    }
+
+
+async def _slow_bodies(port: int, clients: int) -> int:
+    """`clients` connections that send a head and then one body byte a second: how many are still
+    open 2 s after the body timeout."""
+    open_count = 0
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+
+    async def client() -> None:
+        nonlocal open_count
         try:
-            stream = await trio.open_tcp_stream(HOST, port)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
         except OSError:
             return
         async with stream:
-            head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
-            open_connections += 1
-            try:
-                await stream.send_all(head.encode())
-                while True:
-                    with trio.move_on_after(1):
-                        answer = await stream.receive_some(65536)  # an answer (408) or the end: no longer held
-                        endings[answer.split(b"\r\n", 1)[0].decode("latin-1") or "closed"] += 1
-                        break
-                    await stream.send_all(b" ")
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as error:
-                endings[type(error).__name__] += 1
-            finally:
-                open_connections -= 1
+            await stream.send_all(head.encode())
+            closed = trio.Event()
+
+            async def read_until_closed() -> None:
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while await stream.receive_some(65536):
+                        pass
+                closed.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read_until_closed)
+                with trio.move_on_after(BODY_TIMEOUT + 2), contextlib.suppress(trio.BrokenResourceError):
+                    while not closed.is_set():
+                        await stream.send_all(b" ")
+                        await trio.sleep(1)
+                if not closed.is_set():
+                    open_count += 1
+                nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
-        started = trio.current_time()
         for _ in range(clients):
             nursery.start_soon(client)
-            await trio.sleep(0.002)  # within the listen backlog
-        for at in [*range(15, int(seconds), 15), seconds]:
-            await trio.sleep_until(started + at)
-            samples.append({"seconds": at, "open": open_connections, "gateway_rss_mib": round(rss_mib(pid), 1)})
-            print(f"after {at:>5.0f} s: {open_connections:>5} connections open, gateway RSS {samples[-1]['gateway_rss_mib']} MiB, "
-                  f"ended: {dict(endings)}")  # fmt: skip
-        nursery.cancel_scope.cancel()
-    return {"clients": clients, "samples": samples, "endings": dict(endings)}
+    return open_count
 
 
-async def rapid_reset(port: int, node_port: int, streams: int) -> dict:
-    """Open and reset `streams` streams, on one HTTP/2 connection after the other as the gateway
-    closes them; what the node received."""
-    async with httpx.AsyncClient(trust_env=False) as http:
-        await http.delete(f"http://{NODE_HOST}:{node_port}/_control/requests")
-    opened, connections, goaways = 0, 0, set()
-    while opened < streams:
-        opened_here, goaway = await reset_streams_on_one_connection(port, streams - opened)
-        connections += 1
-        opened += opened_here
-        goaways.add(goaway)
-        if opened_here == 0:
-            break  # refused: no HTTP/2 here
-    await trio.sleep(3)  # what was started reaches the node
-    async with httpx.AsyncClient(trust_env=False) as http:
-        received = (await http.get(f"http://{NODE_HOST}:{node_port}/_control/requests")).json()
-    started = sum(1 for request in received if request.get("path") == CHAT)
-    goaway_names = sorted(str(getattr(code, "name", code)) for code in goaways)
-    print(f"{opened} streams sent and reset on {connections} connections (GOAWAY {', '.join(goaway_names)}), "
-          f"{started} completions started on the node")  # fmt: skip
-    return {"streams": streams, "sent": opened, "connections": connections, "goaway": goaway_names, "started": started}
+async def rapid_reset(address: str, streams: int) -> list:
+    """The rapid-reset attack over one HTTP/2 connection (prior knowledge): `streams` completion
+    requests, each reset as soon as it is sent. What the gateway sent back, as h2 events, until
+    it closed the connection or went quiet for a second."""
+    host, port = address.split(":")
+    connection = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    connection.initiate_connection()
+    body = b'{"model": "test-model", "messages": [{"role": "user", "content": "hi"}]}'
+    headers = [
+        (":method", "POST"), (":path", CHAT), (":scheme", "http"), (":authority", "gw"),
+        ("content-type", "application/json"), ("content-length", str(len(body))),
+    ]  # fmt: skip
+    received = []
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(connection.data_to_send())
+        with contextlib.suppress(trio.BrokenResourceError, h2.exceptions.ProtocolError):
+            for index in range(streams):
+                stream_id = 1 + 2 * index
+                # The server's SETTINGS are not awaited (nor its stream limit respected).
+                connection.send_headers(stream_id, headers)
+                connection.send_data(stream_id, body, end_stream=True)
+                connection.reset_stream(stream_id)
+                if index % 100 == 99:
+                    await stream.send_all(connection.data_to_send())
+            await stream.send_all(connection.data_to_send())
+        with contextlib.suppress(trio.BrokenResourceError):
+            while True:
+                with trio.move_on_after(1):
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        break
+                    with contextlib.suppress(h2.exceptions.ProtocolError):
+                        received += connection.receive_data(data)
+                    continue
+                break
+    return received
 
 
-async def reset_streams_on_one_connection(port: int, streams: int, body: bytes = BODY) -> tuple[int, object]:
-    """Up to `streams` streams opened with a whole request (`body`) and reset at once, until the
-    gateway closes the connection: how many, and the GOAWAY's error code (None without one)."""
-    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    client.initiate_connection()
-    opened, goaway = 0, None
-    sending = trio.Lock()
-    async with await trio.open_tcp_stream(HOST, port) as stream:
-
-        async def send() -> None:
-            async with sending:
-                await stream.send_all(client.data_to_send())
-
-        async def read() -> None:
-            nonlocal goaway
-            try:
-                while data := await stream.receive_some(65536):
-                    for event in client.receive_data(data):
-                        if isinstance(event, h2.events.ConnectionTerminated):
-                            goaway = event.error_code
-                    await send()
-            except (h2.exceptions.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            if goaway is None:
-                goaway = "closed"
-
-        async with trio.open_nursery() as nursery:
-            try:
-                await send()
-                nursery.start_soon(read)
-                while opened < streams and goaway is None:
-                    if client.outbound_flow_control_window < len(body):
-                        await trio.sleep(0.001)
-                        continue
-                    stream_id = client.get_next_available_stream_id()
-                    client.send_headers(stream_id, H2_REQUEST_HEADERS)
-                    client.send_data(stream_id, body, end_stream=True)
-                    client.reset_stream(stream_id)
-                    opened += 1
-                    await send()
-            except (h2.exceptions.ProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the gateway closed the connection
-            with trio.move_on_after(2):
-                while goaway is None:
-                    await trio.sleep(0.01)
-            nursery.cancel_scope.cancel()
-    return opened, goaway
+async def run(project: Path, names: int, slow_clients: int, streams: int) -> dict:
+    results: dict = {"project": str(project), "names": names, "slow_clients": slow_clients, "reset_streams": streams}
+    node, node_port = await _start_node()
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            async with httpx.AsyncClient(trust_env=False, timeout=30, limits=httpx.Limits(max_connections=64)) as http:
+                gateway, port, metrics_port = await _start_gateway(project, Path(folder), node_port, http2=False)
+                url, metrics_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}"
+                try:
+                    rss_before = _rss_mb(gateway.pid)
+                    await _unique_names(http, url, names)
+                    results["rss_growth_mb"] = round(_rss_mb(gateway.pid) - rss_before, 1)
+                    page = (await http.get(metrics_url + "/metrics", timeout=120)).text
+                    results["model_series"] = sum(1 for line in page.splitlines() if line.startswith("gateway_requests_total{"))
+                    results |= await _health_during_scrape(http, url, metrics_url)
+                    results["slow_bodies_open_after_limit"] = await _slow_bodies(port, slow_clients)
+                finally:
+                    gateway.terminate()
+                    await gateway.wait()
+                gateway, port, _ = await _start_gateway(project, Path(folder), node_port, http2=True)
+                try:
+                    await _node_completions(http, node_port)
+                    await rapid_reset(f"127.0.0.1:{port}", streams)
+                    results["upstream_started_by_resets_http2_on"] = await _node_completions(http, node_port)
+                finally:
+                    gateway.terminate()
+                    await gateway.wait()
+    finally:
+        node.terminate()
+        await node.wait()
+    return results
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--slow-bodies", action="store_true")
-    mode.add_argument("--rapid-reset", action="store_true")
-    parser.add_argument("--clients", type=int, default=2000)
-    parser.add_argument("--seconds", type=float, default=75.0)
-    parser.add_argument("--streams", type=int, default=5000)
-    parser.add_argument("--http2", action="store_true", help="write gateway.http2 = true")
-    parser.add_argument("--workers", type=int, default=1, help="interlock serve --workers")
-    parser.add_argument("--source", type=Path, default=PROJECT_ROOT, help="the gateway's code (default: here)")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--project", type=Path, default=PROJECT_ROOT, help="the checkout whose gateway runs")
+    parser.add_argument("--names", type=int, default=110_000, help="requests with unique model names")
+    parser.add_argument("--slow-clients", type=int, default=2000, help="clients sending their body a byte a second")
+    parser.add_argument("--streams", type=int, default=5000, help="HTTP/2 streams opened and reset")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="client-input-") as temporary, Processes(Path(temporary)) as processes:
-        port, node_port, pid = start(processes, Path(temporary), args.source.resolve(), args.http2, args.workers)
-        if args.slow_bodies:
-            figures = trio.run(slow_bodies, port, pid, args.clients, args.seconds)
-        else:
-            figures = trio.run(rapid_reset, port, node_port, args.streams)
-    print(json.dumps({"source": str(args.source), "http2": args.http2, "workers": args.workers, **figures}))
+    print(json.dumps(trio.run(run, args.project.resolve(), args.names, args.slow_clients, args.streams)))
 
 
 if __name__ == "__main__":

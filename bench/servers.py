@@ -44,10 +44,17 @@ class Server:
 
 
 def _launch(
-    processes: Processes, name: str, argv: list[str], port: int, cores: frozenset[int] | None, accept=None
+    processes: Processes,
+    name: str,
+    argv: list[str],
+    port: int,
+    cores: frozenset[int] | None,
+    accept=None,
+    root: Path = PROJECT_ROOT,
 ) -> Server:
-    """Start a server and wait until `GET /health` on `port` is accepted; stop it if it never is."""
-    process = processes.start(name, argv, cores=cores, cwd=PROJECT_ROOT)
+    """Start a server (from the source tree `root`) and wait until `GET /health` on `port` is
+    accepted; stop it if it never is."""
+    process = processes.start(name, argv, cores=cores, cwd=root)
     try:
         wait_until_healthy(HOST, port, process, **({"accept": accept} if accept else {}))
     except BaseException:
@@ -145,9 +152,17 @@ def interlock_config(folder: Path, port: int, metrics_port: int, upstream: Serve
 
 
 def start_interlock(
-    processes: Processes, folder: Path, cores: frozenset[int] | None, upstream: Server, *, workers: int = 1
+    processes: Processes,
+    folder: Path,
+    cores: frozenset[int] | None,
+    upstream: Server,
+    *,
+    workers: int = 1,
+    root: Path = PROJECT_ROOT,
+    name: str = "",
 ) -> Server:
-    """`interlock serve`, ready once its /health says the node is healthy and its models listed."""
+    """`interlock serve`, ready once its /health says the node is healthy and its models listed;
+    run from the source tree `root` (another checkout's, to compare two versions)."""
     port = free_port()
     config = folder / f"interlock-{workers}.toml"
     config.write_text(interlock_config(folder / f"workers-{workers}", port, free_port(), upstream))
@@ -159,5 +174,5 @@ def start_interlock(
         health = json.loads(body)
         return health["status"] == "ok" and health["models_ok"] == health["nodes"]
 
-    name = "interlock" if workers == 1 else f"interlock-x{workers}"
-    return _launch(processes, name, argv, port, cores, accept=node_ready)
+    name = name or ("interlock" if workers == 1 else f"interlock-x{workers}")
+    return _launch(processes, name, argv, port, cores, accept=node_ready, root=root)

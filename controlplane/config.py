@@ -12,6 +12,7 @@ model listed twice.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import ipaddress
 import os
 import re
@@ -133,10 +134,10 @@ _IGNORED_SECTIONS = ("provision",)
 _DURATION_KEYS = (
     "health_interval",
     "probe_timeout",
-    "request_body_timeout",
-    "request_body_idle_timeout",
     "event_log_retain_age",
     "decision_log_retain_age",
+    "request_body_timeout",
+    "request_body_idle_timeout",
 )
 """The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
 
@@ -159,7 +160,8 @@ def load_config(
         if warn is not None:
             warn(UnknownKey(path, key, closest))
 
-    document = _match_field_names(_read_toml(path), msgspec.inspect.type_info(Config), "", report)
+    document, inline_key_hashes = _take_inline_api_keys(path, _read_toml(path))
+    document = _match_field_names(document, msgspec.inspect.type_info(Config), "", report)
     document, duration_texts = _split_durations(path, document)
     try:
         config = msgspec.convert(document, Config)
@@ -168,7 +170,7 @@ def load_config(
         raise ConfigError(path, key, f"parsing config: {message}") from None
     config = _apply_loader_defaults(path, config, duration_texts)
     config = replace(config, gateway=overrides.apply(config.gateway))
-    return _validate(path, config)
+    return _with_access_keys(path, _validate(path, config), inline_key_hashes)
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -231,6 +233,23 @@ def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any
                 raise ConfigError(path, f"gateway.{name}", f"parsing config: {exc}") from None
     rest = {key: value for key, value in gateway.items() if key not in _DURATION_KEYS}
     return {**document, "gateway": rest}, texts
+
+
+def _take_inline_api_keys(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Take `gateway.api_keys` (the client keys themselves) out of the document, as the SHA-256
+    hex digests the schema keeps (`api_key_hashes`), so that no key goes further than here."""
+    for section, table in document.items():
+        if section.lower() != "gateway" or not isinstance(table, dict):
+            continue
+        for key in [key for key in table if key.lower() == "api_keys"]:
+            keys = table.pop(key)
+            if not isinstance(keys, list) or not all(isinstance(item, str) for item in keys):
+                raise ConfigError(path, "gateway.api_keys", "parsing config: api_keys must be an array of strings")
+            for index, item in enumerate(keys):
+                if not item:
+                    raise ConfigError(path, f"gateway.api_keys[{index}]", "an API key must not be empty")
+            return document, tuple(hashlib.sha256(item.encode()).hexdigest() for item in keys)
+    return document, ()
 
 
 def _split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
@@ -357,6 +376,81 @@ def _validate(path: str, config: Config) -> Config:
     return replace(config, gateway=gateway)
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, ...]) -> Config:
+    """Check the access settings and gather every accepted client key digest (`api_keys`,
+    `api_key_hashes`, `api_key_file`'s lines) into `api_key_hashes`, in that order, once each.
+    Each upstream key file must hold a usable key now (it is read again by each process)."""
+    gateway = config.gateway
+    digests = list(inline_key_hashes)
+    for index, digest in enumerate(gateway.api_key_hashes):
+        if not _SHA256_HEX.fullmatch(digest.lower()):
+            raise ConfigError(path, f"gateway.api_key_hashes[{index}]", _NOT_A_DIGEST)
+        digests.append(digest.lower())
+    if gateway.api_key_file:
+        digests += _read_key_digests(path, gateway.api_key_file)
+    for key, key_file in [("gateway.upstream_api_key_file", gateway.upstream_api_key_file)] + [
+        (f"nodes[{index}].api_key_file", node.api_key_file) for index, node in enumerate(config.nodes)
+    ]:
+        if key_file:
+            try:
+                read_upstream_key(key_file)
+            except ValueError as exc:
+                raise ConfigError(path, key, str(exc)) from None
+    return replace(config, gateway=replace(gateway, api_key_hashes=tuple(dict.fromkeys(digests))))
+
+
+_NOT_A_DIGEST = "not a SHA-256 hex digest (64 hex digits: printf %s KEY | sha256sum)"
+
+
+def _read_key_digests(path: str, key_file: str) -> list[str]:
+    """The digests in `api_key_file`: one a line; blank lines and `#` comments are skipped."""
+    try:
+        with open(key_file, encoding="utf-8") as file:
+            lines = file.read().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(path, "gateway.api_key_file", f"reading api_key_file: {exc}") from None
+    digests = []
+    for number, line in enumerate(lines, start=1):
+        text = line.partition("#")[0].strip().lower()
+        if not text:
+            continue
+        if not _SHA256_HEX.fullmatch(text):
+            raise ConfigError(path, "gateway.api_key_file", f"{key_file}:{number}: {_NOT_A_DIGEST}")
+        digests.append(text)
+    return digests
+
+
+def read_upstream_key(key_file: str) -> str:
+    """The key in an upstream key file (surrounding whitespace dropped); raises ValueError
+    naming the file. The key never appears in the error."""
+    try:
+        with open(key_file, "rb") as file:
+            key = file.read().strip()
+    except OSError as exc:
+        raise ValueError(f"reading key file: {exc}") from None
+    if not key:
+        raise ValueError(f"key file {key_file!r} is empty")
+    if not all(0x21 <= byte <= 0x7E for byte in key):
+        raise ValueError(f"key file {key_file!r} must hold one key of printable ASCII without spaces")
+    return key.decode("ascii")
+
+
+def upstream_authorizations(config: Config) -> dict[str, bytes]:
+    """The `Authorization` header value to send each node that has a key file, by IP. A file
+    that became unreadable since the config was loaded sends no key (the node answers 401,
+    which the model listing reports)."""
+    authorizations = {}
+    for ip, key_file in config.upstream_key_files().items():
+        try:
+            authorizations[ip] = b"Bearer " + read_upstream_key(key_file).encode()
+        except ValueError:
+            continue
+    return authorizations
+
+
 def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
     """Interlock's checks after plinth's, in file order: what plinth accepts and `serve` would
     then refuse (a listen address it cannot parse, both listeners on one port) or mishandle (a
@@ -466,12 +560,14 @@ def describe_config(config: Config) -> str:
         lines.append(f"  {model.name}  {ring}")
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
         lines.append(f"{what}: {_describe_log(gateway, key)}")
-    body_limits = (
-        f"within {_seconds_text(gateway.request_body_timeout)}, "
-        f"idle for at most {_seconds_text(gateway.request_body_idle_timeout)}"
-    )
-    lines.append(f"request bodies: {body_limits} (else 408)")
-    lines.append("http/2: on (h2c and prior knowledge)" if gateway.http2 else "http/2: off (HTTP/1.1 only)")
+    if gateway.api_key_hashes:
+        health = "needs one too" if gateway.health_requires_api_key else "stays open"
+        lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
+    else:
+        lines.append("client API keys: none (every client is served)")
+    key_files = config.upstream_key_files()
+    if key_files:
+        lines.append(f"upstream keys: sent to {len(key_files)} of {len(config.nodes)} nodes")
     if gateway.retry_unanswered:
         lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
     else:

@@ -69,13 +69,14 @@ class ProbeClient:
         """Close the connections to a node that is no longer probed."""
         self._http.forget(host)
 
-    async def get(self, host: str, port: int, path: bytes, timeout: float) -> ProbeResponse:
-        """The status and body of `GET path` on host:port; raises ProbeError on a transport
-        failure, when connecting and reading take longer than `timeout` seconds, or when the
-        body is too big (then the connection is dropped unread)."""
+    async def get(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> ProbeResponse:
+        """The status and body of `GET path` on host:port (with that `Authorization` header, if
+        any); raises ProbeError on a transport failure, when connecting and reading take longer
+        than `timeout` seconds, or when the body is too big (then the connection is dropped unread)."""
+        headers = (*_HEADERS, (b"authorization", authorization)) if authorization else _HEADERS
         with trio.move_on_after(timeout):
             try:
-                response = await self._http.request(b"GET", host, port, path, _HEADERS)
+                response = await self._http.request(b"GET", host, port, path, headers)
                 return ProbeResponse(response.status, await response.read_body(self.max_body_bytes))
             except BodyTooLarge as exc:
                 raise ProbeError(str(exc)) from None
@@ -187,10 +188,14 @@ def _gpu_label(token: str) -> str:
 # --- model discovery (GH-31) ----------------------------------------------------------------
 
 
-async def list_models(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> ModelsListed:
-    """`GET /v1/models`: the ids the node serves, in its order, or None and the error (§8.3)."""
+async def list_models(
+    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, authorization: bytes = b""
+) -> ModelsListed:
+    """`GET /v1/models`: the ids the node serves, in its order, or None and the error (§8.3).
+    `authorization` is the node's upstream key header (vLLM's `--api-key` guards `/v1`; its
+    `/health` is open, so the health check sends none)."""
     try:
-        response = await client.get(node.ip, node.vllm_port, b"/v1/models", timeout)
+        response = await client.get(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
         models = parse_model_list(response.body)

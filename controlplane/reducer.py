@@ -91,7 +91,6 @@ _RESTART_KEYS = (
     "decision_log_retain_bytes",
     "decision_log_retain_age",
     "workers",
-    "http2",
 )
 """Gateway settings a running gateway keeps until it restarts (plinth warns for the listen addresses)."""
 

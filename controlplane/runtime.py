@@ -34,7 +34,14 @@ import prometheus_client
 import trio
 
 from controlplane.appender import LogAppender, open_configured_log
-from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
+from controlplane.config import (
+    NO_OVERRIDES,
+    ConfigError,
+    Overrides,
+    UnknownKey,
+    load_config,
+    upstream_authorizations,
+)
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models
@@ -407,6 +414,8 @@ class Prober:
         self._nursery: trio.Nursery | None = None
         self._health_in_flight: set[str] = set()
         self._models_in_flight: set[str] = set()
+        self._authorizations: tuple[Config | None, dict[str, bytes]] = (None, {})
+        """The upstream key headers, read from their files once per config."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -469,13 +478,27 @@ class Prober:
 
     async def _discover(self, node: NodeConfig) -> None:
         try:
-            event = await list_models(self._client, node, timeout=self._timeout(), now=self._control_plane.now)
+            event = await list_models(
+                self._client,
+                node,
+                timeout=self._timeout(),
+                now=self._control_plane.now,
+                authorization=self._authorization(node.ip),
+            )
             await self._control_plane.emit(event)
         finally:
             self._models_in_flight.discard(node.ip)
 
     def _timeout(self) -> float:
         return self._control_plane.snapshot.config.gateway.probe_timeout
+
+    def _authorization(self, ip: str) -> bytes:
+        config = self._control_plane.snapshot.config
+        read_for, authorizations = self._authorizations
+        if read_for is not config:
+            authorizations = upstream_authorizations(config)
+            self._authorizations = (config, authorizations)
+        return authorizations.get(ip, b"")
 
 
 def next_tick(last_tick: float, interval: float, now: float) -> float:

@@ -46,6 +46,8 @@ class _HttpConnection(TrioASGIHTTPConnection):
 def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: int = 0) -> QuartTrio:
     app = QuartTrio("interlock")
     app.asgi_http_class = _HttpConnection
+    # `/v1//models` is not a route (werkzeug would redirect to `/v1/models`, in HTML).
+    app.url_map = app.url_map_class(merge_slashes=False)
     app.config.update(
         # No request body is read here (the 404 and 405 answers leave it unread): no limit.
         MAX_CONTENT_LENGTH=None,
@@ -77,7 +79,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
                     "names": node.models.names,
                     "age_seconds": node.models.age(now),
                     "fails": node.models.fails,
-                    "last_error": node.models.last_error,
+                    "last_error": _shown_error(node.models.last_error, view.config.health_hides_errors),
                 },
             }
             for node in nodes
@@ -110,9 +112,14 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
             return _response(error_reply(model_not_found(clipped(model_id))))
         return Response(body, content_type="application/json")
 
+    async def not_the_completion_path() -> Response:
+        """A POST that werkzeug matched to a completion rule though its path differs from the
+        rule's (werkzeug drops leading slashes: `//v1/chat/completions`)."""
+        raise NotFound()
+
     for path in COMPLETION_PATHS:
         # POSTs are answered by dataplane.asgi: the rule only makes other methods a 405.
-        app.add_url_rule(path, f"completions {path}", methods=["POST"])
+        app.add_url_rule(path, f"completions {path}", not_the_completion_path, methods=["POST"])
 
     @app.errorhandler(NotFound)
     async def not_found(error: NotFound) -> Response:
@@ -124,6 +131,15 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         return _response(error_reply(METHOD_NOT_ALLOWED, (b"allow", allow), close=_has_body()))
 
     return app
+
+
+HIDDEN_ERROR = "(hidden: gateway.health_hides_errors)"
+
+
+def _shown_error(error: str, hidden: bool) -> str:
+    """A node's error text as /health shows it: replaced when hidden, so that a failing node
+    still shows that it has an error."""
+    return HIDDEN_ERROR if hidden and error else error
 
 
 def _response(reply: Reply) -> Response:

@@ -24,16 +24,27 @@ Two things hypercorn (trio) does shape `_completion`:
 
 from __future__ import annotations
 
-import enum
 import os
 import time
 
 import msgspec
 import trio
 
+from dataplane.access import key_accepted, unauthorized_reply
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
-from dataplane.errors import INVALID_BODY, NO_MODEL, REQUEST_TIMEOUT, REQUEST_TOO_LARGE, Reply, error_reply
+from dataplane.errors import (
+    INVALID_BODY,
+    MAX_MODEL_NAME_LENGTH,
+    MODEL_NAME_TOO_LONG,
+    NO_MODEL,
+    NOT_FOUND,
+    REQUEST_TIMEOUT,
+    REQUEST_TOO_LARGE,
+    ApiError,
+    Reply,
+    error_reply,
+)
 from dataplane.proxy import (
     COMPLETION_PATHS,
     ConfigView,
@@ -77,14 +88,24 @@ class ApiApp:
         self._quart = create_app(control_plane, views, worker)
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
-            await self._completion(scope, receive, send)
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await _refuse_websocket(send)
+            else:
+                await self._quart(scope, receive, send)
+            return
+        view = self._views.current()
+        if view.config.api_key_digests and not _admitted(scope, view.config):
+            await _refuse(receive, send, unauthorized_reply())
+        elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+            await self._completion(scope, receive, send, view)
+        elif "://" in scope["path"] and not scope["path"].startswith("/"):
+            await self(_origin_form(scope), receive, send)
         else:
             await self._quart(scope, receive, send)
 
-    async def _completion(self, scope, receive, send) -> None:
+    async def _completion(self, scope, receive, send, view: SnapshotView) -> None:
         started = time.perf_counter()
-        view = self._views.current()
         request_id = declared_length = None
         for name, value in scope["headers"]:
             if name == b"x-request-id":
@@ -109,17 +130,17 @@ class ApiApp:
             watch.answered = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _reply(self, scope, body: bytes | _Unread, request_id: str, view: SnapshotView, started: float) -> Reply:
+    async def _reply(self, scope, body: bytes | ApiError, request_id: str, view: SnapshotView, started: float) -> Reply:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
-        if body is _Unread.TOO_LARGE:
-            return error_reply(REQUEST_TOO_LARGE, request_id_header(request_id), close=True)
-        if body is _Unread.TIMED_OUT:
-            return error_reply(REQUEST_TIMEOUT, request_id_header(request_id), close=True)
+        if isinstance(body, ApiError):
+            return error_reply(body, request_id_header(request_id), close=True)
         try:
             fields = _decode_fields.decode(body)
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
             return error_reply(INVALID_BODY, request_id_header(request_id))
         model = fields.model if fields is not None else None
+        if model and len(model) > MAX_MODEL_NAME_LENGTH:
+            return error_reply(MODEL_NAME_TOO_LONG, request_id_header(request_id))
         stream = bool(fields.stream) if fields is not None else False
         if not model:
             model = view.config.default_model
@@ -141,53 +162,37 @@ class ApiApp:
         return await self._proxy.forward(exchange)
 
 
+def _origin_form(scope: dict) -> dict:
+    """The scope of a request whose target is in absolute form (`POST http://host/v1/…`, which
+    HTTP/1.1 servers must accept) as if it had been in origin form (`/v1/…`)."""
+    _, _, authority_and_path = scope["path"].partition("://")
+    path = "/" + authority_and_path.partition("/")[2]
+    return {**scope, "path": path, "raw_path": path.encode()}
+
+
+async def _refuse_websocket(send) -> None:
+    """The API serves no WebSocket: the upgrade request gets the JSON 404 any unknown route gets
+    (hypercorn's `websocket.http.response` extension sends it as a plain HTTP response)."""
+    headers = [*NOT_FOUND.headers, (b"content-length", b"%d" % len(NOT_FOUND.body))]
+    await send({"type": "websocket.http.response.start", "status": NOT_FOUND.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": NOT_FOUND.body})
+
+
 class _ClientLeft(Exception):
     """The client went away before its request body was complete."""
 
 
-class _Unread(enum.Enum):
-    """Why `_read_body` left the rest of a body unread."""
-
-    TOO_LARGE = enum.auto()
-    TIMED_OUT = enum.auto()
-
-
-async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | _Unread:
-    """The request body, or why the rest of it was left unread: it is larger than the limit, or
-    the client took longer than the body timeout to send it all, or than the idle timeout to
-    send its next piece.
-
-    hypercorn (trio) gives the app its queue's `receive`: a whole body already queued (most
-    bodies, which come with their head) is taken at once, and only a body still arriving is
-    read in a cancel scope with the deadlines (a scope costs more than the rest of this)."""
-    limit = config.body_limit
-    if declared_length is not None and declared_length > limit:
-        return _Unread.TOO_LARGE
-    queue = getattr(receive, "__self__", None)
-    if isinstance(queue, trio.MemoryReceiveChannel):
-        try:
-            message = queue.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        else:
-            if message["type"] != "http.request":
-                raise _ClientLeft
-            body = message["body"]
-            if not message["more_body"]:
-                return body if len(body) <= limit else _Unread.TOO_LARGE
-            return await _read_rest(receive, [body], config)
-    return await _read_rest(receive, [], config)
-
-
-async def _read_rest(receive, pieces: list[bytes], config: ConfigView) -> bytes | _Unread:
-    """The rest of a body that began with `pieces`, within the limit and the deadlines."""
-    limit = config.body_limit
-    size = sum(map(len, pieces))
-    if size > limit:
-        return _Unread.TOO_LARGE
-    started = trio.current_time()
-    give_up = started + config.body_timeout
-    with trio.CancelScope(deadline=min(give_up, started + config.body_idle_timeout)) as deadline:
+async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | ApiError:
+    """The request body; or, with the rest left unread, REQUEST_TOO_LARGE when it is larger
+    than the limit, REQUEST_TIMEOUT when it takes longer than the body timeout in all or the
+    idle timeout between two pieces."""
+    if declared_length is not None and declared_length > config.body_limit:
+        return REQUEST_TOO_LARGE
+    pieces = []
+    size = 0
+    now = trio.current_time()
+    give_up_at = now + config.body_timeout
+    with trio.CancelScope(deadline=min(give_up_at, now + config.body_idle_timeout)) as waiting:
         while True:
             message = await receive()
             if message["type"] != "http.request":
@@ -195,13 +200,30 @@ async def _read_rest(receive, pieces: list[bytes], config: ConfigView) -> bytes 
             piece = message["body"]
             if piece:
                 size += len(piece)
-                if size > limit:
-                    return _Unread.TOO_LARGE
+                if size > config.body_limit:
+                    return REQUEST_TOO_LARGE
                 pieces.append(piece)
             if not message["more_body"]:
                 return b"".join(pieces)
-            deadline.deadline = min(give_up, trio.current_time() + config.body_idle_timeout)
-    return _Unread.TIMED_OUT
+            waiting.deadline = min(give_up_at, trio.current_time() + config.body_idle_timeout)
+    return REQUEST_TIMEOUT
+
+
+def _admitted(scope, config: ConfigView) -> bool:
+    """With client keys configured: whether the request holds one, or needs none (an open /health)."""
+    if config.health_open and scope["path"] == "/health":
+        return True
+    return key_accepted(scope["headers"], config.api_key_digests)
+
+
+async def _refuse(receive, send, reply: Reply) -> None:
+    """Answer a request with a complete error reply without reading its body (the watch drops it)."""
+    async with trio.open_nursery() as nursery:
+        watch = _DisconnectWatch(receive, nursery.cancel_scope)
+        watch.answered = True
+        nursery.start_soon(watch.run)
+        last = await _send_all_but_last(send, reply)
+        await send({"type": "http.response.body", "body": last, "more_body": False})
 
 
 class _DisconnectWatch:
@@ -232,7 +254,9 @@ async def _send_all_but_last(send, reply: Reply) -> bytes:
     what is left for the last send (a complete body, or nothing after a flowing one)."""
     body = reply.body
     if isinstance(body, bytes):
-        headers = [*reply.headers, (b"content-length", b"%d" % len(body))]
+        headers = reply.headers
+        if reply.status != 204 and reply.status != 304:  # they have no body, nor a length for one
+            headers = [*headers, (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         return body
     try:

@@ -52,9 +52,14 @@ class ApiError:
 
 NOT_FOUND = ApiError(404, "404 page not found", "not_found")
 METHOD_NOT_ALLOWED = ApiError(405, "Method Not Allowed", "method_not_allowed")
-REQUEST_TIMEOUT = ApiError(408, "request body timed out", "request_timeout")
 REQUEST_TOO_LARGE = ApiError(413, "request body too large", "request_too_large")
+REQUEST_TIMEOUT = ApiError(408, "request body not received in time", "request_timeout")
 INVALID_BODY = ApiError(400, "invalid request body", "invalid_request_body")
+MAX_MODEL_NAME_LENGTH = 512
+"""The longest model name a request may give (vLLM's ids are paths: a few hundred characters at most)."""
+MODEL_NAME_TOO_LONG = ApiError(
+    400, f"model name longer than {MAX_MODEL_NAME_LENGTH} characters", "model_name_too_long"
+)
 NO_MODEL = ApiError(400, "model not specified and no default model is configured", "model_not_specified")
 NO_HEALTHY_NODE = ApiError(503, routing.NO_HEALTHY_NODE, "no_healthy_node")
 NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node")

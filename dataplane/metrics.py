@@ -8,6 +8,7 @@ values as the caller has them, so counting on the request path is a dict lookup 
 
 from __future__ import annotations
 
+import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from quart import Response
@@ -98,12 +99,16 @@ class _Children:
 
 
 def metrics_app(registry: CollectorRegistry) -> QuartTrio:
-    """The second listener's app: `/metrics` only (plinth serves nothing else there)."""
+    """The second listener's app: `/metrics` only (plinth serves nothing else there).
+
+    The page is rendered in a worker thread (the client library is thread-safe): a big page
+    must not hold up the API on the event loop."""
     app = QuartTrio(__name__)
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), content_type=CONTENT_TYPE_LATEST)
+        page = await trio.to_thread.run_sync(generate_latest, registry)
+        return Response(page, content_type=CONTENT_TYPE_LATEST)
 
     return app

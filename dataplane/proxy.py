@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
+from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
 from dataplane.balancer import RoundRobin
@@ -123,6 +124,11 @@ class ConfigView:
         self.decision_log = bool(gateway.decision_log)
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
+        self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
+        self.health_open = not gateway.health_requires_api_key
+        self.health_hides_errors = gateway.health_hides_errors
+        self.upstream_authorizations = upstream_authorizations(config)
+        """The `Authorization` each node with a key gets instead of the client's."""
         self.node_headers = {node.ip: _node_header(node) for node in config.nodes}
         """The header naming the node that served a request (a node's own header may say anything)."""
         listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
@@ -159,6 +165,11 @@ class Route:
         self.exclusion_counts = tuple(counts.items())
 
 
+OTHER_MODELS = "(other)"
+"""The `model` label of every request for a model neither configured nor listed by a node: the
+labels stay bounded by the config and the nodes, whatever names clients send."""
+
+
 class SnapshotView:
     """One snapshot and what is derived from it, computed once and shared by its requests."""
 
@@ -177,6 +188,16 @@ class SnapshotView:
             if len(self._routes) < self.MAX_ROUTES:
                 self._routes[model] = route
         return route
+
+    def metric_model(self, model: str) -> str:
+        """`model` as the metrics' `model` label: itself when configured or listed by a node."""
+        return model if model in self._known_models else OTHER_MODELS
+
+    @functools.cached_property
+    def _known_models(self) -> frozenset[str]:
+        configured = (model.name for model in self.snapshot.config.models.available)
+        listed = (name for node in self.snapshot.node_list() for name in node.models.names or ())
+        return frozenset((*configured, *listed))
 
     @functools.cached_property
     def state_digest(self) -> str:
@@ -208,8 +229,8 @@ class Exchange:
     """A completion request on its way through the attempt loop."""
 
     __slots__ = (
-        "request_id", "path", "model", "stream", "body", "headers", "view", "route", "at", "started", "attempts",
-        "skipped",
+        "request_id", "path", "model", "metric_model", "stream", "body", "headers", "view", "route", "at",
+        "started", "attempts", "skipped",
     )  # fmt: skip
 
     def __init__(
@@ -228,6 +249,7 @@ class Exchange:
         self.request_id = request_id
         self.path = path
         self.model = model
+        self.metric_model = view.metric_model(model)
         self.stream = stream
         self.body = body
         self.headers = headers
@@ -339,14 +361,13 @@ class Proxy:
     async def forward(self, exchange: Exchange) -> Reply:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
         route = exchange.route
-        model = exchange.model
         for reason, count in route.exclusion_counts:
-            self._metrics.excluded(model, reason, count)
+            self._metrics.excluded(exchange.metric_model, reason, count)
         candidates = route.candidates
         if not candidates:
             if route.ring_pool:
                 self._warn_unserved(exchange)
-            return self._error(exchange, model_not_found(model) if route.unknown else NO_HEALTHY_NODE)
+            return self._error(exchange, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
         tried: set[str] = set()
         try:
             for _ in range(len(candidates)):
@@ -401,12 +422,20 @@ class Proxy:
     async def _attempt(self, exchange: Exchange, node: NodeState) -> Outcome:
         port = exchange.view.config.ports[node.ip]
         target = _TARGETS[exchange.path]
+        headers = exchange.headers
+        authorization = exchange.view.config.upstream_authorizations.get(node.ip)
+        if authorization is not None or exchange.view.config.api_key_digests:
+            # The client's key is the gateway's (when it checks keys) and not the node's: it
+            # goes no further, and the node's own key, if it has one, takes its place.
+            headers = [header for header in headers if header[0] != b"authorization"]
+            if authorization is not None:
+                headers.append((b"authorization", authorization))
         upstream: UpstreamResponse | None = None
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
                     upstream = await self._pool.request(
-                        b"POST", node.ip, port, target, exchange.headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
+                        b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
                     )
             except trio.TooSlowError:
                 return self._failed(exchange, UpstreamTimeout("timeout awaiting response headers"))
@@ -482,7 +511,7 @@ class Proxy:
         limit: int,
     ) -> Outcome:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
-        self._metrics.passthrough(exchange.model, reason)
+        self._metrics.passthrough(exchange.metric_model, reason)
         return self._commit(exchange, node, upstream, buffered)
 
     def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
@@ -548,9 +577,9 @@ class Proxy:
                 self._log.error("response truncated after commit", node=node.ip, error=error)
         elif kind == CLIENT_GONE and outcome.committed:
             self._log.error("client write failed after commit", node=node.ip, error=error)
-            self._metrics.client_write_failure(exchange.model)
+            self._metrics.client_write_failure(exchange.metric_model)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
-            self._metrics.attempt(exchange.model, outcome.status or 502)
+            self._metrics.attempt(exchange.metric_model, outcome.status or 502)
         exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
 
     def _error(self, exchange: Exchange, error: ApiError) -> Reply:
@@ -559,7 +588,7 @@ class Proxy:
 
     def _finish(self, exchange: Exchange, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
-        self._metrics.request_done(exchange.model, status, time.perf_counter() - exchange.started)
+        self._metrics.request_done(exchange.metric_model, status, time.perf_counter() - exchange.started)
         self._record(exchange, status)
 
     def _record(self, exchange: Exchange, status: int | None) -> None:
@@ -599,9 +628,12 @@ class Proxy:
 
 
 def _client_headers(upstream: UpstreamResponse, exchange: Exchange, node: NodeState, *, with_length: bool) -> Headers:
-    """The node's headers (names lower-case) for the client, with the request id and the node's
-    name; a complete body is sent with its own Content-Length."""
+    """The node's headers (names lower-case) for the client, less those its Connection header
+    names, with the request id and the node's name; a complete body is sent with its own
+    Content-Length."""
     dropped = _NOT_RETURNED if with_length else _NOT_RETURNED_WITH_BODY
+    if upstream.connection_options:
+        dropped = dropped.union(upstream.connection_options)
     headers = [(name, value) for name, value in upstream.headers if name not in dropped]
     headers.append(request_id_header(exchange.request_id))
     headers.append(exchange.view.config.node_headers[node.ip])

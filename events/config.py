@@ -71,14 +71,30 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """Processes serving the API: 1 is the gateway alone; more (or "auto", one per usable core)
     start that many workers that follow this process's control plane."""
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT
-    """Seconds a client may take to send a whole request body (a Go duration in the file)."""
+    """Seconds a client may take to send a request body (a Go duration string in the file)."""
     request_body_idle_timeout: float = DEFAULT_REQUEST_BODY_IDLE_TIMEOUT
-    """Seconds a client may leave a request body unfinished without sending any of it."""
+    """Seconds a request body may go without a byte arriving (a Go duration string in the file)."""
     http2: bool = False
-    """Whether the API port also speaks HTTP/2 (prior knowledge and h2c upgrade); HTTP/1.1 only if not."""
+    """Serve HTTP/2 (cleartext, prior knowledge or `Upgrade: h2c`) on the API listener too."""
     retry_unanswered: bool = False
     """Retry a non-streaming request on another node when its connection broke before any byte
     of the response arrived (plinth answers 502)."""
+    api_key_hashes: tuple[str, ...] = ()
+    """SHA-256 hex digests of the client API keys the API listener accepts; () = no key needed.
+    The loader gathers them from the file's `api_keys` (hashed as they are read), its
+    `api_key_hashes` and the lines of `api_key_file`: a key itself is never kept, so the event
+    log records only digests."""
+    api_key_file: str = ""
+    """A file of SHA-256 hex digests of client keys, one a line; read at each (re)load."""
+    health_requires_api_key: bool = False
+    """With client keys: whether `/health` on the API listener needs one too (load balancers
+    usually probe without)."""
+    health_hides_errors: bool = False
+    """`/health` on the API listener leaves out the nodes' error texts (they name addresses)."""
+    upstream_api_key_file: str = ""
+    """A file holding the key every node expects (vLLM's `--api-key`), sent by the model listing
+    and the proxy; a node's own `api_key_file` takes precedence. A path, not the key, so that no
+    key enters the event log; every process reads the file when it takes up a config."""
     log_level: str = LOG_LEVELS[0]
     """The least severe level logged, one of LOG_LEVELS."""
     log_format: str = LOG_FORMATS[0]
@@ -110,6 +126,8 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     metrics_port: int = DEFAULT_METRICS_PORT
     ring: str = ""
     """"" = a standalone (ring-less) node."""
+    api_key_file: str = ""
+    """A file holding this node's key (vLLM's `--api-key`); "" = `gateway.upstream_api_key_file`."""
 
 
 class ModelEntry(Struct, frozen=True, kw_only=True):
@@ -138,6 +156,12 @@ class Config(Struct, frozen=True, kw_only=True):
             if model.name == name:
                 return model.ring
         return ""
+
+    def upstream_key_files(self) -> dict[str, str]:
+        """The key file of each node that has one (its own, else the cluster-wide one), by IP."""
+        cluster_wide = self.gateway.upstream_api_key_file
+        files = {node.ip: node.api_key_file or cluster_wide for node in self.nodes}
+        return {ip: path for ip, path in files.items() if path}
 
     def node(self, ip: str) -> NodeConfig | None:
         for node in self.nodes:

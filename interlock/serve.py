@@ -32,9 +32,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
+import h2.errors
+import h2.events
+import hypercorn.protocol
 import prometheus_client
 import trio
+from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
+from hypercorn.events import Closed
+from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
@@ -50,7 +56,6 @@ from dataplane.decisions import Decision, DecisionLog, DecisionRecorder, open_de
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
-from interlock.http_versions import ServerConfig, use_connection_protocol
 from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
 
 EXIT_OK = 0
@@ -254,10 +259,51 @@ def _bind_listeners(gateway: GatewayConfig) -> tuple[socket.socket, socket.socke
         raise
 
 
-def _hypercorn_config(http2: bool) -> ServerConfig:
-    """hypercorn as every listener of the gateway runs it."""
-    config = ServerConfig()
-    config.http2 = http2
+HTTP2_MAX_CONCURRENT_STREAMS = 100
+"""Streams an HTTP/2 client may have open at once on one connection (with `gateway.http2`)."""
+
+HTTP2_RESETS_PER_CONNECTION = 100
+"""Streams an HTTP/2 client may reset on one connection; the next reset ends it with GOAWAY."""
+
+
+class _H2WithResetBudget(H2Protocol):
+    """hypercorn's HTTP/2 protocol, hardened against the rapid-reset attack (streams opened and
+    reset at once: the open-stream limit never binds, and each stream would start a completion
+    on a node).
+
+    A stream the client opens and resets in the same read never reaches the application, and a
+    connection whose client has reset more than HTTP2_RESETS_PER_CONNECTION streams is ended
+    with GOAWAY (ENHANCE_YOUR_CALM)."""
+
+    resets = 0
+
+    async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        reset = {event.stream_id for event in events if isinstance(event, h2.events.StreamReset) and event.remote_reset}
+        if not reset:
+            return await super()._handle_events(events)
+        self.resets += len(reset)
+        if self.resets > HTTP2_RESETS_PER_CONNECTION:
+            self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            await self._flush()
+            await self.send(Closed())
+            return
+        opened_here = {event.stream_id for event in events if isinstance(event, h2.events.RequestReceived)}
+        stillborn = reset & opened_here
+        await super()._handle_events([event for event in events if getattr(event, "stream_id", None) not in stillborn])
+
+
+# hypercorn picks its HTTP/2 protocol class by this name, and offers no other way to choose one.
+hypercorn.protocol.H2Protocol = _H2WithResetBudget
+
+
+def _hypercorn_config(http2: bool) -> HypercornConfig:
+    """hypercorn as every listener of the gateway runs it; HTTP/1.1 only unless `http2`.
+
+    hypercorn has no switch for HTTP/2 in cleartext: without `http2`, an HTTP/2 client is told
+    it may open no stream at all (SETTINGS_MAX_CONCURRENT_STREAMS 0), and the connection ends
+    with GOAWAY at its first request."""
+    config = HypercornConfig()
+    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
@@ -292,10 +338,9 @@ async def serve_on_socket(
     http2: bool = False,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve `app` on a listening socket until `stopped` is set, then drain; in HTTP/1.1, and
-    with `http2` also in HTTP/2 (see interlock.http_versions)."""
+    """Serve `app` on a listening socket until `stopped` is set, then drain; HTTP/1.1 only
+    unless `http2`."""
     config = _hypercorn_config(http2)
-    use_connection_protocol()
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,

@@ -82,6 +82,9 @@ def gateway_with(line: str) -> str:
         ('probe_timeout = "0s"', "probe_timeout must be greater than zero"),
         ('probe_timeout = "-5s"', "probe_timeout must be greater than zero"),
         ("event_log_max_bytes = -1", "event_log_max_bytes must be greater than zero"),
+        ('request_body_timeout = "0s"', "request_body_timeout must be greater than zero"),
+        ('request_body_idle_timeout = "-1s"', "request_body_idle_timeout must be greater than zero"),
+        ('request_body_idle_timeout = "10"', 'parsing request_body_idle_timeout: time: missing unit in duration "10"'),
         ("event_log_retain_bytes = -1", "event_log_retain_bytes must be non-negative (0: no bound)"),
         ('event_log_retain_age = "-1h"', "event_log_retain_age must be non-negative (0: no bound)"),
         ("decision_log_max_bytes = -1", "decision_log_max_bytes must be greater than zero"),
@@ -92,9 +95,6 @@ def gateway_with(line: str) -> str:
         ('health_interval = "3"', 'parsing health_interval: time: missing unit in duration "3"'),
         ('health_interval = "soon"', 'parsing health_interval: time: invalid duration "soon"'),
         ('probe_timeout = "5x"', 'parsing probe_timeout: time: unknown unit "x" in duration "5x"'),
-        ('request_body_timeout = "0s"', "request_body_timeout must be greater than zero"),
-        ('request_body_idle_timeout = "-1s"', "request_body_idle_timeout must be greater than zero"),
-        ('request_body_idle_timeout = "10"', 'parsing request_body_idle_timeout: time: missing unit in duration "10"'),
     ],
 )
 def test_gateway_value_errors(tmp_path: Path, line: str, message: str) -> None:
@@ -358,7 +358,7 @@ def load_reporting_unknown_keys(tmp_path: Path, text: str) -> tuple[Config, list
 def test_unknown_keys_are_ignored_and_reported(tmp_path: Path) -> None:
     text = (
         'top_level = 1\n[cluster]\nname = "c"\nregion = "eu"\n'
-        "[gateway]\nshed_overload_after = 3\n"
+        "[gateway]\nrequest_overload_threshold = 3\n"
         '[[nodes]]\nip = "10.0.0.1"\ngpu_count = 8\n'
         '[[models.available]]\nname = "m"\nquantization = "q4"\n'
         "[telemetry]\nenabled = true\n"
@@ -370,7 +370,7 @@ def test_unknown_keys_are_ignored_and_reported(tmp_path: Path) -> None:
     assert unknown == [
         ("top_level", ""),
         ("cluster.region", ""),
-        ("gateway.shed_overload_after", ""),
+        ("gateway.request_overload_threshold", "gateway.request_body_timeout"),
         ("nodes[0].gpu_count", ""),
         ("models.available[0].quantization", ""),
         ("telemetry", ""),
@@ -455,6 +455,9 @@ def test_defaults_when_absent(tmp_path: Path) -> None:
         event_log="",
         event_log_max_bytes=67108864,
         decision_log="",
+        request_body_timeout=60.0,
+        request_body_idle_timeout=10.0,
+        http2=False,
         retry_unanswered=False,
     )
     assert config.nodes == (
@@ -570,6 +573,7 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "vllm_port": 8000,
         "metrics_port": 9100,
         "ring": "ring-a",
+        "api_key_file": "",
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
@@ -638,8 +642,6 @@ def test_describe_config() -> None:
         "every 3s",
         "3 consecutive failures",
         "event log: none",
-        "request bodies: within 1m0s, idle for at most 10s (else 408)",
-        "http/2: off (HTTP/1.1 only)",
         "unanswered requests: 502 (retry_unanswered = false)",
         "log: json lines, info and above",
     ]:

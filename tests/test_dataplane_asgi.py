@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import h11
-import pytest
 import trio
 
 from harness import MODEL, chat, completions_to, error_message, node_specs, nodes_and_gateway
@@ -96,57 +95,15 @@ async def test_a_body_far_over_the_limit_in_many_chunks_gets_413_and_the_connect
         async with stream:
             head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nX-Request-Id: big-1\r\nTransfer-Encoding: chunked\r\n\r\n"
             chunks = (b"64\r\n" + b"x" * 100 + b"\r\n") * 100
-            received = await _send_and_read_until_closed(stream, head.encode() + chunks)  # all there at once
+            await stream.send_all(head.encode() + chunks)  # all there before the gateway reads any
+            received = b""
+            with trio.fail_after(5):
+                try:
+                    while chunk := await stream.receive_some(65536):
+                        received += chunk
+                except trio.BrokenResourceError:
+                    pass  # closed with part of the body unread: a reset after the answer
         assert received.startswith(b"HTTP/1.1 413 ")
         assert b"\r\nconnection: close\r\n" in received.lower() and b"\r\nx-request-id: big-1\r\n" in received.lower()
         assert received.endswith(b'"code":"request_too_large"}}')
         assert completions_to(nodes[0]) == []
-
-
-async def _send_and_read_until_closed(stream: trio.SocketStream, data: bytes, byte_every: float | None = None) -> bytes:
-    """Send `data`, then one more body byte every `byte_every` seconds (or nothing); everything
-    received until the gateway closes the connection."""
-    await stream.send_all(data)
-
-    async def trickle() -> None:
-        while byte_every is not None:
-            await trio.sleep(byte_every)
-            try:
-                await stream.send_all(b"x")
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-
-    received = b""
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trickle)
-        with trio.fail_after(10):
-            try:
-                while chunk := await stream.receive_some(65536):
-                    received += chunk
-            except trio.BrokenResourceError:
-                pass  # closed with part of the body unread: a reset after the answer
-        nursery.cancel_scope.cancel()
-    return received
-
-
-@pytest.mark.parametrize(
-    ("byte_every", "limit", "workers"),
-    [(None, "request_body_idle_timeout", 1), (0.05, "request_body_timeout", 1), (0.05, "request_body_timeout", 2)],
-    ids=["nothing-after-the-head", "a-byte-now-and-then", "a-byte-now-and-then-to-a-worker"],
-)
-async def test_a_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path, byte_every, limit, workers):
-    timeouts = {"request_body_timeout": "600ms", "request_body_idle_timeout": "200ms"}
-    async with nodes_and_gateway(tmp_path, node_specs(1), workers=workers, **timeouts) as (nodes, gateway):
-        host, port = gateway.url.removeprefix("http://").split(":")
-        head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nX-Request-Id: slow-1\r\nContent-Length: 1000\r\n\r\n{{"
-        async with await trio.open_tcp_stream(host, int(port)) as stream:
-            received = await _send_and_read_until_closed(stream, head.encode(), byte_every)
-        assert received.startswith(b"HTTP/1.1 408 "), (limit, received[:100])
-        assert b"\r\nconnection: close\r\n" in received.lower() and b"\r\nx-request-id: slow-1\r\n" in received.lower()
-        assert received.endswith(
-            b'{"error":{"message":"request body timed out","type":"invalid_request_error","code":"request_timeout"}}'
-        )
-        # Nothing reached the node, and the gateway serves on.
-        assert completions_to(nodes[0]) == []
-        response = await gateway.http.post(gateway.url + CHAT, json=chat())
-        assert response.status_code == 200

@@ -1,11 +1,9 @@
-"""The lean HTTP/1.1 client (controlplane/http11.py) against real servers: the simulated node,
-and small raw trio servers written here for the edge cases a well-behaved server never shows."""
+"""The lean HTTP/1.1 client (transport/http11.py) against real servers: the simulated node,
+and small raw trio servers (tests/raw_http.py) for the edge cases a well-behaved server never shows."""
 
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -25,106 +23,9 @@ from transport.http11 import (
     parse_head,
 )
 
-HOST = "127.0.0.1"
+from raw_http import HOST, Handler, RawServer, ServerConnection, answer_each, raw_server
+
 OK_HELLO = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
-
-# --- raw servers --------------------------------------------------------------------------------
-
-
-class ServerConnection:
-    """One accepted connection of a RawServer, as its handler sees it."""
-
-    def __init__(self, stream: trio.SocketStream, server: RawServer, number: int) -> None:
-        self.stream = stream
-        self.server = server
-        self.number = number
-        self._buffer = b""
-
-    async def request(self) -> bytes | None:
-        """The next request (head and Content-Length body) as received; None once the client closed."""
-        while b"\r\n\r\n" not in self._buffer:
-            data = await self._receive()
-            if not data:
-                return None
-            self._buffer += data
-        head, _, rest = self._buffer.partition(b"\r\n\r\n")
-        length = 0
-        for line in head.split(b"\r\n")[1:]:
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                length = int(value)
-        while len(rest) < length:
-            rest += await self._receive()
-        request, self._buffer = head + b"\r\n\r\n" + rest[:length], rest[length:]
-        self.server.requests.append((self.number, request))
-        return request
-
-    async def send(self, data: bytes) -> None:
-        await self.stream.send_all(data)
-
-    async def wait_closed_by_client(self) -> None:
-        """Return once the client has closed its end (or reset it)."""
-        while await self._receive():
-            pass
-        self.server.closed_by_client += 1
-
-    async def _receive(self) -> bytes:
-        try:
-            return await self.stream.receive_some(65536)
-        except trio.BrokenResourceError:
-            return b""
-
-
-Handler = Callable[[ServerConnection], Awaitable[None]]
-
-
-class RawServer:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.connections = 0
-        self.closed_by_client = 0
-        self.requests: list[tuple[int, bytes]] = []
-        """(connection number, request bytes), in order of arrival."""
-        self.handlers_done = 0
-
-
-@asynccontextmanager
-async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
-    """A TCP server on 127.0.0.1 running `handler` for each connection (closed when it returns)."""
-    [listener] = await trio.open_tcp_listeners(0, host=HOST)
-    server = RawServer(listener.socket.getsockname()[1])
-
-    async def serve(stream: trio.SocketStream) -> None:
-        server.connections += 1
-        async with stream:
-            await handler(ServerConnection(stream, server, server.connections))
-        server.handlers_done += 1
-
-    failure: Exception | None = None  # re-raised as it is, not wrapped in an ExceptionGroup
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.serve_listeners, serve, [listener])
-        try:
-            yield server
-        except Exception as exc:
-            failure = exc
-        finally:
-            nursery.cancel_scope.cancel()
-    if failure is not None:
-        raise failure
-
-
-def answer_each(*responses: bytes) -> Handler:
-    """A keep-alive handler: the n-th request on a connection gets responses[n] (the last one
-    repeats); it stops when the client closes."""
-
-    async def handler(connection: ServerConnection) -> None:
-        served = 0
-        while await connection.request() is not None:
-            await connection.send(responses[min(served, len(responses) - 1)])
-            served += 1
-        connection.server.closed_by_client += 1
-
-    return handler
 
 
 async def get(client: HttpClient, server: RawServer, target: bytes = b"/", **options) -> tuple[int, bytes]:
@@ -163,7 +64,7 @@ async def test_a_request_is_written_as_one_message_and_its_connection_is_reused(
         (
             1,
             b"POST /v1/x?y=1 HTTP/1.1\r\nhost: 127.0.0.1:%d\r\ncontent-type: application/json\r\n"
-            b"content-length: 8\r\n\r\n{\"a\": 1}" % server.port,
+            b'content-length: 8\r\n\r\n{"a": 1}' % server.port,
         ),
         (1, b"GET / HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n\r\n" % server.port),
     ]
@@ -282,7 +183,7 @@ async def test_a_close_delimited_body_is_read_to_the_end_and_its_connection_not_
 @pytest.mark.parametrize(
     ("method", "head"),
     [
-        (b"GET", b"HTTP/1.1 204 No Content\r\nContent-Length: 99\r\n\r\n"),
+        (b"GET", b"HTTP/1.1 204 No Content\r\n\r\n"),
         (b"GET", b"HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n"),
         (b"HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n"),
         (b"GET", b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"),
@@ -324,6 +225,28 @@ async def test_a_connection_that_cannot_carry_another_response_is_not_reused(res
     assert server.connections == 2
 
 
+@pytest.mark.parametrize("declared", [b"Content-Length: 5", b"Transfer-Encoding: chunked"])
+async def test_a_204_that_declares_a_body_does_not_keep_its_connection(declared):
+    # Its body, when it comes after the head, would be read as the next response.
+    head = b"HTTP/1.1 204 No Content\r\n" + declared + b"\r\n\r\n"
+
+    async def first_a_204(connection: ServerConnection) -> None:
+        while await connection.request() is not None:
+            await connection.send(head if len(connection.server.requests) == 1 else OK_HELLO)
+
+    async with raw_server(first_a_204) as server, HttpClient() as client:
+        assert await get(client, server) == (204, b"")
+        assert await get(client, server) == (200, b"hello")
+    assert server.connections == 2
+
+
+async def test_the_connection_options_a_response_names_are_listed_lower_case():
+    response = b"HTTP/1.1 200 OK\r\nConnection: X-Hop, keep-alive\r\nconnection: Other\r\nContent-Length: 0\r\n\r\n"
+    async with raw_server(answer_each(response)) as server, HttpClient() as client:
+        answer = await client.request(b"GET", HOST, server.port, b"/")
+        assert answer.connection_options == (b"x-hop", b"keep-alive", b"other")
+
+
 async def test_an_http_1_0_keep_alive_response_keeps_its_connection():
     response = b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 5\r\n\r\nhello"
     async with raw_server(answer_each(response)) as server, HttpClient() as client:
@@ -357,6 +280,38 @@ async def test_repeated_content_length_values_that_agree_are_accepted():
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n", "bad chunk size line b'0x5'"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhiX\r\n", "chunk data not followed by CRLF"),
         (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n", "unexpected 101 Switching Protocols"),
+        (b"HTTP/1.1 000 Zero\r\n\r\nHTTP/1.1 200 OK\r\n\r\n", "malformed status line b'HTTP/1.1 000 Zero'"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            "unsupported Transfer-Encoding b'gzip, chunked' (only chunked is)",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "unsupported Transfer-Encoding b'chunked, chunked' (only chunked is)",
+        ),
+        (
+            b"HTTP/1.1 204 No Content\r\nTransfer-Encoding: identity\r\n\r\n",
+            "unsupported Transfer-Encoding b'identity' (only chunked is)",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\n\r\n",
+            "control byte b'\\x00' in the response head b'HTTP/1.1 200 OK\\r\\nX-A: a\\x00b'",
+        ),
+        (b"HTTP/1.1 200 OK\r\nX(A): 1\r\n\r\n", "malformed header line b'X(A): 1'"),
+        (
+            b"HTTP/1.1 200 OK\nContent-Length: 5\n\nhello",
+            "bare LF in the response head b'HTTP/1.1 200 OK\\nContent-Length: 5\\n\\nhello'",
+        ),
+        (b"HTTP/1.1 204 No Content\r\nContent-Length: x\r\n\r\n", "bad Content-Length b'x'"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5 ;x\r\nhello\r\n", "bad chunk size line b'5 ;x'"),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nX-T: a\x01b\r\n\r\n",
+            "control byte in the chunked trailers b'X-T: a\\x01b'",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\nno colon\r\n\r\n",
+            "malformed header line b'no colon'",
+        ),
     ],
 )
 async def test_a_malformed_response_is_a_protocol_error_and_drops_the_connection(response, error):

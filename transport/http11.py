@@ -19,8 +19,15 @@ request bodies, and timeouts. Callers bound the waits that must end with trio ca
 only connecting has a deadline of its own (`connect_timeout`), so that a dial failure
 (ConnectFailed, nothing sent) can be told apart from a later one.
 
+What it refuses (ProtocolError): a response that is not well-formed HTTP/1.1 (a status outside
+100-999, a header name that is not a token, a control byte in the head, line ends of a bare
+LF: refused as soon as one arrives), or whose body it cannot frame (a transfer-coding other than
+`chunked`, Content-Length values that disagree). tests/test_http11_against_h11.py checks the
+parser against h11's, and names where it is stricter.
+
 Connections: a response hands its connection back to its pool once its body has been read to
-the end, unless either side said `Connection: close` or the body was delimited by the close;
+the end, unless either side said `Connection: close`, the body was delimited by the close, or
+bytes came that the framing does not account for (after the body, or a 204 that declares one);
 anything else (an error, a cancellation, a body left unread, `close()`) closes it. A pool keeps
 at most `max_idle_per_host` idle connections per (host, port), each for at most `idle_seconds`
 (checked when one is taken or returned: there is no reaper task). An idle connection the server
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 from collections.abc import Sequence
 
@@ -332,6 +340,8 @@ class _Connection:
             if end < 0:
                 if len(data) > MAX_HEAD_BYTES:
                     raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
+                if data and data.count(b"\n") != data.count(b"\r\n"):  # at once: no CRLF CRLF will come
+                    raise ProtocolError(f"bare LF in the response head {data[:100]!r}")
                 searched = max(0, len(data) - 3)
                 more = await self._receive_head_bytes(first=not data and not interim, reused=reused)
                 data = data + more if data else more
@@ -375,7 +385,9 @@ _HEX_DIGITS = b"0123456789abcdefABCDEF"
 
 class Response:
     """A response whose head has arrived. `headers` are (lower-case name, value) pairs in order;
-    `content_length` is the declared length of a Content-Length-delimited body, else None.
+    `content_length` is the declared length of a Content-Length-delimited body, else None;
+    `connection_options` the (lower-case) names the Connection header lists: headers about
+    this connection only, that a proxy does not pass on (RFC 9110 §7.6.1).
 
     The body is read once: with `read_body(limit)`, or piece by piece with `next_chunk()` or
     `async for chunk in response`. Pieces are raw bytes as they arrive, chunked framing
@@ -385,7 +397,7 @@ class Response:
     """
 
     __slots__ = (
-        "status", "reason", "version", "headers", "content_length", "complete",
+        "status", "reason", "version", "headers", "content_length", "connection_options", "complete",
         "_connection", "_reusable", "_framing", "_buffer", "_position", "_left", "_received", "_chunk_state",
         "_trailer_bytes",
     )  # fmt: skip
@@ -412,7 +424,9 @@ class Response:
         self._received = 0
         self._chunk_state = _SIZE
         self._trailer_bytes = 0
-        self._framing, self.content_length, self._reusable = _framing(method, version, status, headers)
+        self._framing, self.content_length, self._reusable, self.connection_options = _framing(
+            method, version, status, headers
+        )
         self._left = self.content_length or 0
         if self._framing == _NONE or (self._framing == _LENGTH and self._left == 0):
             self._end()
@@ -553,11 +567,15 @@ class Response:
                 self._trailer_bytes += line_end + 2 - position
                 if self._trailer_bytes > MAX_HEAD_BYTES:
                     raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
-                empty_line = line_end == position
-                position = line_end + 2
-                if empty_line:
+                if line_end == position:
+                    position += 2
                     state = _END
                     break
+                trailer = buffer[position:line_end]
+                if _CONTROL_BYTE.search(trailer):
+                    raise ProtocolError(f"control byte in the chunked trailers {trailer[:100]!r}")
+                _field_line(trailer)  # checked, then dropped
+                position = line_end + 2
             else:
                 break
         self._buffer, self._position, self._chunk_state = buffer, position, state
@@ -577,36 +595,42 @@ class Response:
 
 def _framing(
     method: bytes, version: bytes, status: int, headers: list[tuple[bytes, bytes]]
-) -> tuple[int, int | None, bool]:
+) -> tuple[int, int | None, bool, tuple[bytes, ...]]:
     """How a response's body ends (RFC 9112 §6.3), its declared length if Content-Length
-    delimits it, and whether its connection can carry another response."""
+    delimits it, whether its connection can carry another response, and its connection options."""
     reusable = version == b"HTTP/1.1"
     lengths: list[bytes] = []
     codings: list[bytes] = []
+    options: tuple[bytes, ...] = ()
     for name, value in headers:
         if name == b"content-length":
             lengths.append(value)
         elif name == b"transfer-encoding":
             codings.append(value)
         elif name == b"connection":
-            tokens = {token.strip().lower() for token in value.split(b",")}
+            tokens = tuple(token.strip().lower() for token in value.split(b","))
+            options += tokens
             if b"close" in tokens:
                 reusable = False
             elif b"keep-alive" in tokens and version == b"HTTP/1.0":
                 reusable = True
-    if method == b"HEAD" or status == 204 or status == 304:
-        return _NONE, None, reusable
+    if codings and (len(codings) > 1 or codings[0].lower() != b"chunked"):
+        # Any other coding would reach the caller still encoded.
+        raise ProtocolError(f"unsupported Transfer-Encoding {b', '.join(codings)[:100]!r} (only chunked is)")
+    length = _content_length(lengths) if lengths else None
+    if method == b"HEAD" or status == 304:
+        return _NONE, None, reusable, options
+    if status == 204:
+        # It has no body; one that declares one may send it anyway, and its bytes would be read
+        # as the next response on this connection.
+        return _NONE, None, reusable and not codings and not length, options
     if codings:
         # Transfer-Encoding overrides Content-Length; a message with both is one a request
         # smuggler could have built: its connection is not reused.
-        if lengths:
-            reusable = False
-        if codings[-1].rpartition(b",")[2].strip().lower() == b"chunked":  # chunked must come last
-            return _CHUNKED, None, reusable
-        return _UNTIL_CLOSE, None, False
-    if lengths:
-        return _LENGTH, _content_length(lengths), reusable
-    return _UNTIL_CLOSE, None, False
+        return _CHUNKED, None, reusable and length is None, options
+    if length is not None:
+        return _LENGTH, length, reusable, options
+    return _UNTIL_CLOSE, None, False, options
 
 
 def _content_length(values: list[bytes]) -> int:
@@ -621,10 +645,21 @@ def _content_length(values: list[bytes]) -> int:
 
 
 def _chunk_size(line: bytes) -> int:
-    size = line.partition(b";")[0].strip(b" \t")  # extensions are ignored
+    size, semicolon, extensions = line.partition(b";")  # extensions are ignored
+    if not semicolon:
+        size = size.rstrip(b" \t")
+    elif extensions.find(b"\n") >= 0 or extensions.find(b"\r") >= 0:
+        raise ProtocolError(f"bare CR or LF in chunk size line {line[:100]!r}")
     if not size or len(size) > 16 or size.strip(_HEX_DIGITS):
         raise ProtocolError(f"bad chunk size line {line[:100]!r}")
     return int(size, 16)
+
+
+_TOKEN_BYTES = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+"""What no status or field line may hold (RFC 9110 §5.5): a control byte other than HTAB."""
+_CONTROL_BYTE_IN_HEAD = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+"""The same, in a head whose CR LF line ends are checked apart."""
 
 
 def parse_head(head: bytes) -> tuple[bytes, int, bytes, list[tuple[bytes, bytes]]]:
@@ -633,15 +668,21 @@ def parse_head(head: bytes) -> tuple[bytes, int, bytes, list[tuple[bytes, bytes]
     lines = head.split(b"\r\n")
     if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
         raise ProtocolError("bare CR or LF in the response head")
+    control = _CONTROL_BYTE_IN_HEAD.search(head)
+    if control:
+        raise ProtocolError(f"control byte {control.group()!r} in the response head {head[:100]!r}")
     status_line = lines[0]
     version, _, rest = status_line.partition(b" ")
     code, _, reason = rest.partition(b" ")
-    if (version != b"HTTP/1.1" and version != b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+    if (version != b"HTTP/1.1" and version != b"HTTP/1.0") or len(code) != 3 or not code.isdigit() or code < b"100":
         raise ProtocolError(f"malformed status line {status_line[:100]!r}")
-    headers = []
-    for line in lines[1:]:
-        name, colon, value = line.partition(b":")
-        if not colon or not name or b" " in name or b"\t" in name:
-            raise ProtocolError(f"malformed header line {line[:100]!r}")
-        headers.append((name.lower(), value.strip(b" \t")))
-    return version, int(code), reason, headers
+    return version, int(code), reason, [_field_line(line) for line in lines[1:]]
+
+
+def _field_line(line: bytes) -> tuple[bytes, bytes]:
+    """(lower-case name, stripped value) of a header or trailer line whose bytes are checked
+    already. Raises ProtocolError."""
+    name, colon, value = line.partition(b":")
+    if not colon or not name or name.translate(None, _TOKEN_BYTES):
+        raise ProtocolError(f"malformed header line {line[:100]!r}")
+    return name.lower(), value.strip(b" \t")

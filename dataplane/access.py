@@ -1,0 +1,44 @@
+"""Client API keys: which requests the API listener serves (`gateway.api_key_hashes`).
+
+A key is never kept: the config holds SHA-256 hex digests, and a presented key is hashed and
+compared with every digest in constant time (`hmac.compare_digest`, no early exit), so neither
+the answer's timing nor anything logged tells how close a wrong key came.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from dataplane.errors import ApiError, Reply, error_reply
+
+UNAUTHORIZED = ApiError(
+    401,
+    "Incorrect or missing API key: send it as `Authorization: Bearer <key>`.",
+    "invalid_api_key",
+)
+"""OpenAI's 401 shape (`invalid_request_error`, code `invalid_api_key`), which the SDKs raise as
+AuthenticationError and do not retry."""
+
+
+def unauthorized_reply() -> Reply:
+    """The 401 with its challenge; the connection is closed, as the request body is left unread."""
+    return error_reply(UNAUTHORIZED, (b"www-authenticate", b"Bearer"), close=True)
+
+_BEARER = b"bearer "
+
+
+def key_accepted(headers: list[tuple[bytes, bytes]], digests: tuple[bytes, ...]) -> bool:
+    """Whether the request's `Authorization: Bearer <key>` holds a key whose digest is accepted."""
+    presented = None
+    for name, value in headers:
+        if name == b"authorization":
+            presented = value
+            break
+    if presented is None or presented[: len(_BEARER)].lower() != _BEARER:
+        return False
+    digest = hashlib.sha256(presented[len(_BEARER) :].strip()).hexdigest().encode()
+    accepted = False
+    for candidate in digests:
+        accepted |= hmac.compare_digest(digest, candidate)
+    return accepted

@@ -1,0 +1,206 @@
+"""What a client sends must not grow the gateway's memory, logs or metrics, nor get a traceback:
+model names as metric labels, over-long names, deeply nested JSON, odd request targets, slow
+request bodies, HTTP/2. Real gateway, real sockets, simulated nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import h2.events
+import httpx
+import trio
+
+from bench.client_input import rapid_reset
+from harness import MODEL, chat, completions_to, node_specs, nodes_and_gateway
+
+CHAT = "/v1/chat/completions"
+
+
+def no_tracebacks(caplog) -> bool:
+    """Whether hypercorn logged no exception (the gateway's own log is JSON, never a traceback)."""
+    return not [record for record in caplog.records if record.exc_info]
+
+
+async def test_model_names_no_node_lists_are_counted_under_one_label(tmp_path):
+    # n1 also lists "discovered", which no config entry names: it keeps its own label.
+    async with nodes_and_gateway(tmp_path, node_specs(1, serving=(MODEL, "discovered"))) as (nodes, gateway):
+        await gateway.discovered()
+        for index in range(30):
+            response = await gateway.http.post(gateway.url + CHAT, json=chat(model=f"client-made-{index:04d}-" + "x" * 200))
+            assert response.status_code == 404
+        for model in (MODEL, "discovered"):
+            assert (await gateway.http.post(gateway.url + CHAT, json=chat(model=model))).status_code == 200
+        page = await gateway.metrics()
+        assert "client-made" not in page
+        assert await gateway.metric('gateway_requests_total{model="(other)",status="404"}') == 30
+        assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') == 1
+        assert await gateway.metric('gateway_requests_total{model="discovered",status="200"}') == 1
+        warnings = gateway.logged("no node serves requested model")
+        assert warnings and all(len(record["model"]) <= 128 for record in warnings)
+
+
+async def test_a_model_name_longer_than_512_characters_gets_400(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(model="m" * 513))
+        assert response.status_code == 400
+        assert response.json() == {
+            "error": {
+                "message": "model name longer than 512 characters",
+                "type": "invalid_request_error",
+                "code": "model_name_too_long",
+            }
+        }
+        assert "m" * 100 not in await gateway.metrics() + "\n".join(gateway.log.lines())
+        # 512 characters is still a name (one no node serves).
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat(model="m" * 512))).status_code == 404
+        assert completions_to(nodes[0]) == []
+
+
+async def test_json_nested_2000_levels_deep_gets_400_without_a_traceback(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        deep = b'{"model": "test-model", "messages": ' + b"[" * 2000 + b"]" * 2000 + b"}"
+        for body in (deep, b"[" * 2000):
+            response = await gateway.http.post(gateway.url + CHAT, content=body)
+            assert response.status_code == 400
+            assert response.json()["error"]["message"] == "invalid request body"
+        assert completions_to(nodes[0]) == []
+    assert no_tracebacks(caplog)
+
+
+class _ScrapeHeldOpen:
+    """A collector whose collection waits until the test lets it finish (or 5 s pass)."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.finished = threading.Event()
+
+    def collect(self):
+        self.entered.set()
+        self.release.wait(5)
+        self.finished.set()
+        return []
+
+
+async def test_the_api_answers_while_a_metrics_scrape_is_being_rendered(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        held_open = _ScrapeHeldOpen()
+        gateway.control_plane.registry.register(held_open)
+        answered_during_scrape = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gateway.metrics)
+            while not held_open.entered.is_set():
+                await trio.sleep(0.01)
+            # Rendered on the event loop, the page would hold up this request until the
+            # collector gave up waiting.
+            response = await gateway.http.get(gateway.url + "/health")
+            answered_during_scrape.append(not held_open.finished.is_set() and response.status_code == 200)
+            held_open.release.set()
+        assert answered_during_scrape == [True]
+
+
+async def raw_answer(url: str, data: bytes) -> bytes:
+    """Send raw bytes to the gateway; what it answers, until it closes or 2 s of silence."""
+    host, port = url.removeprefix("http://").split(":")
+    stream = await trio.open_tcp_stream(host, int(port))
+    received = b""
+    async with stream:
+        await stream.send_all(data)
+        with trio.move_on_after(2):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+                if b"\r\n\r\n" in received and received.endswith(b"}"):
+                    break
+    return received
+
+
+async def test_odd_request_targets_get_json_errors_without_a_traceback(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    body = b'{"model": "test-model", "messages": []}'
+    post = b"Host: gw\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        host = gateway.url.removeprefix("http://").encode()
+        requests = {
+            b"POST //v1/chat/completions HTTP/1.1\r\n" + post: 404,
+            b"GET /v1//models HTTP/1.1\r\nHost: gw\r\n\r\n": 404,
+            b"OPTIONS * HTTP/1.1\r\nHost: gw\r\n\r\n": 404,
+            b"POST http://" + host + b"/v1/chat/completions HTTP/1.1\r\n" + post: 200,
+            b"GET http://" + host + b"/health HTTP/1.1\r\nHost: gw\r\n\r\n": 200,
+            b"GET /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+            b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n": 404,
+        }
+        for request, status in requests.items():
+            answer = await raw_answer(gateway.url, request)
+            head, _, content = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 %d " % status), (request, answer)
+            assert b"content-type: application/json" in head.lower(), (request, answer)
+            if status != 200:
+                assert content.startswith(b'{"error":'), (request, answer)
+    assert no_tracebacks(caplog)
+
+
+async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path):
+    timeouts = {"request_body_timeout": "1.5s", "request_body_idle_timeout": "0.5s"}
+    async with nodes_and_gateway(tmp_path, node_specs(1), **timeouts) as (nodes, gateway):
+        host, port = gateway.url.removeprefix("http://").split(":")
+        head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+
+        async def answer_to(trickle_every: float | None) -> bytes:
+            """The answer to a head and then one body byte per `trickle_every` seconds (None:
+            no byte at all), read until the gateway closes the connection."""
+            stream = await trio.open_tcp_stream(host, int(port))
+            async with stream, trio.open_nursery() as nursery:
+
+                async def trickle() -> None:
+                    await stream.send_all(head.encode())
+                    with contextlib.suppress(trio.BrokenResourceError):  # closed by the gateway
+                        while trickle_every is not None:
+                            await trio.sleep(trickle_every)
+                            await stream.send_all(b" ")
+
+                nursery.start_soon(trickle)
+                received = b""
+                with trio.fail_after(10):
+                    while chunk := await stream.receive_some(65536):
+                        received += chunk
+                nursery.cancel_scope.cancel()
+            return received
+
+        # Idle after the head; then a byte every 0.2 s, never idle long, but never done either.
+        for trickle_every in (None, 0.2):
+            answer = await answer_to(trickle_every)
+            assert answer.startswith(b"HTTP/1.1 408 "), answer
+            assert b"\r\nconnection: close\r\n" in answer.lower()
+            assert answer.endswith(
+                b'{"error":{"message":"request body not received in time","type":"invalid_request_error",'
+                b'"code":"request_timeout"}}'
+            )
+        assert completions_to(nodes[0]) == []
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+
+
+async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        received = await rapid_reset(gateway.url.removeprefix("http://"), 500)
+        await trio.sleep(0.5)
+        assert completions_to(nodes[0]) == []
+        assert any(isinstance(event, h2.events.ConnectionTerminated) for event in received)
+        assert not any(isinstance(event, h2.events.ResponseReceived) for event in received)
+        # HTTP/1.1 is served as ever.
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+
+
+async def test_with_http2_on_the_rapid_reset_attack_ends_in_goaway_having_started_a_handful_of_requests(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), http2=True) as (nodes, gateway):
+        received = await rapid_reset(gateway.url.removeprefix("http://"), 5000)
+        await trio.sleep(0.5)
+        started = len(completions_to(nodes[0]))
+        assert started <= 5
+        assert any(isinstance(event, h2.events.ConnectionTerminated) for event in received)
+        # An HTTP/2 client that does not attack is served.
+        async with httpx.AsyncClient(http1=False, http2=True, trust_env=False) as client:
+            response = await client.post(gateway.url + CHAT, json=chat())
+        assert response.status_code == 200 and response.http_version == "HTTP/2"
