@@ -6,7 +6,8 @@ files, the leader's /metrics merges them).
 
 Each mode runs in a fresh interpreter (the mode is chosen when prometheus_client is imported).
 Increments: a counter child and a histogram, as `dataplane.metrics.RequestMetrics` counts one
-request. Scrape: rendering /metrics after `--models` models x 3 statuses were counted by each of
+request; and what one attempt adds by node (in flight up and down, a counter, a histogram).
+Scrape: rendering /metrics after `--models` models x 3 statuses were counted by each of
 `--workers` processes.
 """
 
@@ -31,6 +32,12 @@ start = time.process_time()
 for i in range(n):
     metrics.request_done("m0", 200, 0.01)
 increment = (time.process_time() - start) / n
+start = time.process_time()
+for i in range(n):
+    metrics.node_attempt_started("10.0.0.1")
+    metrics.node_attempt_ended("10.0.0.1")
+    metrics.node_attempt("10.0.0.1", 200, 0.01)
+node_attempt = (time.process_time() - start) / n
 for model in range(models):
     for status in (200, 503, 502):
         metrics.request_done(f"m{model}", status, 0.01)
@@ -45,7 +52,8 @@ start = time.process_time()
 for _ in range(rounds):
     page = generate_latest(scrape_registry)
 scrape = (time.process_time() - start) / rounds
-print(json.dumps({"increment_us": increment * 1e6, "scrape_ms": scrape * 1e3, "bytes": len(page)}))
+figures = {"increment_us": increment * 1e6, "node_attempt_us": node_attempt * 1e6, "scrape_ms": scrape * 1e3}
+print(json.dumps({**figures, "bytes": len(page)}))
 """
 
 
@@ -71,7 +79,8 @@ def main() -> None:
     for mode in ("single", "multiprocess"):
         figures = run(mode, args.models, args.workers)
         print(
-            f"{mode:>12}: one request counted {figures['increment_us']:.2f} us of CPU; "
+            f"{mode:>12}: one request counted {figures['increment_us']:.2f} us of CPU, "
+            f"its attempt by node {figures['node_attempt_us']:.2f} us; "
             f"a scrape {figures['scrape_ms']:.2f} ms ({figures['bytes']:,} bytes)"
         )
 

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controlplane.transitions import HEALTH, RELOAD, RUN, Step, StopProbing
-from events.state import ClusterState, Health
+from controlplane.routing import filter_by_model, ring_pool
+from controlplane.transitions import HEALTH, MODELS, RELOAD, RUN, Step, StopProbing
+from events.state import ClusterState, Discovery, Health
 from events.types import Event, ModelsListed, ProbeCrashed
 
 _RECOUNT_KINDS = frozenset((RUN, RELOAD, HEALTH))
 """Transitions after which the node-status counts may differ; every status change logs one."""
+
+_NODE_STATE_KINDS = _RECOUNT_KINDS | {MODELS}
+"""Transitions after which a node's discovery state, or the nodes that may serve a model, may differ."""
 
 
 class ControlPlaneMetrics:
@@ -56,6 +60,26 @@ class ControlPlaneMetrics:
         self.snapshot_seq = Gauge(
             "interlock_snapshot_seq", "Sequence number of the last event applied to the published state", registry=registry
         )
+        self.node_health = Gauge(
+            "interlock_node_health",
+            "1 for the node's health status (healthy, degraded or dead), 0 for the others",
+            ["node", "status"],
+            registry=registry,
+        )
+        self.node_discovery = Gauge(
+            "interlock_node_discovery",
+            "1 for the node's model discovery state (untried, known, known_empty, degraded or expired), "
+            "0 for the others",
+            ["node", "state"],
+            registry=registry,
+        )
+        self.model_nodes = Gauge(
+            "interlock_model_nodes",
+            "Nodes that may serve a model (its ring pool, past the model filter) by health status; "
+            "models configured or listed by a node",
+            ["model", "status"],
+            registry=registry,
+        )
         # At thousands of events a second `.labels()` and a locked `set` per event are a good
         # part of the reducer task's time: the labelled children are looked up once, the
         # sequence number is read when scraped, and a gauge is set only when its value changes.
@@ -64,6 +88,8 @@ class ControlPlaneMetrics:
         self._events_by_type: dict[str, Counter] = {}
         self._discovery_results: dict[tuple[str, str], Counter] = {}
         self._models_ok: dict[str, int] = {}
+        self._node_states: dict[str, tuple[Health, Discovery]] = {}
+        self._model_counts: dict[str, tuple[int, int, int]] = {}
 
     def record(self, event: Event, state: ClusterState, step: Step) -> None:
         """Account for one applied event; `state` is the snapshot it produced."""
@@ -88,8 +114,12 @@ class ControlPlaneMetrics:
             if self._models_ok.get(event.node) != models_ok:
                 self._models_ok[event.node] = models_ok
                 self.node_models_ok.labels(node=event.node).set(models_ok)
-        if any(transition.kind in _RECOUNT_KINDS for transition in step.transitions):
+        kinds = {transition.kind for transition in step.transitions}
+        if kinds & _RECOUNT_KINDS:
             self._count_statuses(state)
+        if kinds & _NODE_STATE_KINDS:
+            self._publish_node_states(state)
+            self._count_model_nodes(state)
         for effect in step.effects:
             if isinstance(effect, StopProbing):
                 self._forget_node(effect.node)
@@ -102,10 +132,45 @@ class ControlPlaneMetrics:
         self.nodes_degraded.set(counts[Health.DEGRADED])
         self.nodes_dead.set(counts[Health.DEAD])
 
+    def _publish_node_states(self, state: ClusterState) -> None:
+        for node in state.nodes.values():
+            current = (node.status, node.models.state)
+            previous = self._node_states.get(node.ip)
+            if previous == current:
+                continue
+            self._node_states[node.ip] = current
+            for status in Health:
+                self.node_health.labels(node=node.ip, status=status).set(1 if status == node.status else 0)
+            for discovery in Discovery:
+                is_current = 1 if discovery == node.models.state else 0
+                self.node_discovery.labels(node=node.ip, state=discovery).set(is_current)
+
+    def _count_model_nodes(self, state: ClusterState) -> None:
+        """For every model configured or listed by a node, its possible nodes by health status."""
+        models = {entry.name for entry in state.config.models.available} if state.config is not None else set()
+        for node in state.nodes.values():
+            models.update(node.models.names or ())
+        for model in models:
+            candidates, _ = filter_by_model(ring_pool(state, model), model)
+            counts = tuple(sum(1 for node in candidates if node.status == status) for status in Health)
+            if self._model_counts.get(model) != counts:
+                self._model_counts[model] = counts
+                for status, count in zip(Health, counts):
+                    self.model_nodes.labels(model=model, status=status).set(count)
+        for model in self._model_counts.keys() - models:
+            del self._model_counts[model]
+            for status in Health:
+                self.model_nodes.remove(model, status)
+
     def _forget_node(self, ip: str) -> None:
-        """A node removed by a reload no longer reports whether its models are settled."""
+        """A node removed by a reload no longer reports its states."""
         self._models_ok.pop(ip, None)
         try:
             self.node_models_ok.remove(ip)
         except KeyError:
             pass
+        if self._node_states.pop(ip, None) is not None:
+            for status in Health:
+                self.node_health.remove(ip, status)
+            for discovery in Discovery:
+                self.node_discovery.remove(ip, discovery)

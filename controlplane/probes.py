@@ -1,9 +1,12 @@
 """Probes: the effects that turn a node's HTTP answers into events (plinth §2.2, §8.3).
 
-Every probe is one `GET` through `ProbeClient.get`, the single place that talks HTTP: one shared
-client (`transport.http11`, keep-alive connections per node and port), one deadline covering
-connect and read, and a hard cap on the body (plinth follow-up #39), so a hung or hostile node
-can cost neither time nor memory beyond its bounds.
+Every probe is one `GET` through `ProbeClient`, the single place that talks HTTP: one shared
+client (`transport.http11`, keep-alive connections per node and port, each probe's request
+bytes built once), one deadline covering connect and read, and a hard cap on the body (plinth
+follow-up #39), so a hung or hostile node can cost neither time nor memory beyond its bounds.
+
+The probes are exchanges (`transport.readiness`): generators that never block, so that one task
+runs every probe of a round together (`controlplane.runtime.Prober`).
 
 The probe functions never raise (cancellation aside): a transport or parse failure is part of
 the event they return, and `check_node` turns any unexpected exception into a ProbeCrashed.
@@ -21,7 +24,8 @@ import trio
 from events.config import NodeConfig
 from events.state import GpuSample
 from events.types import GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
-from transport.http11 import BodyTooLarge, HttpClient, HttpError
+from transport.http11 import BodyTooLarge, HttpClient, HttpError, PreparedRequest, request_steps
+from transport.readiness import Exchange, TimedOut, drive
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""
@@ -55,6 +59,7 @@ class ProbeClient:
     def __init__(self, max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.max_body_bytes = max_body_bytes
         self._http = HttpClient(max_idle_per_host=MAX_IDLE_PER_PORT, idle_seconds=KEEPALIVE_SECONDS)
+        self._prepared: dict[tuple[str, int, bytes, bytes], PreparedRequest] = {}
 
     async def __aenter__(self) -> ProbeClient:
         return self
@@ -68,21 +73,32 @@ class ProbeClient:
     async def forget(self, host: str) -> None:
         """Close the connections to a node that is no longer probed."""
         self._http.forget(host)
+        for key in [key for key in self._prepared if key[0] == host]:
+            del self._prepared[key]
 
     async def get(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> ProbeResponse:
+        """`get_steps` run in the calling task."""
+        return await drive(self.get_steps(host, port, path, timeout, authorization))
+
+    def get_steps(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> Exchange:
         """The status and body of `GET path` on host:port (with that `Authorization` header, if
-        any); raises ProbeError on a transport failure, when connecting and reading take longer
-        than `timeout` seconds, or when the body is too big (then the connection is dropped unread)."""
-        headers = (*_HEADERS, (b"authorization", authorization)) if authorization else _HEADERS
-        with trio.move_on_after(timeout):
-            try:
-                response = await self._http.request(b"GET", host, port, path, headers)
-                return ProbeResponse(response.status, await response.read_body(self.max_body_bytes))
-            except BodyTooLarge as exc:
-                raise ProbeError(str(exc)) from None
-            except HttpError as exc:
-                raise ProbeError(f'Get "{node_url(host, port, path)}": {exc}') from None
-        raise ProbeError(f'Get "{node_url(host, port, path)}": timed out after {timeout:g}s')
+        any), as an exchange; raises ProbeError on a transport failure, when connecting and
+        reading take longer than `timeout` seconds, or when the body is too big (then the
+        connection is dropped unread)."""
+        key = (host, port, path, authorization)
+        request = self._prepared.get(key)
+        if request is None:
+            headers = (*_HEADERS, (b"authorization", authorization)) if authorization else _HEADERS
+            request = self._prepared[key] = self._http.prepare(b"GET", host, port, path, headers)
+        try:
+            status, body = yield from request_steps(request, trio.current_time() + timeout, self.max_body_bytes)
+        except BodyTooLarge as exc:
+            raise ProbeError(str(exc)) from None
+        except HttpError as exc:
+            raise ProbeError(f'Get "{node_url(host, port, path)}": {exc}') from None
+        except TimedOut:
+            raise ProbeError(f'Get "{node_url(host, port, path)}": timed out after {timeout:g}s') from None
+        return ProbeResponse(status, body)
 
 
 def node_url(ip: str, port: int, path: bytes) -> str:
@@ -93,27 +109,25 @@ def node_url(ip: str, port: int, path: bytes) -> str:
 # --- health and GPU metrics (one health check) ----------------------------------------------
 
 
-async def check_node(
-    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock
-) -> tuple[HealthProbed, GpuScraped] | tuple[ProbeCrashed]:
+def check_node(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
     """One health check as plinth runs it: `/health`, then the GPU scrape.
 
     Returns (HealthProbed, GpuScraped), or (ProbeCrashed,) if anything raised unexpectedly:
     plinth's recovered panic, which leaves the node's health untouched.
     """
     try:
-        health = await probe_health(client, node, timeout=timeout, now=now)
-        gpus = await scrape_gpus(client, node, timeout=timeout, now=now)
+        health = yield from probe_health(client, node, timeout=timeout, now=now)
+        gpus = yield from scrape_gpus(client, node, timeout=timeout, now=now)
     except Exception as exc:
         return (ProbeCrashed(at=now(), node=node.ip, error=f"{type(exc).__name__}: {exc}"),)
     return (health, gpus)
 
 
-async def probe_health(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> HealthProbed:
-    """`GET /health` on the vLLM port: healthy iff it answers 200."""
+def probe_health(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
+    """`GET /health` on the vLLM port: healthy iff it answers 200 (a HealthProbed)."""
     started = trio.current_time()
     try:
-        response = await client.get(node.ip, node.vllm_port, b"/health", timeout)
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/health", timeout)
     except ProbeError as exc:
         return HealthProbed(at=now(), node=node.ip, ok=False, error=str(exc), latency=_since(started))
     return HealthProbed(
@@ -125,10 +139,11 @@ def _since(started: float) -> float:
     return round(trio.current_time() - started, 6)
 
 
-async def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> GpuScraped:
-    """`GET /metrics` on the gpu-exporter port; `gpus` is empty when the scrape gave no result."""
+def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
+    """`GET /metrics` on the gpu-exporter port (a GpuScraped); `gpus` is empty when the scrape
+    gave no result."""
     try:
-        response = await client.get(node.ip, node.metrics_port, b"/metrics", timeout)
+        response = yield from client.get_steps(node.ip, node.metrics_port, b"/metrics", timeout)
     except ProbeError as exc:
         return GpuScraped(at=now(), node=node.ip, error=str(exc))
     if response.status != 200:
@@ -188,14 +203,14 @@ def _gpu_label(token: str) -> str:
 # --- model discovery (GH-31) ----------------------------------------------------------------
 
 
-async def list_models(
+def list_models(
     client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, authorization: bytes = b""
-) -> ModelsListed:
-    """`GET /v1/models`: the ids the node serves, in its order, or None and the error (§8.3).
-    `authorization` is the node's upstream key header (vLLM's `--api-key` guards `/v1`; its
-    `/health` is open, so the health check sends none)."""
+) -> Exchange:
+    """`GET /v1/models` (a ModelsListed): the ids the node serves, in its order, or None and the
+    error (§8.3). `authorization` is the node's upstream key header (vLLM's `--api-key` guards
+    `/v1`; its `/health` is open, so the health check sends none)."""
     try:
-        response = await client.get(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
         models = parse_model_list(response.body)

@@ -12,7 +12,6 @@ and the data plane's offline skip-set (here).
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import MappingProxyType
 
 import msgspec
 
@@ -30,7 +29,7 @@ from controlplane.transitions import (
     StopProbing,
 )
 from events.config import Config
-from events.state import ClusterState, NodeState, node_mapping, with_node
+from events.state import ClusterState, NodeMap, NodeState, node_mapping, with_node
 from events.types import (
     Checkpoint,
     ConfigReloaded,
@@ -175,4 +174,4 @@ _NODE_HANDLERS: dict[type, Callable[[NodeState, Event, Config, StepBuilder], Nod
 }
 """Events about one node (`event.node`): the handler gets that node and returns it, changed or not."""
 
-INITIAL_STATE = ClusterState(nodes=MappingProxyType({}))
+INITIAL_STATE = ClusterState(nodes=NodeMap({}))

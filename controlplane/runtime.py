@@ -6,11 +6,12 @@ Who owns what (all tasks are children of `ControlPlane.run`):
   channel, numbers them, applies `reduce`, publishes the result as `ControlPlane.snapshot` (one
   attribute, replaced, never mutated), then hands the step on: the encoded event to the event
   log, the transitions to the JSON log, the metrics, the listeners, and the effects to the prober;
-- the prober (`Prober`) runs one ticker for every node: each tick spawns model discovery (not
+- the prober (`Prober`) runs one ticker for every node: each tick starts model discovery (not
   awaited) and then runs a health round (awaited, so a slow round drops ticks), with separate
   per-node in-flight guards for health and discovery. Rechecks and nodes added by a reload are
-  probed at once under the same guards. Probe tasks read addresses, timeouts and the interval
-  from the current snapshot and only ever send events;
+  probed at once under the same guards. Every probe runs in the prober's one `Readiness` (one
+  wait for all their sockets); probes read addresses, timeouts and the interval from the
+  current snapshot and only ever send events;
 - the event-log writer (`controlplane.appender.LogAppender`) writes encoded events in batches
   in a worker thread, so a slow or failing disk never stalls the reducer. Each new segment
   opens with a checkpoint of the state before its first event.
@@ -51,6 +52,7 @@ from events.config import Config, GatewayConfig, NodeConfig
 from events.log import encode_event, last_seq
 from events.state import ClusterState
 from events.types import Checkpoint, ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
+from transport.readiness import Readiness
 
 EVENT_QUEUE_SIZE = 16_384
 """Events waiting for the reducer. Probes wait for room; data-plane observations are dropped."""
@@ -404,24 +406,37 @@ class Prober:
     """Runs the probes of every configured node and sends their events to the control plane.
 
     One ticker task for all nodes (not a sleeping task per node): per tick, discovery for
-    every node is spawned and not awaited (plinth's discoverAll), then a health round runs one
-    task per node and waits for all of them (plinth's blocking round).
+    every node is started and not awaited (plinth's discoverAll), then a health check for every
+    node, and the ticker waits until that round's checks have all ended (plinth's blocking
+    round). The probes are exchanges run together by one `Readiness` (one wait for every
+    socket, one timer), whose results a second task turns into events.
     """
 
     def __init__(self, client: ProbeClient, control_plane: ControlPlane) -> None:
         self._client = client
         self._control_plane = control_plane
+        self._readiness: Readiness | None = None
         self._nursery: trio.Nursery | None = None
         self._health_in_flight: set[str] = set()
         self._models_in_flight: set[str] = set()
+        self._round: set[str] = set()
+        """The nodes whose health checks the current round waits for."""
+        self._round_ended = trio.Event()
         self._authorizations: tuple[Config | None, dict[str, bytes]] = (None, {})
         """The upstream key headers, read from their files once per config."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            task_status.started()
-            await self._tick()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._readiness = Readiness(nursery)
+                self._nursery = nursery
+                nursery.start_soon(self._report)
+                task_status.started()
+                await self._tick()
+        finally:
+            self._nursery = None
+            if self._readiness is not None:
+                self._readiness.close()  # the probes still in flight: their connections close
 
     def run_effects(self, effects: Iterable[Effect]) -> None:
         """Start the probes a step asks for (called by the reducer task; never blocks)."""
@@ -442,52 +457,64 @@ class Prober:
         if node is None:
             return
         if discovery:
-            self._spawn_discovery(self._nursery, node)
-        self._spawn_health_check(self._nursery, node)
+            self._start_discovery(node)
+        self._start_health_check(node)
 
     async def _tick(self) -> None:
         tick = trio.current_time()
         while True:
             config = self._control_plane.snapshot.config
             for node in config.nodes:
-                self._spawn_discovery(self._nursery, node)
-            async with trio.open_nursery() as health_round:
-                for node in config.nodes:
-                    self._spawn_health_check(health_round, node)
+                self._start_discovery(node)
+            self._round_ended = trio.Event()
+            for node in config.nodes:
+                if self._start_health_check(node):
+                    self._round.add(node.ip)
+            if self._round:
+                await self._round_ended.wait()
             tick = next_tick(tick, self._control_plane.snapshot.config.gateway.health_interval, trio.current_time())
             await trio.sleep_until(tick)
 
-    def _spawn_health_check(self, nursery: trio.Nursery, node: NodeConfig) -> None:
+    def _start_health_check(self, node: NodeConfig) -> bool:
+        """Start a health check unless one is in flight (skipped, not queued); True if started."""
         if node.ip in self._health_in_flight:
-            return  # skipped, not queued
+            return False
         self._health_in_flight.add(node.ip)
-        nursery.start_soon(self._check_health, node)
+        self._readiness.start(
+            (_HEALTH, node.ip), check_node(self._client, node, timeout=self._timeout(), now=self._control_plane.now)
+        )
+        return True
 
-    def _spawn_discovery(self, nursery: trio.Nursery, node: NodeConfig) -> None:
+    def _start_discovery(self, node: NodeConfig) -> None:
         if node.ip in self._models_in_flight:
             return
         self._models_in_flight.add(node.ip)
-        nursery.start_soon(self._discover, node)
+        listing = list_models(
+            self._client,
+            node,
+            timeout=self._timeout(),
+            now=self._control_plane.now,
+            authorization=self._authorization(node.ip),
+        )
+        self._readiness.start((_MODELS, node.ip), listing)
 
-    async def _check_health(self, node: NodeConfig) -> None:
-        try:
-            for event in await check_node(self._client, node, timeout=self._timeout(), now=self._control_plane.now):
-                await self._control_plane.emit(event)
-        finally:
-            self._health_in_flight.discard(node.ip)
-
-    async def _discover(self, node: NodeConfig) -> None:
-        try:
-            event = await list_models(
-                self._client,
-                node,
-                timeout=self._timeout(),
-                now=self._control_plane.now,
-                authorization=self._authorization(node.ip),
-            )
-            await self._control_plane.emit(event)
-        finally:
-            self._models_in_flight.discard(node.ip)
+    async def _report(self) -> None:
+        """Send each ended probe's events, then let the node be probed again."""
+        while True:
+            for (kind, ip), events, error in await self._readiness.finished():
+                if error is not None:
+                    raise error  # the probes turn every failure into an event: this is a bug
+                if kind == _HEALTH:
+                    for event in events:
+                        await self._control_plane.emit(event)
+                    self._health_in_flight.discard(ip)
+                    if ip in self._round:
+                        self._round.discard(ip)
+                        if not self._round:
+                            self._round_ended.set()
+                else:
+                    await self._control_plane.emit(events)
+                    self._models_in_flight.discard(ip)
 
     def _timeout(self) -> float:
         return self._control_plane.snapshot.config.gateway.probe_timeout
@@ -499,6 +526,10 @@ class Prober:
             authorizations = upstream_authorizations(config)
             self._authorizations = (config, authorizations)
         return authorizations.get(ip, b"")
+
+
+_HEALTH, _MODELS = "health", "models"
+"""The two kinds of probe a node has in flight at most one of each."""
 
 
 def next_tick(last_tick: float, interval: float, now: float) -> float:

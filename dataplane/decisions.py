@@ -12,6 +12,7 @@ event log uses too (batched, off the trio thread, bounded; a full backlog drops 
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -68,6 +69,9 @@ class Decision(msgspec.Struct, frozen=True):
     duration: float
     worker: int = 0
     """The worker process that routed it (`serve --workers`); 0 in a gateway without workers."""
+    replica: str = ""
+    """The gateway that routed it, by its host's name (a pod's name in Kubernetes), so that the
+    records of several replicas can be told apart; "" in records from before it was recorded."""
 
 
 class DecisionRecorder(Protocol):
@@ -87,6 +91,7 @@ class DecisionLog:
 
     def __init__(self, file: SegmentedFile, log: JsonLog, registry: CollectorRegistry) -> None:
         self._encoder = msgspec.json.Encoder()
+        self.replica = socket.gethostname()
         self.appender = LogAppender(
             file,
             log=log,
@@ -102,8 +107,9 @@ class DecisionLog:
         )
 
     def record(self, decision: Decision) -> None:
-        """Queue a decision; never blocks (a full backlog drops it)."""
-        self.appender.submit(self._encoder.encode(decision) + b"\n")
+        """Queue a decision, naming this replica; never blocks (a full backlog drops it)."""
+        named = msgspec.structs.replace(decision, replica=self.replica)
+        self.appender.submit(self._encoder.encode(named) + b"\n")
 
 
 def open_decision_log(gateway: GatewayConfig, log: JsonLog, registry: CollectorRegistry) -> DecisionLog | None:

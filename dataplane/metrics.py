@@ -1,15 +1,17 @@
 """The data plane's Prometheus metrics (plinth §5) and the listener that serves `/metrics`.
 
 Names, labels and help texts are plinth's (dashboards depend on them); the histogram uses Go's
-DefBuckets. Everything is registered on the registry the control plane shares with us, never
-on prometheus_client's global default registry. Labelled children are cached by their label
-values as the caller has them, so counting on the request path is a dict lookup and an increment.
+DefBuckets. Interlock's own `interlock_node_*` series count each attempt by the node it went to
+(a node's IP: configured nodes only, so the label stays bounded). Everything is registered on
+the registry the control plane shares with us, never on prometheus_client's global default
+registry. Labelled children are cached by their label values as the caller has them, so counting
+on the request path is a dict lookup and an increment.
 """
 
 from __future__ import annotations
 
 import trio
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 from quart import Response
 from quart_trio import QuartTrio
@@ -56,6 +58,37 @@ class RequestMetrics:
             "model",
             "reason",
         )
+        self._node_requests = counter(
+            "interlock_node_requests_total",
+            "Proxy attempts by node and observed status (502: no answer)",
+            "node",
+            "status",
+        )
+        self._node_duration = _Children(
+            Histogram(
+                "interlock_node_request_duration_seconds",
+                "Proxy attempt duration by node, from sending the request to the end of the response",
+                ["node"],
+                buckets=GO_DEFAULT_BUCKETS,
+                registry=registry,
+            )
+        )
+        self._node_retries = counter(
+            "interlock_node_retries_total",
+            "Attempts on a node that failed before anything was sent to the client, then tried on the next node",
+            "node",
+        )
+        # With `serve --workers N` each worker counts its own: the leader's /metrics sums the
+        # workers alive (a dead worker's requests are no longer in flight).
+        self._node_in_flight = _Children(
+            Gauge(
+                "interlock_node_requests_in_flight",
+                "Proxy attempts in progress by node (streams included until their last chunk)",
+                ["node"],
+                multiprocess_mode="livesum",
+                registry=registry,
+            )
+        )
 
     def request_done(self, model: str, status: int, seconds: float) -> None:
         """A request's final outcome: its duration and its status, each recorded once."""
@@ -65,6 +98,21 @@ class RequestMetrics:
     def attempt(self, model: str, status: int) -> None:
         """One proxy attempt: the node's status, or 502 for an attempt that failed."""
         self._attempts(model, status).inc()
+
+    def node_attempt_started(self, node: str) -> None:
+        self._node_in_flight(node).inc()
+
+    def node_attempt_ended(self, node: str) -> None:
+        """An attempt on `node` is over (whether or not it is counted: see `node_attempt`)."""
+        self._node_in_flight(node).dec()
+
+    def node_attempt(self, node: str, status: int, seconds: float) -> None:
+        """One attempt on `node` counted, as `attempt` counts it by model."""
+        self._node_requests(node, status).inc()
+        self._node_duration(node).observe(seconds)
+
+    def retried(self, node: str) -> None:
+        self._node_retries(node).inc()
 
     def passthrough(self, model: str, reason: str) -> None:
         self._passthrough(model, reason).inc()

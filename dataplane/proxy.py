@@ -230,7 +230,7 @@ class Exchange:
 
     __slots__ = (
         "request_id", "path", "model", "metric_model", "stream", "body", "headers", "view", "route", "at",
-        "started", "attempts", "skipped",
+        "started", "attempts", "skipped", "attempt_started",
     )  # fmt: skip
 
     def __init__(
@@ -258,6 +258,8 @@ class Exchange:
         self.at = at
         self.started = started
         self.attempts: list[AttemptRecord] = []
+        self.attempt_started = started
+        """When the attempt in progress began (attempts are made one after another)."""
         self.skipped: list[Exclusion] = []
         """The candidates the attempt loop passed over (dead or offline when it picked), once each."""
 
@@ -431,6 +433,8 @@ class Proxy:
             if authorization is not None:
                 headers.append((b"authorization", authorization))
         upstream: UpstreamResponse | None = None
+        exchange.attempt_started = time.perf_counter()
+        self._metrics.node_attempt_started(node.ip)
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
@@ -562,6 +566,7 @@ class Proxy:
                 self._log.info("retrying after streaming failure before first chunk", node=node.ip, error=error)
             else:
                 self._log.info("retrying after connection failure", node=node.ip, error=error)
+            self._metrics.retried(node.ip)
             self._mark_offline(node.ip, error)
         elif kind == FAILED:
             self._log.error("node response truncated or connection lost", node=node.ip, error=error)
@@ -578,8 +583,11 @@ class Proxy:
         elif kind == CLIENT_GONE and outcome.committed:
             self._log.error("client write failed after commit", node=node.ip, error=error)
             self._metrics.client_write_failure(exchange.metric_model)
+        self._metrics.node_attempt_ended(node.ip)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
-            self._metrics.attempt(exchange.metric_model, outcome.status or 502)
+            status = outcome.status or 502
+            self._metrics.attempt(exchange.metric_model, status)
+            self._metrics.node_attempt(node.ip, status, time.perf_counter() - exchange.attempt_started)
         exchange.attempts.append(AttemptRecord(node.ip, kind, outcome.status, error))
 
     def _error(self, exchange: Exchange, error: ApiError) -> Reply:

@@ -9,9 +9,8 @@ routing asks of them.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
-from types import MappingProxyType
 
 import msgspec
 
@@ -107,6 +106,84 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return cls(ip=node.ip, name=node.name, ring=node.ring)
 
 
+class NodeMap(Mapping[str, NodeState]):
+    """A read-only IP → node mapping that is cheap to update one node at a time.
+
+    The nodes sit in a `base` dict that is never changed once built, plus a small overlay of the
+    nodes replaced since (`replacing` copies only the overlay); the overlay is folded into a new
+    base once it holds FOLD_AFTER nodes. So an update at a thousand nodes copies a few dozen
+    entries instead of a thousand, lookups stay O(1), and a full iteration merges the two once
+    per map. Iterates in the base's order (`node_mapping` builds it in IP order; a replaced node
+    keeps its place).
+    """
+
+    FOLD_AFTER = 32
+
+    __slots__ = ("_base", "_overlay", "_merged")
+
+    def __init__(self, base: dict[str, NodeState], overlay: dict[str, NodeState] | None = None) -> None:
+        self._base = base
+        self._overlay = overlay or {}
+        self._merged: dict[str, NodeState] | None = None if self._overlay else base
+
+    def __getitem__(self, ip: str) -> NodeState:
+        node = self._overlay.get(ip)
+        return self._base[ip] if node is None else node
+
+    def get(self, ip: str, default: NodeState | None = None) -> NodeState | None:
+        node = self._overlay.get(ip)
+        return self._base.get(ip, default) if node is None else node
+
+    def __contains__(self, ip: object) -> bool:
+        return ip in self._base
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._base)
+
+    def __len__(self) -> int:
+        return len(self._base)
+
+    def keys(self):  # noqa: ANN201 - a read-only view of a private dict
+        return self._base.keys()
+
+    def values(self):  # noqa: ANN201
+        return self._all().values()
+
+    def items(self):  # noqa: ANN201
+        return self._all().items()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, NodeMap):
+            return self._all() == other._all()
+        return isinstance(other, Mapping) and self._all() == dict(other.items())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"NodeMap({self._all()!r})"
+
+    def replacing(self, node: NodeState) -> NodeMap:
+        """This map with the node of the same IP (which must be in it) replaced by `node`."""
+        if node.ip not in self._base:
+            raise KeyError(node.ip)
+        if len(self._overlay) >= self.FOLD_AFTER:
+            base = self._all().copy()
+            base[node.ip] = node
+            return NodeMap(base)
+        overlay = self._overlay.copy()
+        overlay[node.ip] = node
+        return NodeMap(self._base, overlay)
+
+    def _all(self) -> dict[str, NodeState]:
+        """Every node in order, as a dict no one changes (the overlay merged in once)."""
+        merged = self._merged
+        if merged is None:
+            merged = self._base.copy()
+            merged.update(self._overlay)
+            self._merged = merged
+        return merged
+
+
 class ClusterState(msgspec.Struct, frozen=True, kw_only=True):
     """The whole control-plane state after the event numbered `seq` (applied at `at`)."""
 
@@ -115,21 +192,19 @@ class ClusterState(msgspec.Struct, frozen=True, kw_only=True):
     version: str = ""
     config_path: str = ""
     config: Config | None = None
-    nodes: Mapping[str, NodeState] = MappingProxyType({})
+    nodes: Mapping[str, NodeState] = NodeMap({})
     """Read-only, keyed by IP, iterating in plinth's order (a plain string sort of the IPs)."""
 
     def node_list(self) -> list[NodeState]:
         return list(self.nodes.values())
 
 
-def node_mapping(nodes: Mapping[str, NodeState] | list[NodeState]) -> Mapping[str, NodeState]:
+def node_mapping(nodes: Mapping[str, NodeState] | list[NodeState]) -> NodeMap:
     """A read-only IP → node mapping in IP string order."""
     items = nodes.values() if isinstance(nodes, Mapping) else nodes
-    return MappingProxyType({node.ip: node for node in sorted(items, key=lambda n: n.ip)})
+    return NodeMap({node.ip: node for node in sorted(items, key=lambda n: n.ip)})
 
 
-def with_node(nodes: Mapping[str, NodeState], node: NodeState) -> Mapping[str, NodeState]:
-    """A copy of `nodes` with one existing node replaced (order is kept, as the IP is)."""
-    updated = nodes.copy()  # a mappingproxy copies its dict directly: far cheaper than dict(nodes)
-    updated[node.ip] = node
-    return MappingProxyType(updated)
+def with_node(nodes: NodeMap, node: NodeState) -> NodeMap:
+    """`nodes` with one existing node replaced (order is kept, as the IP is)."""
+    return nodes.replacing(node)

@@ -72,6 +72,12 @@ def final_status(decision: Decision) -> str:
 # --- text ------------------------------------------------------------------------------------
 
 
+def routed_by(decision: Decision) -> str:
+    """The replica, and the worker when the gateway ran workers (`serve --workers`)."""
+    replica = decision.replica or "unnamed replica"
+    return f"{replica}, worker {decision.worker}" if decision.worker else replica
+
+
 def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
     """The record for a terminal: the request, its exclusions, its attempts. `earlier` are
     older records with the same request id, mentioned at the end."""
@@ -83,6 +89,7 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
             ["model", decision.model],
             ["stream", "yes" if decision.stream else "no"],
             ["snapshot", f"seq {decision.seq}"],
+            ["routed by", routed_by(decision)],
             ["ring", format_ring(decision.ring)],
             ["ring pool", ", ".join(decision.ring_pool) or "none"],
             ["status", final_status(decision)],

@@ -44,7 +44,6 @@ from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
-from prometheus_client.multiprocess import MultiProcessCollector
 
 from controlplane.appender import LogInUse
 from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, parse_listen_address
@@ -56,7 +55,7 @@ from dataplane.decisions import Decision, DecisionLog, DecisionRecorder, open_de
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
-from interlock.workers import WorkerMetrics, WorkerPool, usable_cores
+from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -195,7 +194,7 @@ async def _run(
                 )
             return
         with tempfile.TemporaryDirectory(prefix="interlock-metrics-") as metrics_dir:
-            MultiProcessCollector(registry, path=metrics_dir)
+            WorkerSamples(registry, path=metrics_dir)
             pool = WorkerPool(
                 control_plane,
                 api_socket,

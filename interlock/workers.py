@@ -22,6 +22,7 @@ leader drains every worker before the control plane stops.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import socket
@@ -31,6 +32,7 @@ from collections.abc import Callable
 import msgspec
 import prometheus_client
 import trio
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
@@ -78,6 +80,16 @@ class WorkerMetrics:
         self.running = prometheus_client.Gauge(
             "interlock_workers_running", "Worker processes running", registry=registry
         )
+
+
+class WorkerSamples(MultiProcessCollector):
+    """The workers' request metrics, read from their sample files, leaving out a file a worker is
+    still creating: it is empty until its creator sizes it (and stays empty if the worker dies in
+    between), and prometheus_client would fail the whole scrape on it (client_python #1199)."""
+
+    def collect(self):
+        files = [path for path in glob.glob(os.path.join(self._path, "*.db")) if os.path.getsize(path) > 0]
+        return self.merge(files, accumulate=True)
 
 
 class _Link:
@@ -236,8 +248,9 @@ class WorkerPool:
             return process.returncode
         finally:
             del self._links[index]
-            if self._processes.pop(index, None) is not None:
+            if (process := self._processes.pop(index, None)) is not None:
                 self._metrics.running.dec()
+                mark_process_dead(process.pid, self._metrics_dir)  # its requests are no longer in flight
             await link.stream.aclose()
 
     async def _feed(self, link: _Link, process: trio.Process) -> None:

@@ -4,6 +4,7 @@ wrote, and traced to the control-plane events behind its exclusions in the event
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,7 @@ def test_a_retried_request(capsys, recorded):
     assert top["stream"] == "no" and top["ring"] == "standalone" and top["status"] == "200"
     assert top["ring pool"] == f"{recorded.n1}, {recorded.n2}, {recorded.n3}"
     assert top["snapshot"].startswith("seq ") and top["time"].endswith("Z") and top["duration"].endswith(" ms")
+    assert top["routed by"] == socket.gethostname()
     assert table(out, "EXCLUDED") == [{"EXCLUDED": recorded.n3, "REASON": "expired"}]
     refused, served = table(out, "ATTEMPT")
     assert refused["NODE"] == recorded.n1 and refused["OUTCOME"] == "retried" and refused["STATUS"] == "-"

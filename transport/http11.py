@@ -39,13 +39,17 @@ for any other request the error is a WriteFailed, and the caller decides.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import re
 import socket
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import trio
+
+from transport.readiness import READ, WRITE, Exchange, Lookup, Wait
 
 RECEIVE_SIZE = 65536
 MAX_HEAD_BYTES = 65536
@@ -134,6 +138,20 @@ class HttpClient:
         """Close the idle connections to `host` (every port) and forget its pools."""
         for key in [key for key in self._pools if key[0] == host]:
             self._pools.pop(key).retire()
+
+    def prepare(self, method: bytes, host: str, port: int, target: bytes, headers: Headers = ()) -> PreparedRequest:
+        """A body-less request built once, to be sent as often as needed with `request_steps`
+        (on this client's connections to host:port, until `forget(host)`). Headers as for `request`."""
+        if self._closed:
+            raise RuntimeError("prepare on a closed HttpClient")
+        pool = self._pools.get((host, port))
+        if pool is None:
+            pool = self._pools[(host, port)] = _Pool(host, port, self.max_idle_per_host, self.idle_seconds)
+        try:
+            addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        except socket.gaierror:
+            addresses = None  # a host name: looked up on each connect, as `request` does
+        return PreparedRequest(pool, method, _request_bytes(method, target, pool.host_header, headers, b""), addresses)
 
     async def request(
         self,
@@ -356,21 +374,26 @@ class _Connection:
             data, searched, interim = data[end + 4 :], 0, True  # 100 Continue, 103 Early Hints…
 
     async def _receive_head_bytes(self, *, first: bool, reused: bool) -> bytes:
-        first_on_reused = first and reused
         try:
             data = await self.receive(wait_first=first)
         except ConnectionLost as error:
-            if first_on_reused:
-                raise WriteFailed(f"{error} (on a reused keep-alive connection)") from None
-            if first:
-                raise LostBeforeResponse(str(error)) from None
-            raise
+            raise _head_read_failure(error, first=first, reused=reused) from None
         if data:
             return data
-        if first_on_reused:
-            raise WriteFailed("the server closed the keep-alive connection before responding")
-        lost = LostBeforeResponse if first else ConnectionLost
-        raise lost("the server closed the connection before the response head was complete")
+        raise _head_read_failure(None, first=first, reused=reused)
+
+
+def _head_read_failure(error: ConnectionLost | None, *, first: bool, reused: bool) -> HttpError:
+    """What it means that reading a response head failed (`error`) or met the end of the
+    connection (None); `first`: before any byte of a response."""
+    if first and reused:
+        if error is not None:
+            return WriteFailed(f"{error} (on a reused keep-alive connection)")
+        return WriteFailed("the server closed the keep-alive connection before responding")
+    if error is not None:
+        return LostBeforeResponse(str(error)) if first else error
+    lost = LostBeforeResponse if first else ConnectionLost
+    return lost("the server closed the connection before the response head was complete")
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -686,3 +709,238 @@ def _field_line(line: bytes) -> tuple[bytes, bytes]:
     if not colon or not name or name.translate(None, _TOKEN_BYTES):
         raise ProtocolError(f"malformed header line {line[:100]!r}")
     return name.lower(), value.strip(b" \t")
+
+
+# --- prepared requests as non-blocking steps (`transport.readiness`) ----------------------------
+
+
+class PreparedRequest(NamedTuple):
+    """A body-less request built by `HttpClient.prepare`: its pool, method and bytes, and the
+    address to connect to when the host is an IP address (None: a host name, looked up)."""
+
+    pool: _Pool
+    method: bytes
+    message: bytes
+    addresses: list | None
+
+
+def request_steps(request: PreparedRequest, deadline: float, limit: int | None = None) -> Exchange:
+    """`request` as an exchange for `transport.readiness`: returns (status, whole body), as
+    `HttpClient.request` and then `read_body(limit)` would, with the same errors, the same single
+    retry of a GET or HEAD on a reused connection the server had closed, and the connection back
+    in its pool once the body has been read. Every wait ends at `deadline` (TimedOut)."""
+    pool = request.pool
+    retry_allowed = request.method == b"GET" or request.method == b"HEAD"
+    while True:
+        connection = pool.take_idle()
+        reused = connection is not None
+        if connection is None:
+            connection = yield from _connect_steps(pool, request.addresses, deadline)
+        try:
+            return (yield from _exchange_steps(connection, request, reused, deadline, limit))
+        except WriteFailed:
+            connection.close()
+            if reused and retry_allowed:
+                retry_allowed = False  # once, and on a new connection
+                pool.close_idle()
+                continue
+            raise
+        except BaseException:
+            connection.close()
+            raise
+
+
+def _connect_steps(pool: _Pool, addresses: list | None, deadline: float) -> Exchange:
+    if addresses is None:
+        try:
+            addresses = yield Lookup(pool.host, pool.port)
+        except OSError as error:
+            raise ConnectFailed(f"dial tcp {pool.address}: lookup {pool.host}: {error.strerror or error}") from None
+    failure: OSError | None = None
+    for family, kind, protocol, _, address in addresses:
+        try:
+            raw = socket.socket(family, kind, protocol)
+        except OSError as error:
+            failure = error
+            continue
+        try:
+            raw.setblocking(False)
+            code = raw.connect_ex(address)
+            if code == errno.EINPROGRESS:
+                yield Wait(raw, WRITE, deadline)
+                code = raw.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except BaseException:
+            raw.close()
+            raise
+        if code:
+            raw.close()
+            failure = OSError(code, os.strerror(code))
+            continue
+        return _Connection(pool, trio.SocketStream(trio.socket.from_stdlib_socket(raw)), raw)
+    raise ConnectFailed(f"dial tcp {pool.address}: connect: {_os_error_text(failure)}")
+
+
+def _exchange_steps(
+    connection: _Connection, request: PreparedRequest, reused: bool, deadline: float, limit: int | None
+) -> Exchange:
+    """`_Connection.exchange` and `Response.read_body` as steps."""
+    yield from _send_steps(connection, request.message, deadline)
+    data = b""
+    searched = 0
+    interim = False
+    while True:
+        end = data.find(b"\r\n\r\n", searched)
+        if end < 0:
+            if len(data) > MAX_HEAD_BYTES:
+                raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
+            if data and data.count(b"\n") != data.count(b"\r\n"):  # at once: no CRLF CRLF will come
+                raise ProtocolError(f"bare LF in the response head {data[:100]!r}")
+            searched = max(0, len(data) - 3)
+            more = yield from _head_bytes_steps(connection, not data and not interim, reused, deadline)
+            data = data + more if data else more
+            continue
+        if end > MAX_HEAD_BYTES:
+            raise ProtocolError(f"response head exceeds {MAX_HEAD_BYTES} bytes")
+        version, status, reason, headers = parse_head(data[:end])
+        if status >= 200:
+            break
+        if status == 101:
+            raise ProtocolError("unexpected 101 Switching Protocols")
+        data, searched, interim = data[end + 4 :], 0, True
+    framing, length, reusable, _ = _framing(request.method, version, status, headers)
+    rest = data[end + 4 :]
+    if framing == _NONE:
+        body = b""
+    elif framing == _LENGTH:
+        body, rest = yield from _sized_body_steps(connection, rest, length, deadline, limit)
+    elif framing == _CHUNKED:
+        body, rest = yield from _chunked_body_steps(connection, rest, deadline, limit)
+    else:
+        body, rest, reusable = (yield from _body_until_close_steps(connection, rest, deadline, limit)), b"", False
+    if reusable and not rest:
+        connection.pool.give_back(connection)
+    else:
+        connection.close()
+    return status, body
+
+
+def _send_steps(connection: _Connection, message: bytes, deadline: float) -> Exchange:
+    view = memoryview(message)
+    while True:
+        try:
+            sent = connection.socket.send(view)
+        except BlockingIOError:
+            sent = 0
+        except OSError as error:
+            raise WriteFailed(f"write: {_os_error_text(error)}") from None
+        if sent == len(view):
+            return
+        view = view[sent:]
+        yield Wait(connection.socket, WRITE, deadline)
+
+
+def _receive_steps(connection: _Connection, deadline: float, *, wait_first: bool = False) -> Exchange:
+    """The next bytes from the server; b"" once it has closed the connection."""
+    if wait_first:
+        yield Wait(connection.socket, READ, deadline)
+    while True:
+        try:
+            return connection.socket.recv(RECEIVE_SIZE)
+        except BlockingIOError:
+            pass
+        except OSError as error:
+            raise ConnectionLost(f"read: {_os_error_text(error)}") from None
+        yield Wait(connection.socket, READ, deadline)
+
+
+def _head_bytes_steps(connection: _Connection, first: bool, reused: bool, deadline: float) -> Exchange:
+    """`_Connection._receive_head_bytes` as steps."""
+    try:
+        data = yield from _receive_steps(connection, deadline, wait_first=first)
+    except ConnectionLost as error:
+        raise _head_read_failure(error, first=first, reused=reused) from None
+    if data:
+        return data
+    raise _head_read_failure(None, first=first, reused=reused)
+
+
+def _sized_body_steps(
+    connection: _Connection, data: bytes, length: int, deadline: float, limit: int | None
+) -> Exchange:
+    """(body, bytes after it) of a Content-Length body."""
+    if limit is not None and length > limit:
+        raise BodyTooLarge(limit)
+    pieces, received = [data], len(data)
+    while received < length:
+        more = yield from _receive_steps(connection, deadline)
+        if not more:
+            raise ConnectionLost(f"connection closed after {received} of {length} body bytes")
+        pieces.append(more)
+        received += len(more)
+    data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+    return data[:length], data[length:]
+
+
+def _more_chunked_steps(connection: _Connection, buffer: bytes, position: int, deadline: float) -> Exchange:
+    more = yield from _receive_steps(connection, deadline)
+    if not more:
+        raise ConnectionLost("connection closed in the middle of a chunked body")
+    return buffer[position:] + more
+
+
+def _chunked_body_steps(connection: _Connection, buffer: bytes, deadline: float, limit: int | None) -> Exchange:
+    """(body, bytes after it) of a chunked body; a chunk that would take the body past `limit`
+    is refused as soon as its size line is read."""
+    pieces = []
+    size = 0
+    position = 0
+    while True:
+        line_end = buffer.find(b"\r\n", position, position + MAX_CHUNK_LINE_BYTES)
+        if line_end < 0:
+            if len(buffer) - position >= MAX_CHUNK_LINE_BYTES:
+                raise ProtocolError(f"chunk size line exceeds {MAX_CHUNK_LINE_BYTES} bytes")
+            buffer, position = (yield from _more_chunked_steps(connection, buffer, position, deadline)), 0
+            continue
+        chunk = _chunk_size(buffer[position:line_end])
+        position = line_end + 2
+        if not chunk:
+            break
+        size += chunk
+        if limit is not None and size > limit:
+            raise BodyTooLarge(limit)
+        while len(buffer) - position < chunk + 2:
+            buffer, position = (yield from _more_chunked_steps(connection, buffer, position, deadline)), 0
+        if not buffer.startswith(b"\r\n", position + chunk):
+            raise ProtocolError("chunk data not followed by CRLF")
+        pieces.append(buffer[position : position + chunk])
+        position += chunk + 2
+    trailer_bytes = 0
+    while True:
+        line_end = buffer.find(b"\r\n", position)
+        if line_end < 0:
+            if trailer_bytes + len(buffer) - position > MAX_HEAD_BYTES:
+                raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
+            buffer, position = (yield from _more_chunked_steps(connection, buffer, position, deadline)), 0
+            continue
+        trailer_bytes += line_end + 2 - position
+        if trailer_bytes > MAX_HEAD_BYTES:
+            raise ProtocolError(f"chunked trailers exceed {MAX_HEAD_BYTES} bytes")
+        if line_end == position:
+            return b"".join(pieces), buffer[position + 2 :]
+        trailer = buffer[position:line_end]
+        if _CONTROL_BYTE.search(trailer):
+            raise ProtocolError(f"control byte in the chunked trailers {trailer[:100]!r}")
+        _field_line(trailer)  # checked, then dropped
+        position = line_end + 2
+
+
+def _body_until_close_steps(connection: _Connection, data: bytes, deadline: float, limit: int | None) -> Exchange:
+    pieces, size = [data], len(data)
+    while True:
+        if limit is not None and size > limit:
+            raise BodyTooLarge(limit)
+        more = yield from _receive_steps(connection, deadline)
+        if not more:
+            return b"".join(pieces)
+        pieces.append(more)
+        size += len(more)

@@ -1,0 +1,220 @@
+"""Many non-blocking exchanges driven by one trio task, with one wait for all of their sockets.
+
+An exchange is a generator that does its socket work without blocking and yields a `Wait`
+(this socket, readable or writable, by this deadline) whenever it cannot go on; it is sent the
+readiness it waited for, or has `TimedOut` thrown in once the deadline has passed, and returns
+its result. Written so, a thousand probes cost one epoll set, one trio wait per batch of ready
+sockets and one timer, where a trio task per probe costs a task, a cancel scope and a trio wait
+(with its epoll registration) per request.
+
+- `Readiness` runs any number of exchanges together: `start` one (its first step runs at once),
+  and `finished()` waits until some have ended and returns their results (or exceptions). The
+  exchanges make progress only while a task waits in `finished()`.
+- `drive` runs one exchange in the calling task (a one-off request).
+
+An exchange may also yield a `Lookup` (a host name to resolve); `Readiness` resolves it in a
+task of the nursery it was given.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import select
+import socket
+from collections.abc import Generator, Hashable
+from typing import Any, NamedTuple
+
+import trio
+
+READ = select.EPOLLIN
+WRITE = select.EPOLLOUT
+_ONESHOT = select.EPOLLONESHOT
+_ANY_READINESS = READ | WRITE | select.EPOLLERR | select.EPOLLHUP
+
+
+class Wait(NamedTuple):
+    """What an exchange waits for: `socket` readable (READ) or writable (WRITE), until `deadline`
+    (trio's clock)."""
+
+    socket: socket.socket
+    events: int
+    deadline: float
+
+
+class Lookup(NamedTuple):
+    """What an exchange waits for: the addresses of a host name; it is sent `getaddrinfo`'s
+    list, or has its OSError thrown in."""
+
+    host: str
+    port: int
+
+
+class TimedOut(Exception):
+    """Thrown into an exchange whose deadline passed while it waited."""
+
+
+Exchange = Generator[Wait | Lookup, Any, Any]
+
+
+async def drive(exchange: Exchange) -> Any:
+    """Run one exchange in the calling task and return its result (or raise its exception)."""
+    sent: Any = None
+    thrown: BaseException | None = None
+    while True:
+        try:
+            want = exchange.throw(thrown) if thrown is not None else exchange.send(sent)
+        except StopIteration as done:
+            return done.value
+        sent, thrown = None, None
+        if isinstance(want, Lookup):
+            sent, thrown = await _look_up(want)
+            continue
+        with trio.move_on_at(want.deadline):
+            if want.events & WRITE:
+                await trio.lowlevel.wait_writable(want.socket)
+            else:
+                await trio.lowlevel.wait_readable(want.socket)
+            sent = want.events
+            continue
+        thrown = TimedOut()
+
+
+async def _look_up(lookup: Lookup) -> tuple[list | None, OSError | None]:
+    try:
+        return await trio.socket.getaddrinfo(lookup.host, lookup.port, type=trio.socket.SOCK_STREAM), None
+    except OSError as error:
+        return None, error
+
+
+class _Running:
+    """One exchange in a `Readiness`: what it waits for, and whether that wait is still current."""
+
+    __slots__ = ("key", "exchange", "waiting_on", "deadline")
+
+    def __init__(self, key: Hashable, exchange: Exchange) -> None:
+        self.key = key
+        self.exchange = exchange
+        self.waiting_on = -1
+        """The file descriptor it waits on, or -1 once it has finished."""
+        self.deadline = math.inf
+
+
+class Readiness:
+    """Exchanges run together: every socket they wait on is in one epoll set (armed one-shot),
+    and the task that calls `finished()` makes one trio wait on that set, bounded by the earliest
+    deadline. Not thread-safe; one trio run. `close()` ends every exchange still running."""
+
+    def __init__(self, lookups: trio.Nursery) -> None:
+        """`lookups` runs the tasks that resolve host names."""
+        self._lookups = lookups
+        self._looking_up: set[_Running] = set()
+        self._epoll = select.epoll()
+        self._waiting: dict[int, _Running] = {}
+        self._deadlines: list[tuple[float, int, _Running]] = []
+        self._order = 0
+        self._finished: list[tuple[Hashable, Any, BaseException | None]] = []
+        self._wait_scope: trio.CancelScope | None = None
+
+    def __len__(self) -> int:
+        """Exchanges started and not finished."""
+        return len(self._waiting)
+
+    def start(self, key: Hashable, exchange: Exchange) -> None:
+        """Run `exchange`'s first step now; `finished()` reports its result under `key`."""
+        self._step(_Running(key, exchange), None, None)
+        self._wake_if_finished()
+
+    def _wake_if_finished(self) -> None:
+        if self._finished and self._wait_scope is not None:
+            self._wait_scope.cancel()  # wake the waiting task: there is something to report
+
+    async def finished(self) -> list[tuple[Hashable, Any, BaseException | None]]:
+        """Wait until some exchanges have ended; (key, result, None) or (key, None, exception) each."""
+        while not self._finished:
+            deadline = self._earliest_deadline()
+            with trio.CancelScope(deadline=deadline) as self._wait_scope:
+                await trio.lowlevel.wait_readable(self._epoll.fileno())
+            self._wait_scope = None
+            for fd, events in self._epoll.poll(0):
+                running = self._waiting.pop(fd, None)
+                if running is not None:
+                    running.waiting_on = -1
+                    self._step(running, events, None)
+            self._expire(trio.current_time())
+        done, self._finished = self._finished, []
+        return done
+
+    def close(self) -> None:
+        """End every exchange still running (their connections close); call it once no task
+        waits in `finished()` any more."""
+        for running in [*self._waiting.values(), *self._looking_up]:
+            running.exchange.close()
+        self._waiting.clear()
+        self._looking_up.clear()
+        self._deadlines.clear()
+        self._epoll.close()
+
+    def _earliest_deadline(self) -> float:
+        """The earliest deadline of an exchange still waiting (dropping those of waits that are over)."""
+        deadlines = self._deadlines
+        while deadlines:
+            deadline, _, running = deadlines[0]
+            if running.waiting_on >= 0 and running.deadline == deadline:
+                return deadline
+            heapq.heappop(deadlines)
+        return math.inf
+
+    def _expire(self, now: float) -> None:
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            deadline, _, running = heapq.heappop(deadlines)
+            if running.waiting_on >= 0 and running.deadline == deadline:
+                self._waiting.pop(running.waiting_on, None)
+                self._unwatch(running.waiting_on)
+                running.waiting_on = -1
+                self._step(running, None, TimedOut())
+
+    def _step(self, running: _Running, sent: Any, thrown: BaseException | None) -> None:
+        try:
+            want = running.exchange.throw(thrown) if thrown is not None else running.exchange.send(sent)
+        except StopIteration as done:
+            self._finished.append((running.key, done.value, None))
+            return
+        except Exception as error:
+            self._finished.append((running.key, None, error))
+            return
+        if isinstance(want, Lookup):
+            self._looking_up.add(running)
+            self._lookups.start_soon(self._resolve, running, want)
+            return
+        fd = want.socket.fileno()
+        self._watch(fd, want.events)
+        self._waiting[fd] = running
+        running.waiting_on = fd
+        if want.deadline != running.deadline:
+            running.deadline = want.deadline
+            self._order += 1
+            heapq.heappush(self._deadlines, (want.deadline, self._order, running))
+            if self._wait_scope is not None and want.deadline < self._wait_scope.deadline:
+                self._wait_scope.deadline = want.deadline
+
+    async def _resolve(self, running: _Running, lookup: Lookup) -> None:
+        addresses, error = await _look_up(lookup)
+        if running in self._looking_up:  # not closed meanwhile
+            self._looking_up.discard(running)
+            self._step(running, addresses, error)
+            self._wake_if_finished()
+
+    def _watch(self, fd: int, events: int) -> None:
+        # A closed socket leaves the set by itself, and its number may come back as a new socket.
+        try:
+            self._epoll.modify(fd, events | _ONESHOT)
+        except FileNotFoundError:
+            self._epoll.register(fd, events | _ONESHOT)
+
+    def _unwatch(self, fd: int) -> None:
+        try:
+            self._epoll.unregister(fd)
+        except (FileNotFoundError, OSError, ValueError):
+            pass  # already closed
