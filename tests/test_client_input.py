@@ -162,9 +162,10 @@ async def test_odd_request_targets_get_json_errors_without_a_traceback(tmp_path,
     assert no_tracebacks(caplog)
 
 
-async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path, workers):
     timeouts = {"request_body_timeout": "1.5s", "request_body_idle_timeout": "0.5s"}
-    async with nodes_and_gateway(tmp_path, node_specs(1), **timeouts) as (nodes, gateway):
+    async with nodes_and_gateway(tmp_path, node_specs(1), workers=workers, **timeouts) as (nodes, gateway):
         host, port = gateway.url.removeprefix("http://").split(":")
         head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
 
