@@ -65,6 +65,10 @@ class CompletionFields(msgspec.Struct):
     stream: bool | None = None
 
 
+MAX_REQUEST_ID_LENGTH = 200
+"""A longer X-Request-Id is replaced by a new id (as Heroku's router does): the id goes into log
+lines and decision records, which must not carry unbounded client text."""
+
 _decode_fields = msgspec.json.Decoder(CompletionFields | None)
 _decode_members = msgspec.json.Decoder(dict[str, msgspec.Raw] | None)
 _encode = msgspec.json.Encoder()
@@ -112,7 +116,8 @@ class ApiApp:
                 request_id = request_id or value.decode("latin-1")
             elif name == b"content-length":
                 declared_length = int(value)  # hypercorn (h11) accepts only digits here
-        request_id = request_id or os.urandom(16).hex()
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LENGTH:
+            request_id = os.urandom(16).hex()
         try:
             body = await _read_body(receive, declared_length, view.config)
         except _ClientLeft:
@@ -185,11 +190,33 @@ class _ClientLeft(Exception):
 async def _read_body(receive, declared_length: int | None, config: ConfigView) -> bytes | ApiError:
     """The request body; or, with the rest left unread, REQUEST_TOO_LARGE when it is larger
     than the limit, REQUEST_TIMEOUT when it takes longer than the body timeout in all or the
-    idle timeout between two pieces."""
+    idle timeout between two pieces.
+
+    hypercorn (trio) gives the app its queue's `receive`: a whole body already queued (most
+    bodies, which come with their head) is taken at once, and only a body still arriving is
+    read in a cancel scope with the deadlines (a scope costs more than the rest of this)."""
     if declared_length is not None and declared_length > config.body_limit:
         return REQUEST_TOO_LARGE
-    pieces = []
-    size = 0
+    queue = getattr(receive, "__self__", None)
+    if isinstance(queue, trio.MemoryReceiveChannel):
+        try:
+            message = queue.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
+            if message["type"] != "http.request":
+                raise _ClientLeft
+            if not message["more_body"]:
+                return message["body"] if len(message["body"]) <= config.body_limit else REQUEST_TOO_LARGE
+            return await _read_rest(receive, [message["body"]], config)
+    return await _read_rest(receive, [], config)
+
+
+async def _read_rest(receive, pieces: list[bytes], config: ConfigView) -> bytes | ApiError:
+    """The rest of a body that began with `pieces`, within the limit and the deadlines."""
+    size = sum(map(len, pieces))
+    if size > config.body_limit:
+        return REQUEST_TOO_LARGE
     now = trio.current_time()
     give_up_at = now + config.body_timeout
     with trio.CancelScope(deadline=min(give_up_at, now + config.body_idle_timeout)) as waiting:

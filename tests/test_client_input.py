@@ -10,10 +10,13 @@ import threading
 
 import h2.events
 import httpx
+import pytest
 import trio
 
 from bench.client_input import rapid_reset
-from harness import MODEL, chat, completions_to, node_specs, nodes_and_gateway
+from dataplane.asgi import MAX_REQUEST_ID_LENGTH
+
+from harness import MODEL, chat, completions_to, decision_records, node_specs, nodes_and_gateway
 
 CHAT = "/v1/chat/completions"
 
@@ -58,6 +61,22 @@ async def test_a_model_name_longer_than_512_characters_gets_400(tmp_path):
         assert completions_to(nodes[0]) == []
 
 
+async def test_an_over_long_request_id_is_replaced_by_a_new_one_everywhere(tmp_path):
+    decision_log = tmp_path / "decisions.jsonl"
+    async with nodes_and_gateway(tmp_path, node_specs(1), decision_log=str(decision_log)) as (nodes, gateway):
+        await gateway.discovered()
+        longest = "i" * MAX_REQUEST_ID_LENGTH
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": longest})
+        assert response.status_code == 200 and response.headers["x-request-id"] == longest
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"X-Request-Id": "j" * 8000})
+        assert response.status_code == 200
+        new_id = response.headers["x-request-id"]
+        assert len(new_id) == 32 and "j" not in new_id
+        assert [request.header("x-request-id") for request in completions_to(nodes[0])] == [longest, new_id]
+        await gateway.wait_for(lambda: len(decision_records(decision_log)) == 2)
+        assert [decision.request_id for decision in decision_records(decision_log)] == [longest, new_id]
+
+
 async def test_json_nested_2000_levels_deep_gets_400_without_a_traceback(tmp_path, caplog):
     caplog.set_level(logging.WARNING)
     async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
@@ -85,8 +104,9 @@ class _ScrapeHeldOpen:
         return []
 
 
-async def test_the_api_answers_while_a_metrics_scrape_is_being_rendered(tmp_path):
-    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_the_api_answers_while_a_metrics_scrape_is_being_rendered(tmp_path, workers):
+    async with nodes_and_gateway(tmp_path, node_specs(1), workers=workers) as (nodes, gateway):
         held_open = _ScrapeHeldOpen()
         gateway.control_plane.registry.register(held_open)
         answered_during_scrape = []
@@ -142,9 +162,10 @@ async def test_odd_request_targets_get_json_errors_without_a_traceback(tmp_path,
     assert no_tracebacks(caplog)
 
 
-async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path):
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_closed(tmp_path, workers):
     timeouts = {"request_body_timeout": "1.5s", "request_body_idle_timeout": "0.5s"}
-    async with nodes_and_gateway(tmp_path, node_specs(1), **timeouts) as (nodes, gateway):
+    async with nodes_and_gateway(tmp_path, node_specs(1), workers=workers, **timeouts) as (nodes, gateway):
         host, port = gateway.url.removeprefix("http://").split(":")
         head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
 
