@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 import trio
 
-from transport.readiness import READ, WRITE, Exchange, Lookup, Wait
+from transport.readiness import READ, WRITE, Exchange, Lookup, TimedOut, Wait, drive
 
 RECEIVE_SIZE = 65536
 MAX_HEAD_BYTES = 65536
@@ -265,34 +265,14 @@ class _Pool:
             connection.close()
 
     async def connect(self, timeout: float | None) -> _Connection:
-        with trio.move_on_after(math.inf if timeout is None else timeout):
-            return await self._connect()
+        """A new connection (`_connect_steps`, driven in the calling task)."""
+        deadline = trio.current_time() + (math.inf if timeout is None else timeout)
+        with trio.move_on_at(deadline):  # the host name's lookup too
+            try:
+                return await drive(_connect_steps(self, None, deadline))
+            except TimedOut:
+                pass
         raise ConnectFailed(f"dial tcp {self.address}: i/o timeout after {timeout:g}s")
-
-    async def _connect(self) -> _Connection:
-        try:
-            addresses = await trio.socket.getaddrinfo(self.host, self.port, type=trio.socket.SOCK_STREAM)
-        except OSError as error:
-            raise ConnectFailed(f"dial tcp {self.address}: lookup {self.host}: {error.strerror or error}") from None
-        failure: OSError | None = None
-        for family, kind, protocol, _, address in addresses:
-            try:
-                raw = socket.socket(family, kind, protocol)
-            except OSError as error:  # out of file descriptors, say
-                failure = error
-                continue
-            sock = trio.socket.from_stdlib_socket(raw)
-            try:
-                await sock.connect(address)
-            except OSError as error:
-                sock.close()
-                failure = error
-                continue
-            except BaseException:
-                sock.close()
-                raise
-            return _Connection(self, trio.SocketStream(sock), raw)
-        raise ConnectFailed(f"dial tcp {self.address}: connect: {_os_error_text(failure)}")
 
 
 class _Connection:
@@ -804,6 +784,8 @@ def request_steps(request: PreparedRequest, deadline: float, limit: int | None =
 
 
 def _connect_steps(pool: _Pool, addresses: list | None, deadline: float) -> Exchange:
+    """A new connection of `pool`, to the first of the host's addresses that accepts one (the
+    host is looked up unless `addresses` are given)."""
     if addresses is None:
         try:
             addresses = yield Lookup(pool.host, pool.port)
@@ -813,7 +795,7 @@ def _connect_steps(pool: _Pool, addresses: list | None, deadline: float) -> Exch
     for family, kind, protocol, _, address in addresses:
         try:
             raw = socket.socket(family, kind, protocol)
-        except OSError as error:
+        except OSError as error:  # out of file descriptors, say
             failure = error
             continue
         try:
