@@ -6,7 +6,7 @@ new state and the same `Step` (the transitions to log and the effects to run), b
 folding it over a recorded event log reproduces every state and every transition line of the
 live run. Cluster events (run, reload, stop) are handled here; node events go to the handler of
 the rule they feed: health (`controlplane.health`), model discovery (`controlplane.discovery`),
-and the data plane's offline skip-set (here).
+load (`controlplane.load`), and the data plane's offline skip-set (here).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import msgspec
 
 from controlplane.discovery import models_listed
 from controlplane.health import gpu_scraped, health_probed, probe_crashed
+from controlplane.load import load_scraped
 from controlplane.transitions import (
     NOTHING,
     OFFLINE,
@@ -36,6 +37,7 @@ from events.types import (
     Event,
     GpuScraped,
     HealthProbed,
+    LoadScraped,
     ModelsListed,
     ProbeCrashed,
     ReloadRejected,
@@ -169,6 +171,7 @@ _NODE_HANDLERS: dict[type, Callable[[NodeState, Event, Config, StepBuilder], Nod
     ProbeCrashed: probe_crashed,
     GpuScraped: gpu_scraped,
     ModelsListed: models_listed,
+    LoadScraped: load_scraped,
     UpstreamFailed: _upstream_failed,
     UpstreamRecovered: _upstream_recovered,
 }

@@ -19,7 +19,8 @@ RELOAD = "reload"
 HEALTH = "health"
 MODELS = "models"
 OFFLINE = "offline"
-TRANSITION_KINDS = (RUN, RELOAD, HEALTH, MODELS, OFFLINE)
+LOAD = "load"
+TRANSITION_KINDS = (RUN, RELOAD, HEALTH, MODELS, OFFLINE, LOAD)
 
 
 class Transition(msgspec.Struct, frozen=True, kw_only=True, gc=False):

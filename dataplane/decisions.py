@@ -51,6 +51,21 @@ class AttemptRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str = ""
 
 
+class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One candidate of the policy's choice: its score inputs and its score (lower is better)."""
+
+    node: str
+    score: float
+    in_flight: int = 0
+    """Requests this process had in flight to the node when it chose."""
+    running: float | None = None
+    waiting: float | None = None
+    """The node's own figures at its last scrape; None when its load is unknown."""
+    kv_cache_usage: float | None = None
+    note: str = ""
+    """Why the candidate was passed over other than by its score (e.g. `load bound`)."""
+
+
 class Decision(msgspec.Struct, frozen=True):
     request_id: str
     at: float
@@ -72,6 +87,15 @@ class Decision(msgspec.Struct, frozen=True):
     replica: str = ""
     """The gateway that routed it, by its host's name (a pod's name in Kubernetes), so that the
     records of several replicas can be told apart; "" in records from before it was recorded."""
+    policy: str = "round_robin"
+    """The policy that chose the first attempt's node (records from before policies: round robin)."""
+    prefix: str = ""
+    """A short hash of the prompt's prefix (`routing.prefix_*`), recorded under every policy so
+    that `interlock whatif` can route the request by prefix; never the prompt itself."""
+    candidates: tuple[CandidateScore, ...] = ()
+    """The first pick's candidates, best first, as the policy scored them."""
+    margin: float | None = None
+    """The chosen node's score lead over the next candidate; None with a single candidate."""
 
 
 class DecisionRecorder(Protocol):

@@ -32,6 +32,15 @@ LOG_FORMATS = ("json", "text")
 """`gateway.log_format`: plinth's JSON lines, or text for a terminal."""
 
 
+POLICIES = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
+"""`routing.policy` and a model's `policy`: how a node is chosen among those routing allows.
+plinth's round robin is the default; the others read load (`LoadScraped`, in-flight counts)."""
+DEFAULT_LOAD_SCRAPE_INTERVAL = 2.0
+"""Seconds between load scrapes of a node when a load-aware policy is configured and
+`routing.load_scrape_interval` is not set."""
+DEFAULT_PREFIX_BYTES = 512
+DEFAULT_LOAD_BOUND = 1.25
+
 Workers = int | Literal["auto"]
 """`gateway.workers`: a count of processes, or "auto"."""
 
@@ -118,6 +127,24 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
         return self.max_request_body_bytes
 
 
+class RoutingConfig(Struct, frozen=True, kw_only=True):
+    """How a node is chosen among the ones routing allows (ring, model list, health, offline)."""
+
+    policy: str = POLICIES[0]
+    """The cluster-wide policy, one of POLICIES; a model's own `policy` overrides it."""
+    load_scrape_interval: float | None = None
+    """Seconds between scrapes of each node's vLLM `/metrics` (a Go duration in the file); 0 =
+    never. Unset: DEFAULT_LOAD_SCRAPE_INTERVAL when any configured policy reads load, else never
+    (set it under round robin to record load for `interlock whatif`)."""
+    prefix_messages: int = 0
+    """`prefix_affinity`: the prompt prefix is the first this many chat messages (0 = all of them)…"""
+    prefix_bytes: int = DEFAULT_PREFIX_BYTES
+    """…cut to this many bytes of their text (a completion's prompt: its first bytes)."""
+    load_bound: float = DEFAULT_LOAD_BOUND
+    """`prefix_affinity`: a node whose load is above this factor times the pool's mean load is
+    passed over for the next node in the prefix's order (consistent hashing with bounded loads)."""
+
+
 class NodeConfig(Struct, frozen=True, kw_only=True):
     ip: str = ""
     """The node's identity: unique among the nodes."""
@@ -136,6 +163,8 @@ class ModelEntry(Struct, frozen=True, kw_only=True):
     pipeline_stages: int = 0
     """Informational only."""
     ring: str = ""
+    policy: str = ""
+    """This model's routing policy (one of POLICIES); "" = `routing.policy`."""
 
 
 class ModelsConfig(Struct, frozen=True, kw_only=True):
@@ -149,6 +178,7 @@ class Config(Struct, frozen=True, kw_only=True):
     gateway: GatewayConfig = GatewayConfig()
     nodes: tuple[NodeConfig, ...] = ()
     models: ModelsConfig = ModelsConfig()
+    routing: RoutingConfig = RoutingConfig()
 
     def model_ring(self, name: str) -> str:
         """plinth's ModelRing: the ring of the first available model named `name`, else ""."""
@@ -156,6 +186,21 @@ class Config(Struct, frozen=True, kw_only=True):
             if model.name == name:
                 return model.ring
         return ""
+
+    def model_policy(self, name: str) -> str:
+        """The policy `name` is routed by: the first available model named so, else the cluster's."""
+        for model in self.models.available:
+            if model.name == name:
+                return model.policy or self.routing.policy
+        return self.routing.policy
+
+    def load_scrape_interval(self) -> float:
+        """Seconds between load scrapes of each node; 0 = none (see `RoutingConfig`)."""
+        interval = self.routing.load_scrape_interval
+        if interval is not None:
+            return interval
+        policies = {self.routing.policy, *(model.policy for model in self.models.available if model.policy)}
+        return DEFAULT_LOAD_SCRAPE_INTERVAL if policies != {POLICIES[0]} else 0.0
 
     def upstream_key_files(self) -> dict[str, str]:
         """The key file of each node that has one (its own, else the cluster-wide one), by IP."""

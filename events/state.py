@@ -84,6 +84,31 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return self.state in (Discovery.KNOWN, Discovery.KNOWN_EMPTY)
 
 
+class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What the node's vLLM `/metrics` said at its last scrape (`LoadScraped`), for the
+    load-aware policies. A failed scrape makes the load unknown, which never stops routing to
+    the node (unknown load is not ill health); the last known figures stay for display."""
+
+    known: bool = False
+    """The last scrape succeeded: `running` and `waiting` are current."""
+    running: float = 0.0
+    """`vllm:num_requests_running`."""
+    waiting: float = 0.0
+    """`vllm:num_requests_waiting`."""
+    kv_cache_usage: float | None = None
+    """The KV-cache usage gauge (0..1), when the node exports it."""
+    scraped_at: float | None = None
+    """Time of the last successful scrape; None if never."""
+    fails: int = 0
+    """Failed scrapes in a row."""
+    last_error: str = ""
+
+    @property
+    def queued(self) -> float:
+        """Requests the node has, running or waiting: a policy's view of its load."""
+        return self.running + self.waiting
+
+
 class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One configured node as the control plane sees it (plinth's NodeState plus the skip-set)."""
 
@@ -97,6 +122,7 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     models: ModelDiscovery = ModelDiscovery()
     offline_until: float | None = None
     """Set by a data-plane connection failure; the node is skipped while `now < offline_until`."""
+    load: NodeLoad = NodeLoad()
 
     def is_offline(self, now: float) -> bool:
         return self.offline_until is not None and now < self.offline_until

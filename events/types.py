@@ -68,6 +68,17 @@ class GpuScraped(EventBase, frozen=True, tag="gpu_scrape"):
     error: str = ""
 
 
+class LoadScraped(EventBase, frozen=True, tag="load_scrape"):
+    """One scrape of a node's vLLM `GET /metrics`: its running and waiting requests (and KV-cache
+    usage, when exported), or the error when the scrape gave no usable answer."""
+
+    node: str
+    running: float | None = None
+    waiting: float | None = None
+    kv_cache_usage: float | None = None
+    error: str = ""
+
+
 class ModelsListed(EventBase, frozen=True, tag="model_listing"):
     """One `GET /v1/models` of a node: the ids in order, or None with the error text."""
 
@@ -139,6 +150,7 @@ Event = Union[
     ProbeCrashed,
     GpuScraped,
     ModelsListed,
+    LoadScraped,
     UpstreamFailed,
     UpstreamRecovered,
     RunStopped,

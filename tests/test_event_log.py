@@ -7,15 +7,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from controlplane.appender import SegmentedFile
-from events.config import ClusterConfig, Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
+from events.config import (
+    POLICIES,
+    ClusterConfig,
+    Config,
+    GatewayConfig,
+    ModelEntry,
+    ModelsConfig,
+    NodeConfig,
+    RoutingConfig,
+)
 from events.jsonl import LogFileError, expand_log_paths, list_segments
 from events.log import decode_event, encode_event, last_seq, read_events
-from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeState
+from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeLoad, NodeState
 from events.types import (
     EVENT_TYPES,
     Checkpoint,
     ConfigReloaded,
     GpuScraped,
+    LoadScraped,
     HealthProbed,
     ModelsListed,
     ProbeCrashed,
@@ -44,9 +54,18 @@ configs = st.builds(
     models=st.builds(
         ModelsConfig,
         default=texts,
-        available=st.lists(st.builds(ModelEntry, name=texts, pipeline_stages=int64s, ring=texts), max_size=3).map(
-            tuple
-        ),
+        available=st.lists(
+            st.builds(ModelEntry, name=texts, pipeline_stages=int64s, ring=texts, policy=st.sampled_from(POLICIES)),
+            max_size=3,
+        ).map(tuple),
+    ),
+    routing=st.builds(
+        RoutingConfig,
+        policy=st.sampled_from(POLICIES),
+        load_scrape_interval=st.none() | latencies,
+        prefix_messages=int64s,
+        prefix_bytes=int64s,
+        load_bound=latencies,
     ),
 )
 gpus = st.builds(
@@ -72,6 +91,16 @@ node_states = st.builds(
     gpus=st.lists(gpus, max_size=2).map(tuple),
     models=discoveries,
     offline_until=st.none() | times,
+    load=st.builds(
+        NodeLoad,
+        known=st.booleans(),
+        running=latencies,
+        waiting=latencies,
+        kv_cache_usage=st.none() | latencies,
+        scraped_at=st.none() | times,
+        fails=int64s,
+        last_error=texts,
+    ),
 )
 
 
@@ -91,6 +120,10 @@ EVENTS = {
     GpuScraped: event(GpuScraped, node=texts, gpus=st.lists(gpus, max_size=3).map(tuple), error=texts),
     ModelsListed: event(
         ModelsListed, node=texts, models=st.none() | st.lists(texts, max_size=4).map(tuple), error=texts
+    ),
+    LoadScraped: event(
+        LoadScraped, node=texts, running=st.none() | latencies, waiting=st.none() | latencies,
+        kv_cache_usage=st.none() | latencies, error=texts,
     ),
     UpstreamFailed: event(UpstreamFailed, node=texts, error=texts),
     UpstreamRecovered: event(UpstreamRecovered, node=texts),

@@ -19,6 +19,7 @@ from events.types import (
     GpuSample,
     GpuScraped,
     HealthProbed,
+    LoadScraped,
     ModelsListed,
     ProbeCrashed,
     ReloadRejected,
@@ -568,6 +569,36 @@ def test_gpu_scrape_replaces_gpus_only_when_it_found_some():
     state, _, _ = apply([GpuScraped(at=T0 + 6, node=NODE, gpus=(GPU_B,))], state)
     assert state.nodes[NODE].gpus == (GPU_B,)
     assert (state.nodes[NODE].last_check, state.nodes[NODE].status) == (None, Health.HEALTHY)
+
+
+# --- load (the load-aware policies' scrape of vLLM /metrics) -------------------------------------
+
+
+def load_scrape(running: float | None, waiting: float | None = 0.0, at: float = T0, error: str = "") -> LoadScraped:
+    return LoadScraped(at=at, node=NODE, running=running, waiting=waiting, kv_cache_usage=0.5, error=error)
+
+
+def test_a_load_scrape_sets_the_nodes_load_and_a_failed_one_makes_it_unknown_without_touching_health():
+    state, transitions, _ = apply([load_scrape(3.0, 2.0)], started())
+    load = state.nodes[NODE].load
+    assert (load.known, load.running, load.waiting, load.kv_cache_usage, load.scraped_at) == (True, 3.0, 2.0, 0.5, T0)
+    assert load.queued == 5.0 and transitions == []
+    state, transitions, _ = apply([load_scrape(None, error="status 404", at=T0 + 2)] * 2, state)
+    load = state.nodes[NODE].load
+    assert (load.known, load.fails, load.last_error, load.running, load.scraped_at) == (False, 2, "status 404", 3.0, T0)
+    assert [(t.kind, t.level, t.msg, fields(t)) for t in transitions] == [
+        ("load", "warn", "node load unknown", {"node": NODE, "error": "status 404"})
+    ]  # once per streak of failures
+    assert state.nodes[NODE].status == Health.HEALTHY
+    state, transitions, _ = apply([load_scrape(1.0, at=T0 + 4)], state)
+    assert state.nodes[NODE].load.known and state.nodes[NODE].load.fails == 0
+    assert [(t.msg, fields(t)) for t in transitions] == [("node load known again", {"node": NODE})]
+
+
+def test_a_scrape_without_the_gauges_is_a_failed_one():
+    state, transitions, _ = apply([load_scrape(None, None)], started())
+    assert not state.nodes[NODE].load.known
+    assert [fields(t)["error"] for t in transitions] == ["load metrics missing"]
 
 
 # --- run start and reload (§2.3 NewMonitorWithState, §7) ---------------------------------------

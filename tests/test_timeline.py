@@ -135,7 +135,7 @@ def test_the_page_shows_a_lane_per_node_and_a_mark_per_transition_in_chromium(tm
         for mark in dom.marks
     ]
     assert Counter(shown) == Counter((t.seq, t.node, t.kind, t.msg) for t in transitions)
-    assert len(dom.marks) == len(transitions) == 25
+    assert len(dom.marks) == len(transitions) == 26
     for mark in dom.marks:
         assert mark["lane"] == mark["data-node"]  # a node's transitions sit in its lane; the gateway's in none
         assert mark["data-tip"].startswith(f"seq {mark['data-seq']} · 03:0")  # its seq and UTC time of day
