@@ -14,6 +14,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import ipaddress
+import math
 import os
 import re
 import tomllib
@@ -37,6 +38,7 @@ from events.config import (
     DEFAULT_VLLM_PORT,
     LOG_FORMATS,
     LOG_LEVELS,
+    POLICIES,
     Config,
     GatewayConfig,
 )
@@ -131,15 +133,18 @@ NO_OVERRIDES = Overrides()
 _IGNORED_SECTIONS = ("provision",)
 """Top-level tables plinth's gateway accepts and does not use (its provisioning CLI's)."""
 
-_DURATION_KEYS = (
-    "health_interval",
-    "probe_timeout",
-    "event_log_retain_age",
-    "decision_log_retain_age",
-    "request_body_timeout",
-    "request_body_idle_timeout",
-)
-"""The [gateway] keys that hold Go duration strings in the file and float seconds in the schema."""
+_DURATION_KEYS = {
+    "gateway": (
+        "health_interval",
+        "probe_timeout",
+        "event_log_retain_age",
+        "decision_log_retain_age",
+        "request_body_timeout",
+        "request_body_idle_timeout",
+    ),
+    "routing": ("load_scrape_interval",),
+}
+"""The keys, by table, that hold Go duration strings in the file and float seconds in the schema."""
 
 
 def load_config(
@@ -220,19 +225,21 @@ def _match_field_names(
 
 
 def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """Take the duration strings out of [gateway], checking that they are strings."""
-    gateway = document.get("gateway")
-    if not isinstance(gateway, dict):
-        return document, {}
+    """Take the duration strings out of their tables, checking that they are strings; returns
+    the rest of the document and the texts by dotted key (`gateway.health_interval`)."""
     texts = {}
-    for name in _DURATION_KEYS:
-        if name in gateway:
-            try:
-                texts[name] = msgspec.convert(gateway[name], str)
-            except msgspec.ValidationError as exc:
-                raise ConfigError(path, f"gateway.{name}", f"parsing config: {exc}") from None
-    rest = {key: value for key, value in gateway.items() if key not in _DURATION_KEYS}
-    return {**document, "gateway": rest}, texts
+    for section, names in _DURATION_KEYS.items():
+        table = document.get(section)
+        if not isinstance(table, dict):
+            continue
+        for name in names:
+            if name in table:
+                try:
+                    texts[f"{section}.{name}"] = msgspec.convert(table[name], str)
+                except msgspec.ValidationError as exc:
+                    raise ConfigError(path, f"{section}.{name}", f"parsing config: {exc}") from None
+        document = {**document, section: {key: value for key, value in table.items() if key not in names}}
+    return document, texts
 
 
 def _take_inline_api_keys(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
@@ -262,15 +269,16 @@ def _split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
 
 def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, str]) -> Config:
     """plinth's loader: empty or zero values take their defaults; duration strings are parsed."""
-    gateway = config.gateway
-    durations = {}
-    for name, text in duration_texts.items():
+    durations: dict[str, dict[str, float]] = {section: {} for section in _DURATION_KEYS}
+    for key, text in duration_texts.items():
         if text == "":
             continue  # absent or empty: the schema default stands
+        section, name = key.split(".")
         try:
-            durations[name] = parse_go_duration(text) / 1e9
+            durations[section][name] = parse_go_duration(text) / 1e9
         except ValueError as exc:
-            raise ConfigError(path, f"gateway.{name}", f"parsing {name}: {exc}") from None
+            raise ConfigError(path, key, f"parsing {name}: {exc}") from None
+    gateway = config.gateway
     gateway = replace(
         gateway,
         listen=gateway.listen or DEFAULT_LISTEN,
@@ -280,8 +288,9 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         log_level=gateway.log_level or LOG_LEVELS[0],
         log_format=gateway.log_format or LOG_FORMATS[0],
         decision_log_max_bytes=gateway.decision_log_max_bytes or DEFAULT_DECISION_LOG_MAX_BYTES,
-        **durations,
+        **durations["gateway"],
     )
+    routing = replace(config.routing, policy=config.routing.policy or POLICIES[0], **durations["routing"])
     nodes = tuple(
         replace(
             node,
@@ -290,7 +299,7 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         )
         for node in config.nodes
     )
-    return replace(config, gateway=gateway, nodes=nodes)
+    return replace(config, gateway=gateway, nodes=nodes, routing=routing)
 
 
 def _validate(path: str, config: Config) -> Config:
@@ -367,6 +376,7 @@ def _validate(path: str, config: Config) -> Config:
             )
 
     _check_addresses_and_models(invalid, config)
+    _check_routing(invalid, config)
     gateway = replace(
         gateway,
         max_buffered_response_bytes=gateway.max_buffered_response_bytes
@@ -491,6 +501,31 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
             )
 
 
+def _check_routing(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
+    """The [routing] table, then each model's policy, in file order. A bound must be finite:
+    the config is recorded as JSON, which has no infinity."""
+    routing = config.routing
+    policies = ", ".join(POLICIES)
+    if routing.policy not in POLICIES:
+        raise invalid("routing.policy", f"policy must be one of {policies} (got {go_quote(routing.policy)})")
+    if routing.load_scrape_interval is not None and routing.load_scrape_interval < 0:
+        raise invalid("routing.load_scrape_interval", "load_scrape_interval must be non-negative (0: never)")
+    if routing.prefix_messages < 0:
+        raise invalid("routing.prefix_messages", "prefix_messages must be non-negative (0: every message)")
+    if routing.prefix_bytes <= 0:
+        raise invalid("routing.prefix_bytes", "prefix_bytes must be greater than zero")
+    if not (math.isfinite(routing.load_bound) and routing.load_bound >= 1):
+        raise invalid(
+            "routing.load_bound", f"load_bound must be a finite number of at least 1 (got {routing.load_bound})"
+        )
+    for index, model in enumerate(config.models.available):
+        if model.policy and model.policy not in POLICIES:
+            raise invalid(
+                f"models.available[{index}].policy",
+                f'policy must be one of {policies}, or "" for routing.policy (got {go_quote(model.policy)})',
+            )
+
+
 def _hosts_overlap(first: str, second: str) -> bool:
     """Whether listeners on these two hosts (as `parse_listen_address` returns them) and one port
     would collide: the same host, or the IPv4 wildcard and any IPv4 address or name, or the IPv6
@@ -557,7 +592,9 @@ def describe_config(config: Config) -> str:
     lines.append(f"models ({len(config.models.available)}), default {default_model}:")
     for model in config.models.available:
         ring = f"ring {model.ring}" if model.ring else "standalone"
-        lines.append(f"  {model.name}  {ring}")
+        policy = f"  policy {model.policy}" if model.policy else ""
+        lines.append(f"  {model.name}  {ring}{policy}")
+    lines.append(_describe_routing(config))
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
         lines.append(f"{what}: {_describe_log(gateway, key)}")
     if gateway.api_key_hashes:
@@ -574,6 +611,20 @@ def describe_config(config: Config) -> str:
         lines.append("unanswered requests: 502 (retry_unanswered = false)")
     lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
+
+
+def _describe_routing(config: Config) -> str:
+    """The cluster's policy and how often load is scraped, as `check-config` shows it."""
+    routing = config.routing
+    interval = config.load_scrape_interval()
+    scraped = f"every {_seconds_text(interval)}" if interval else "never"
+    if routing.load_scrape_interval is None:
+        scraped += " (load_scrape_interval unset: the default for these policies)"
+    text = f"routing: {routing.policy}; node load scraped {scraped}"
+    if "prefix_affinity" in {routing.policy, *(model.policy for model in config.models.available)}:
+        messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
+        text += f"; prefix: {messages}, up to {routing.prefix_bytes} bytes; load bound {routing.load_bound:g}"
+    return text
 
 
 def _seconds_text(seconds: float) -> str:

@@ -21,6 +21,7 @@ from controlplane.config import (
     parse_listen_address,
 )
 from events.config import (
+    DEFAULT_LOAD_SCRAPE_INTERVAL,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     Config,
@@ -28,6 +29,7 @@ from events.config import (
     ModelEntry,
     ModelsConfig,
     NodeConfig,
+    RoutingConfig,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -438,6 +440,97 @@ def test_keys_matched_case_insensitively_are_not_unknown(tmp_path: Path) -> None
     assert load_reporting_unknown_keys(tmp_path, text)[1] == []
 
 
+# --- routing ----------------------------------------------------------------------------------
+
+
+def routing_with(line: str) -> str:
+    return f"{ONE_NODE}\n[routing]\n{line}\n"
+
+
+POLICY_CHOICES = "round_robin, least_load, power_of_two, prefix_affinity"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('policy = "fastest"', f'policy must be one of {POLICY_CHOICES} (got "fastest")'),
+        ('policy = "Least_Load"', f'policy must be one of {POLICY_CHOICES} (got "Least_Load")'),
+        ('load_scrape_interval = "-1s"', "load_scrape_interval must be non-negative (0: never)"),
+        ('load_scrape_interval = "2"', 'parsing load_scrape_interval: time: missing unit in duration "2"'),
+        ("load_scrape_interval = 2", "parsing config: Expected `str`, got `int`"),
+        ("prefix_messages = -1", "prefix_messages must be non-negative (0: every message)"),
+        ("prefix_bytes = 0", "prefix_bytes must be greater than zero"),
+        ("load_bound = 0.99", "load_bound must be a finite number of at least 1 (got 0.99)"),
+        ("load_bound = inf", "load_bound must be a finite number of at least 1 (got inf)"),
+        ("load_bound = nan", "load_bound must be a finite number of at least 1 (got nan)"),
+        ('load_bound = "high"', "parsing config: Expected `float`, got `str`"),
+    ],
+)
+def test_routing_value_errors(tmp_path: Path, line: str, message: str) -> None:
+    key = "routing." + line.split(" = ")[0]
+    error = load_error(tmp_path, routing_with(line))
+    assert (error.key, error.message) == (key, message)
+
+
+def test_a_models_policy_error_names_the_model_entry(tmp_path: Path) -> None:
+    text = ONE_NODE + (
+        '[[models.available]]\nname = "a"\npolicy = "least_load"\n'
+        '[[models.available]]\nname = "b"\npolicy = "random"\n'
+    )
+    error = load_error(tmp_path, text)
+    assert error.key == "models.available[1].policy"
+    assert error.message == f'policy must be one of {POLICY_CHOICES}, or "" for routing.policy (got "random")'
+
+
+@pytest.mark.parametrize(
+    ("lines", "policy", "setting", "interval"),
+    [
+        ("", "round_robin", None, 0.0),  # plinth's behaviour: no scrape at all
+        ('policy = ""', "round_robin", None, 0.0),
+        ('load_scrape_interval = ""', "round_robin", None, 0.0),
+        ('load_scrape_interval = "500ms"', "round_robin", 0.5, 0.5),  # recording load for whatif
+        ('policy = "least_load"', "least_load", None, DEFAULT_LOAD_SCRAPE_INTERVAL),
+        ('policy = "least_load"\nload_scrape_interval = "0s"', "least_load", 0.0, 0.0),
+        ('policy = "power_of_two"\nload_scrape_interval = "1m"', "power_of_two", 60.0, 60.0),
+    ],
+)
+def test_load_scrape_interval(tmp_path: Path, lines: str, policy: str, setting: float | None, interval: float) -> None:
+    config = load_text(tmp_path, routing_with(lines))
+    assert (config.routing.policy, config.routing.load_scrape_interval) == (policy, setting)
+    assert config.load_scrape_interval() == interval
+
+
+def test_a_models_own_policy_overrides_the_clusters_and_asks_for_load(tmp_path: Path) -> None:
+    text = ONE_NODE + '[[models.available]]\nname = "a"\n[[models.available]]\nname = "b"\npolicy = "prefix_affinity"\n'
+    config = load_text(tmp_path, text)
+    assert config.models.available[1] == ModelEntry(name="b", policy="prefix_affinity")
+    policies = [config.model_policy(name) for name in ("a", "b", "unlisted")]
+    assert policies == ["round_robin", "prefix_affinity", "round_robin"]
+    assert config.load_scrape_interval() == DEFAULT_LOAD_SCRAPE_INTERVAL
+
+
+def test_routing_values_are_kept(tmp_path: Path) -> None:
+    text = routing_with(
+        '[Routing]\nPolicy = "prefix_affinity"\nload_scrape_interval = "250ms"\n'
+        "prefix_messages = 2\nprefix_bytes = 64\nload_bound = 1"
+    ).replace("\n[routing]\n", "\n")
+    assert load_text(tmp_path, text).routing == RoutingConfig(
+        policy="prefix_affinity", load_scrape_interval=0.25, prefix_messages=2, prefix_bytes=64, load_bound=1.0
+    )
+
+
+def test_misspelt_routing_keys_are_reported(tmp_path: Path) -> None:
+    text = routing_with('polcy = "least_load"\nload_scrape_intervall = "1s"')
+    text += '[[models.available]]\nname = "m"\npolicies = "x"\n'
+    config, unknown = load_reporting_unknown_keys(tmp_path, text)
+    assert config.routing == RoutingConfig()
+    assert unknown == [
+        ("routing.polcy", "routing.policy"),
+        ("routing.load_scrape_intervall", "routing.load_scrape_interval"),
+        ("models.available[0].policies", "models.available[0].policy"),
+    ]
+
+
 # --- defaults ---------------------------------------------------------------------------------
 
 
@@ -623,8 +716,10 @@ def test_example_config_documents_the_limits() -> None:
     assert "# max_buffered_response_bytes = 8388608  # 8 MiB; -1 = unlimited" in text
     assert "# max_request_body_bytes = 33554432  # 32 MiB; no unlimited setting" in text
     assert "data[].id" in text
-    for key in GatewayConfig.__struct_fields__:
+    for key in GatewayConfig.__struct_fields__ + RoutingConfig.__struct_fields__:
         assert key in text
+    assert "#   policy " in text  # a model's own
+    assert "interlock whatif" in text  # why load may be scraped under round robin
 
 
 def test_describe_config() -> None:
@@ -644,8 +739,16 @@ def test_describe_config() -> None:
         "event log: none",
         "unanswered requests: 502 (retry_unanswered = false)",
         "log: json lines, info and above",
+        "routing: round_robin; node load scraped never",
     ]:
         assert expected in summary
+    entries = (ModelEntry(name="a"), ModelEntry(name="b", policy="prefix_affinity"))
+    routing = RoutingConfig(prefix_messages=2)
+    routed = Config(nodes=config.nodes, models=ModelsConfig(available=entries), routing=routing)
+    summary = describe_config(routed)
+    assert "  b  standalone  policy prefix_affinity" in summary
+    assert "routing: round_robin; node load scraped every 2s" in summary
+    assert "prefix: first 2 messages, up to 512 bytes; load bound 1.25" in summary
     gateway = GatewayConfig(event_log="/tmp/events.jsonl", health_interval=90.0)
     with_log = Config(nodes=config.nodes, gateway=gateway)
     assert "event log: /tmp/events.jsonl" in describe_config(with_log)
