@@ -7,12 +7,14 @@ process can hold many control planes); the data plane adds its request metrics t
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from controlplane.routing import filter_by_model, ring_pool
 from controlplane.transitions import HEALTH, MODELS, RELOAD, RUN, Step, StopProbing
-from events.state import ClusterState, Discovery, Health
-from events.types import Event, ModelsListed, ProbeCrashed
+from events.state import ClusterState, Discovery, Health, NodeLoad
+from events.types import Event, LoadScraped, ModelsListed, ProbeCrashed
 
 _RECOUNT_KINDS = frozenset((RUN, RELOAD, HEALTH))
 """Transitions after which the node-status counts may differ; every status change logs one."""
@@ -80,6 +82,30 @@ class ControlPlaneMetrics:
             ["model", "status"],
             registry=registry,
         )
+        self.node_load_known = Gauge(
+            "interlock_node_load_known",
+            "1 when the node's last load scrape (vLLM's /metrics) succeeded, 0 when it failed",
+            ["node"],
+            registry=registry,
+        )
+        self.node_requests_running = Gauge(
+            "interlock_node_requests_running",
+            "Requests running on the node (vllm:num_requests_running) at its last successful load scrape",
+            ["node"],
+            registry=registry,
+        )
+        self.node_requests_waiting = Gauge(
+            "interlock_node_requests_waiting",
+            "Requests waiting on the node (vllm:num_requests_waiting) at its last successful load scrape",
+            ["node"],
+            registry=registry,
+        )
+        self.node_kv_cache_usage = Gauge(
+            "interlock_node_kv_cache_usage",
+            "The node's KV-cache usage (0 to 1) at its last successful load scrape, when it exports it",
+            ["node"],
+            registry=registry,
+        )
         # At thousands of events a second `.labels()` and a locked `set` per event are a good
         # part of the reducer task's time: the labelled children are looked up once, the
         # sequence number is read when scraped, and a gauge is set only when its value changes.
@@ -90,6 +116,7 @@ class ControlPlaneMetrics:
         self._models_ok: dict[str, int] = {}
         self._node_states: dict[str, tuple[Health, Discovery]] = {}
         self._model_counts: dict[str, tuple[int, int, int]] = {}
+        self._loads: dict[str, NodeLoad] = {}
 
     def record(self, event: Event, state: ClusterState, step: Step) -> None:
         """Account for one applied event; `state` is the snapshot it produced."""
@@ -114,6 +141,8 @@ class ControlPlaneMetrics:
             if self._models_ok.get(event.node) != models_ok:
                 self._models_ok[event.node] = models_ok
                 self.node_models_ok.labels(node=event.node).set(models_ok)
+        elif isinstance(event, LoadScraped) and (node := state.nodes.get(event.node)) is not None:
+            self._publish_load(node.ip, node.load)
         kinds = {transition.kind for transition in step.transitions}
         if kinds & _RECOUNT_KINDS:
             self._count_statuses(state)
@@ -145,6 +174,20 @@ class ControlPlaneMetrics:
                 is_current = 1 if discovery == node.models.state else 0
                 self.node_discovery.labels(node=node.ip, state=discovery).set(is_current)
 
+    def _publish_load(self, ip: str, load: NodeLoad) -> None:
+        if self._loads.get(ip) == load:
+            return
+        self._loads[ip] = load
+        self.node_load_known.labels(node=ip).set(1 if load.known else 0)
+        if load.scraped_at is not None:
+            self.node_requests_running.labels(node=ip).set(load.running)
+            self.node_requests_waiting.labels(node=ip).set(load.waiting)
+        if load.kv_cache_usage is not None:
+            self.node_kv_cache_usage.labels(node=ip).set(load.kv_cache_usage)
+        else:
+            with contextlib.suppress(KeyError):
+                self.node_kv_cache_usage.remove(ip)  # the node stopped exporting it
+
     def _count_model_nodes(self, state: ClusterState) -> None:
         """For every model configured or listed by a node, its possible nodes by health status."""
         models = {entry.name for entry in state.config.models.available} if state.config is not None else set()
@@ -169,6 +212,15 @@ class ControlPlaneMetrics:
             self.node_models_ok.remove(ip)
         except KeyError:
             pass
+        if self._loads.pop(ip, None) is not None:
+            for gauge in (
+                self.node_load_known,
+                self.node_requests_running,
+                self.node_requests_waiting,
+                self.node_kv_cache_usage,
+            ):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(ip)
         if self._node_states.pop(ip, None) is not None:
             for status in Health:
                 self.node_health.remove(ip, status)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -23,7 +24,7 @@ import trio
 
 from events.config import NodeConfig
 from events.state import GpuSample
-from events.types import GpuScraped, HealthProbed, ModelsListed, ProbeCrashed
+from events.types import GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
 from transport.http11 import BodyTooLarge, HttpClient, HttpError, PreparedRequest, request_steps
 from transport.readiness import Exchange, TimedOut, drive
 
@@ -33,8 +34,8 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 KEEPALIVE_SECONDS = 60.0
 """How long an idle connection to a node is kept for the next probe (longer than a health interval)."""
 
-MAX_IDLE_PER_PORT = 2
-"""Idle connections kept per node and port: `/health` and `/v1/models` may overlap on the vLLM port."""
+MAX_IDLE_PER_PORT = 3
+"""Idle connections kept per node and port: `/health`, `/v1/models` and `/metrics` may overlap on the vLLM port."""
 
 _HEADERS = ((b"user-agent", b"interlock-probe"), (b"accept-encoding", b"identity"))
 
@@ -198,6 +199,79 @@ def _gpu_label(token: str) -> str:
         return ""
     value, closed, _ = token[start + 5 :].partition('"')
     return value if closed else ""
+
+
+# --- load (vLLM's own metrics) --------------------------------------------------------------
+
+
+def scrape_load(
+    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, authorization: bytes = b""
+) -> Exchange:
+    """`GET /metrics` on the vLLM port (a LoadScraped): the requests running and waiting, and
+    the KV-cache usage, or the error (capped) when the scrape gave no usable answer.
+
+    `authorization` is the node's upstream key header. vLLM's `--api-key` guards only `/v1`, but
+    a node behind a proxy that guards every path needs it, and it goes to the host and port that
+    already get it with every model listing and completion, so sending it reveals nothing new.
+    """
+    try:
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization)
+        if response.status != 200:
+            raise ProbeError(f"vLLM metrics endpoint returned status {response.status}")
+        running, waiting, kv_cache_usage = parse_vllm_load(response.body)
+    except ProbeError as exc:
+        return LoadScraped(at=now(), node=node.ip, error=_capped(str(exc)))
+    except Exception as exc:  # a bug must cost one scrape, never the scrape loop
+        return LoadScraped(at=now(), node=node.ip, error=_capped(f"load scrape crashed: {type(exc).__name__}: {exc}"))
+    return LoadScraped(at=now(), node=node.ip, running=running, waiting=waiting, kv_cache_usage=kv_cache_usage)
+
+
+MAX_LOAD_ERROR_CHARS = 300
+"""Longest scrape error kept in a LoadScraped (and so in the event log, /health and the state)."""
+
+LOAD_METRICS_MISSING = "load metrics missing: no vllm:num_requests_running nor vllm:num_requests_waiting sample"
+
+_RUNNING, _WAITING = b"vllm:num_requests_running", b"vllm:num_requests_waiting"
+_KV_CACHE_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")
+"""KV-cache usage (0..1) under vLLM's newer name and its older one."""
+
+_LOAD_SAMPLE = re.compile(
+    rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc))"
+    rb'[ \t]*(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+([^ \t\r\n]+)'
+)
+"""One sample line of a load gauge in Prometheus' text format: the name at the start of a line
+(so `# HELP` and `# TYPE` never match), any labels (a quoted value may hold `}`, spaces and
+escaped quotes), whitespace, the value; a timestamp after it is ignored. A longer name
+(`vllm:num_requests_running_max`) does not match: its next character is neither `{` nor blank."""
+
+
+def parse_vllm_load(body: bytes) -> tuple[float, float, float | None]:
+    """Requests running and waiting, summed over the label sets (models, engines), and the
+    largest KV-cache usage, from vLLM's `/metrics`. A sample that is not a finite non-negative
+    number (`NaN`, `+Inf`, junk) is skipped. A gauge with no sample counts 0 if the other has
+    one; neither is ProbeError(LOAD_METRICS_MISSING). Only the gauges' lines are looked at (a
+    regular expression over the whole body), since vLLM's exposition is mostly histograms."""
+    sums: dict[bytes, float] = {}
+    kv_cache_usage = None
+    for match in _LOAD_SAMPLE.finditer(b"\n" + body):
+        name, text = match.groups()
+        try:
+            value = float(text)
+        except ValueError:
+            continue
+        if not (math.isfinite(value) and value >= 0):
+            continue
+        if name in _KV_CACHE_USAGE:
+            kv_cache_usage = value if kv_cache_usage is None else max(kv_cache_usage, value)
+        else:
+            sums[name] = sums.get(name, 0.0) + value
+    if not sums:
+        raise ProbeError(LOAD_METRICS_MISSING)
+    return sums.get(_RUNNING, 0.0), sums.get(_WAITING, 0.0), kv_cache_usage
+
+
+def _capped(error: str) -> str:
+    return error if len(error) <= MAX_LOAD_ERROR_CHARS else error[: MAX_LOAD_ERROR_CHARS - 1] + "…"
 
 
 # --- model discovery (GH-31) ----------------------------------------------------------------

@@ -9,9 +9,10 @@ Who owns what (all tasks are children of `ControlPlane.run`):
 - the prober (`Prober`) runs one ticker for every node: each tick starts model discovery (not
   awaited) and then runs a health round (awaited, so a slow round drops ticks), with separate
   per-node in-flight guards for health and discovery. Rechecks and nodes added by a reload are
-  probed at once under the same guards. Every probe runs in the prober's one `Readiness` (one
-  wait for all their sockets); probes read addresses, timeouts and the interval from the
-  current snapshot and only ever send events;
+  probed at once under the same guards. A second ticker scrapes every node's load (vLLM's
+  `/metrics`) at the config's load interval, none while it is 0, with its own in-flight guard.
+  Every probe runs in the prober's one `Readiness` (one wait for all their sockets); probes read
+  addresses, timeouts and the intervals from the current snapshot and only ever send events;
 - the event-log writer (`controlplane.appender.LogAppender`) writes encoded events in batches
   in a worker thread, so a slow or failing disk never stalls the reducer. Each new segment
   opens with a checkpoint of the state before its first event.
@@ -45,7 +46,7 @@ from controlplane.config import (
 )
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.probes import ProbeClient, check_node, list_models
+from controlplane.probes import ProbeClient, check_node, list_models, scrape_load
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
 from events.config import Config, GatewayConfig, NodeConfig
@@ -343,6 +344,8 @@ class ControlPlane:
             self._event_log.submit(encode_event(event), base=before)
         if isinstance(event, (RunStarted, ConfigReloaded)):
             self.log.configure(state.config.gateway)
+            if self._prober is not None:
+                self._prober.config_changed()
         for transition in step.transitions:
             self.log.write(transition.at, transition.level, transition.msg, transition.log_fields())
         self.metrics.record(event, state, step)
@@ -422,6 +425,9 @@ class Prober:
         self._round: set[str] = set()
         """The nodes whose health checks the current round waits for."""
         self._round_ended = trio.Event()
+        self._load_in_flight: set[str] = set()
+        self._config_changed = trio.Event()
+        """Set when a reload is applied, for the load ticker to read the new interval."""
         self._authorizations: tuple[Config | None, dict[str, bytes]] = (None, {})
         """The upstream key headers, read from their files once per config."""
 
@@ -431,6 +437,7 @@ class Prober:
                 self._readiness = Readiness(nursery)
                 self._nursery = nursery
                 nursery.start_soon(self._report)
+                nursery.start_soon(self._scrape_load_ticks)
                 task_status.started()
                 await self._tick()
         finally:
@@ -498,6 +505,45 @@ class Prober:
         )
         self._readiness.start((_MODELS, node.ip), listing)
 
+    def config_changed(self) -> None:
+        """A config was applied (called by the reducer task; never blocks)."""
+        self._config_changed.set()
+
+    async def _scrape_load_ticks(self) -> None:
+        """Scrape every node's load every `load_scrape_interval()` seconds (the ticks drop as
+        the health ticker's do), and nothing while it is 0. A reload that changes the interval
+        takes effect at once: the next scrape is due one new interval after the last one."""
+        last_tick = None
+        while True:
+            changed = self._config_changed = trio.Event()
+            interval = self._control_plane.snapshot.config.load_scrape_interval()
+            if interval <= 0:
+                last_tick = None
+                await changed.wait()
+                continue
+            due = trio.current_time() if last_tick is None else last_tick + interval
+            with trio.move_on_at(due) as waiting:
+                await changed.wait()
+            if not waiting.cancelled_caught:
+                continue  # a reload: read the interval again
+            now = trio.current_time()
+            last_tick = now if last_tick is None else next_tick(last_tick, interval, now)
+            for node in self._control_plane.snapshot.config.nodes:
+                self._start_load_scrape(node)
+
+    def _start_load_scrape(self, node: NodeConfig) -> None:
+        if node.ip in self._load_in_flight:
+            return
+        self._load_in_flight.add(node.ip)
+        scrape = scrape_load(
+            self._client,
+            node,
+            timeout=self._timeout(),
+            now=self._control_plane.now,
+            authorization=self._authorization(node.ip),
+        )
+        self._readiness.start((_LOAD, node.ip), scrape)
+
     async def _report(self) -> None:
         """Send each ended probe's events, then let the node be probed again."""
         while True:
@@ -512,6 +558,9 @@ class Prober:
                         self._round.discard(ip)
                         if not self._round:
                             self._round_ended.set()
+                elif kind == _LOAD:
+                    await self._control_plane.emit(events)
+                    self._load_in_flight.discard(ip)
                 else:
                     await self._control_plane.emit(events)
                     self._models_in_flight.discard(ip)
@@ -528,8 +577,8 @@ class Prober:
         return authorizations.get(ip, b"")
 
 
-_HEALTH, _MODELS = "health", "models"
-"""The two kinds of probe a node has in flight at most one of each."""
+_HEALTH, _MODELS, _LOAD = "health", "models", "load"
+"""The kinds of probe a node has in flight at most one of each."""
 
 
 def next_tick(last_tick: float, interval: float, now: float) -> float:

@@ -8,6 +8,8 @@ The completion routes are declared here all the same, so that other methods on t
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import trio
 from quart import Response, request
@@ -18,8 +20,8 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
-from dataplane.proxy import COMPLETION_PATHS, SnapshotViews
-from events.state import Health
+from dataplane.proxy import COMPLETION_PATHS, ConfigView, SnapshotViews
+from events.state import Health, NodeState
 
 _encode = msgspec.json.Encoder()
 
@@ -69,21 +71,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         else:
             status = "degraded"
         # Key order as Go encodes it: a map's keys sorted, a struct's fields in declaration order.
-        details = [
-            {
-                "ip": node.ip,
-                "name": node.name,
-                "status": node.status,
-                "models": {
-                    "state": node.models.state,
-                    "names": node.models.names,
-                    "age_seconds": node.models.age(now),
-                    "fails": node.models.fails,
-                    "last_error": _shown_error(node.models.last_error, view.config.health_hides_errors),
-                },
-            }
-            for node in nodes
-        ]
+        details = [_node_details(node, now, view.config) for node in nodes]
         body = {
             "details": details,
             "healthy": healthy,
@@ -131,6 +119,34 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         return _response(error_reply(METHOD_NOT_ALLOWED, (b"allow", allow), close=_has_body()))
 
     return app
+
+
+def _node_details(node: NodeState, now: float, config: ConfigView) -> dict[str, Any]:
+    """One node's entry in /health; its load only when load is scraped."""
+    details = {
+        "ip": node.ip,
+        "name": node.name,
+        "status": node.status,
+        "models": {
+            "state": node.models.state,
+            "names": node.models.names,
+            "age_seconds": node.models.age(now),
+            "fails": node.models.fails,
+            "last_error": _shown_error(node.models.last_error, config.health_hides_errors),
+        },
+    }
+    if config.health_shows_load:
+        load = node.load
+        details["load"] = {
+            "known": load.known,
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_cache_usage": load.kv_cache_usage,
+            "age_seconds": None if load.scraped_at is None else now - load.scraped_at,
+            "fails": load.fails,
+            "last_error": _shown_error(load.last_error, config.health_hides_errors),
+        }
+    return details
 
 
 HIDDEN_ERROR = "(hidden: gateway.health_hides_errors)"

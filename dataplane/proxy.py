@@ -127,6 +127,8 @@ class ConfigView:
         self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
         self.health_open = not gateway.health_requires_api_key
         self.health_hides_errors = gateway.health_hides_errors
+        self.health_shows_load = config.load_scrape_interval() > 0
+        """/health shows each node's load only when it is scraped (plinth's body stays as it is)."""
         self.upstream_authorizations = upstream_authorizations(config)
         """The `Authorization` each node with a key gets instead of the client's."""
         self.node_headers = {node.ip: _node_header(node) for node in config.nodes}

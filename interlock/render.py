@@ -17,7 +17,7 @@ from controlplane.logs import format_timestamp
 from controlplane.replay import Explanation, ReplayResult
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import TRANSITION_KINDS, Transition
-from events.state import NodeState
+from events.state import NodeLoad, NodeState
 
 # --- arguments -------------------------------------------------------------------------------
 
@@ -107,6 +107,14 @@ def _offline_text(node: NodeState, now: float) -> str:
     return f"until {format_timestamp(node.offline_until)} ({format_age(node.offline_until - now)} left)"
 
 
+def _load_text(load: NodeLoad) -> str:
+    """Requests running+waiting at the last scrape (`3+2`), `unknown` after a failed one, `-`
+    if never scraped."""
+    if load.known:
+        return f"{load.running:g}+{load.waiting:g}"
+    return "unknown" if load.fails else "-"
+
+
 def render_state(result: ReplayResult, now: float) -> str:
     """The state as a table for a terminal, with a heading naming the moment."""
     state = result.state
@@ -135,10 +143,11 @@ def render_state(result: ReplayResult, now: float) -> str:
                 "never" if node.last_check is None else format_age(now - node.last_check) + " ago",
                 models.state,
                 ",".join(models.names) if models.names else "-",
+                _load_text(node.load),
                 _offline_text(node, now),
             ]
         )
-    headers = ["NODE", "NAME", "RING", "STATUS", "FAILURES", "CHECKED", "MODELS", "NAMES", "OFFLINE"]
+    headers = ["NODE", "NAME", "RING", "STATUS", "FAILURES", "CHECKED", "MODELS", "NAMES", "LOAD", "OFFLINE"]
     return "\n".join([heading, run, ""] + format_table(headers, rows))
 
 

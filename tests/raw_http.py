@@ -132,7 +132,9 @@ class RawNode:
     """A node on a raw server, with what `harness.config_text` reads of a node. `completions`
     holds (connection number, request bytes) of each completion request, in order."""
 
-    def __init__(self, name: str, host: str, models: Sequence[str], answers: Sequence[Answer]) -> None:
+    def __init__(
+        self, name: str, host: str, models: Sequence[str], answers: Sequence[Answer], metrics: Answer | None = None
+    ) -> None:
         self.name = name
         self.host = host
         self.vllm_port = 0
@@ -140,24 +142,29 @@ class RawNode:
         self.completions: list[tuple[int, bytes]] = []
         self._answers = answers
         listing = {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "vllm"} for model in models]}
-        self._probe_answers = {
+        self.probe_answers: dict[bytes, Answer] = {
             b"/health": _ok(b""),
             b"/v1/models": _ok(msgspec.json.encode(listing), b"application/json"),
-            b"/metrics": _ok(b"", b"text/plain"),
+            b"/metrics": _ok(b"", b"text/plain") if metrics is None else metrics,
         }
+        """The answer to each probe's path (as a completion answer is given); a test may change
+        one while the node runs."""
 
     async def serve(self, connection: ServerConnection) -> None:
         while (request := await connection.request()) is not None:
             method, target, _ = request.split(b" ", 2)
             if method != b"POST":
-                await connection.send(self._probe_answers.get(target, b"HTTP/1.1 404 Not Found\r\n\r\n"))
+                await _send(connection, self.probe_answers.get(target, b"HTTP/1.1 404 Not Found\r\n\r\n"))
                 continue
             self.completions.append((connection.number, request))
-            answer = self._answers[min(len(self.completions), len(self._answers)) - 1]
-            if isinstance(answer, bytes):
-                await connection.send(answer)
-            else:
-                await answer(connection)
+            await _send(connection, self._answers[min(len(self.completions), len(self._answers)) - 1])
+
+
+async def _send(connection: ServerConnection, answer: Answer) -> None:
+    if isinstance(answer, bytes):
+        await connection.send(answer)
+    else:
+        await answer(connection)
 
 
 def _ok(body: bytes, content_type: bytes = b"text/plain") -> bytes:
@@ -166,11 +173,16 @@ def _ok(body: bytes, content_type: bytes = b"text/plain") -> bytes:
 
 @asynccontextmanager
 async def raw_node(
-    *answers: Answer, models: Sequence[str] = ("test-model",), host: str = "127.0.0.2", name: str = "n1"
+    *answers: Answer,
+    models: Sequence[str] = ("test-model",),
+    host: str = "127.0.0.2",
+    name: str = "n1",
+    metrics: Answer | None = None,
 ) -> AsyncIterator[RawNode]:
     """A node on `host` that answers `/health`, `/v1/models` (listing `models`) and `/metrics`
-    as a vLLM node does, and its n-th completion request with answers[n] (the last one repeats)."""
-    node = RawNode(name, host, models, answers)
+    (an empty 200, or the answer `metrics`) as a vLLM node does, and its n-th completion
+    request with answers[n] (the last one repeats)."""
+    node = RawNode(name, host, models, answers, metrics)
     async with raw_server(node.serve, host) as server:
         node.vllm_port = node.metrics_port = server.port
         yield node

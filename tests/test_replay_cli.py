@@ -111,6 +111,14 @@ def test_replay_table_shows_the_final_state(capsys):
     assert rows["10.0.0.1"]["OFFLINE"] == "until 2026-01-02T03:06:12Z (6.0s left)"
     assert rows["10.0.0.2"]["OFFLINE"] == "-"
     assert rows["10.0.0.2"]["CHECKED"] == "0.4s ago"
+    # The one load scrape: requests running+waiting, or unknown where it failed.
+    assert {ip: row["LOAD"] for ip, row in rows.items()} == {
+        "10.0.0.1": "unknown",
+        "10.0.0.2": "0+0",
+        "10.0.0.3": "1+0",
+        "10.0.0.4": "2+1",
+        "10.0.0.5": "0+1",
+    }
 
 
 def test_until_seq_gives_the_earlier_state(capsys):
@@ -118,6 +126,7 @@ def test_until_seq_gives_the_earlier_state(capsys):
     assert code == 0
     assert out.startswith("state after seq 97 ")
     rows = parse_table(out)
+    assert {row["LOAD"] for row in rows.values()} == {"-"}  # not scraped yet
     assert list(rows) == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"]  # before the reload
     assert {row["MODELS"] for row in rows.values()} == {"known"}
     assert {row["STATUS"] for row in rows.values()} == {"healthy"}
