@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from controlplane.appender import LogAppender, SegmentedFile, open_configured_log
 from controlplane.logs import JsonLog
+from controlplane.policies import CandidateScore
 from events.config import GatewayConfig
 from events.jsonl import read_records
 
@@ -49,21 +50,6 @@ class AttemptRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     status: int | None = None
     """The node's HTTP status, when it answered."""
     error: str = ""
-
-
-class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One candidate of the policy's choice: its score inputs and its score (lower is better)."""
-
-    node: str
-    score: float
-    in_flight: int = 0
-    """Requests this process had in flight to the node when it chose."""
-    running: float | None = None
-    waiting: float | None = None
-    """The node's own figures at its last scrape; None when its load is unknown."""
-    kv_cache_usage: float | None = None
-    note: str = ""
-    """Why the candidate was passed over other than by its score (e.g. `load bound`)."""
 
 
 class Decision(msgspec.Struct, frozen=True):
