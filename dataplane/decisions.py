@@ -78,6 +78,8 @@ class Decision(msgspec.Struct, frozen=True):
     prefix: str = ""
     """A short hash of the prompt's prefix (`routing.prefix_*`), recorded under every policy so
     that `interlock whatif` can route the request by prefix; never the prompt itself."""
+    rotation: int = 0
+    """The round-robin counter the first pick was made with (ties and round robin follow it)."""
     candidates: tuple[CandidateScore, ...] = ()
     """The first pick's candidates, best first, as the policy scored them."""
     margin: float | None = None
