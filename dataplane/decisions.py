@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from controlplane.appender import LogAppender, SegmentedFile, open_configured_log
 from controlplane.logs import JsonLog
+from controlplane.policies import CandidateScore
 from events.config import GatewayConfig
 from events.jsonl import read_records
 
@@ -51,21 +52,6 @@ class AttemptRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str = ""
 
 
-class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One candidate of the policy's choice: its score inputs and its score (lower is better)."""
-
-    node: str
-    score: float
-    in_flight: int = 0
-    """Requests this process had in flight to the node when it chose."""
-    running: float | None = None
-    waiting: float | None = None
-    """The node's own figures at its last scrape; None when its load is unknown."""
-    kv_cache_usage: float | None = None
-    note: str = ""
-    """Why the candidate was passed over other than by its score (e.g. `load bound`)."""
-
-
 class Decision(msgspec.Struct, frozen=True):
     request_id: str
     at: float
@@ -92,6 +78,8 @@ class Decision(msgspec.Struct, frozen=True):
     prefix: str = ""
     """A short hash of the prompt's prefix (`routing.prefix_*`), recorded under every policy so
     that `interlock whatif` can route the request by prefix; never the prompt itself."""
+    rotation: int = 0
+    """The round-robin counter the first pick was made with (ties and round robin follow it)."""
     candidates: tuple[CandidateScore, ...] = ()
     """The first pick's candidates, best first, as the policy scored them."""
     margin: float | None = None

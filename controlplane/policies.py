@@ -1,0 +1,171 @@
+"""Routing policies: which node of the pool gets a request, and the scores that say why.
+
+The pool is what routing leaves (`controlplane.routing`: ring, model list, offline, dead, and
+healthy before degraded), minus the nodes a request already tried; a policy only chooses within
+it. Each policy is a pure function of the pool, the load the snapshot holds, the in-flight counts
+of the process that routes, the round-robin rotation, the request id and the prompt prefix, so
+the data plane and `interlock whatif` choose the same way from the same inputs.
+
+Every candidate gets a score, lower is better, and the choice lists them best first:
+
+- `round_robin` (plinth's, the default): `pool[rotation % len(pool)]`; a candidate's score is
+  how many turns away it is.
+- `least_load`: the lowest load, ties broken by the round-robin order. A node's load is the
+  requests this process has in flight to it plus those the node said it was running and
+  waiting at its last scrape; a node whose load is unknown (its scrape failed) is counted at
+  the mean of the known ones, so that it neither attracts nor repels requests.
+- `power_of_two`: two candidates drawn at random, the less loaded wins (ties: the first drawn).
+  The draw is seeded from the request id, so a replay draws the same two.
+- `prefix_affinity`: rendezvous hashing of the prompt prefix over the candidates, so that
+  requests sharing a prefix go to the node whose cache holds it; a node whose load is above
+  `load_bound` times the pool's mean (counting this request) is passed over for the next one in
+  the prefix's order (consistent hashing with bounded loads). The score is the rank in that order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+import msgspec
+
+from events.config import POLICIES
+from events.state import NodeState
+
+ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY = POLICIES
+
+NOT_DRAWN = "not drawn"
+OVER_LOAD_BOUND = "load bound"
+"""Notes on candidates passed over other than by their score."""
+
+
+class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One candidate of a choice: its score inputs and its score (lower is better)."""
+
+    node: str
+    score: float
+    in_flight: int = 0
+    """Requests the routing process had in flight to the node when it chose."""
+    running: float | None = None
+    waiting: float | None = None
+    """The node's own figures at its last scrape; None when its load is unknown."""
+    kv_cache_usage: float | None = None
+    note: str = ""
+    """Why the candidate was passed over other than by its score (NOT_DRAWN, OVER_LOAD_BOUND)."""
+
+
+class Choice(NamedTuple):
+    node: NodeState
+    candidates: tuple[CandidateScore, ...]
+    """Every candidate, the chosen one first, then best first."""
+    margin: float | None
+    """The chosen node's score lead over the next candidate; None with a single candidate."""
+
+
+def choose(
+    policy: str,
+    pool: Sequence[NodeState],
+    *,
+    rotation: int,
+    in_flight: Mapping[str, int],
+    request_id: str = "",
+    prefix: str = "",
+    load_bound: float = 1.25,
+) -> Choice:
+    """The node `policy` picks from `pool` (non-empty, in routing's order), with every
+    candidate's score; an unknown policy name is round robin (a config names only known ones)."""
+    if policy == LEAST_LOAD:
+        return _least_load(pool, rotation, in_flight)
+    if policy == POWER_OF_TWO:
+        return _power_of_two(pool, rotation, in_flight, request_id)
+    if policy == PREFIX_AFFINITY:
+        return _prefix_affinity(pool, in_flight, prefix, load_bound)
+    return _round_robin(pool, rotation, in_flight)
+
+
+def node_loads(pool: Sequence[NodeState], in_flight: Mapping[str, int]) -> list[float]:
+    """Each candidate's load: in flight here plus running and waiting there (unknown: the mean
+    of the known ones' running and waiting, 0 when none is known)."""
+    known = [node.load.queued for node in pool if node.load.known]
+    unknown_as = sum(known) / len(known) if known else 0.0
+    return [in_flight.get(node.ip, 0) + (node.load.queued if node.load.known else unknown_as) for node in pool]
+
+
+def _turns(pool: Sequence[NodeState], rotation: int) -> list[int]:
+    """How many round-robin turns away each candidate is (0: the one whose turn it is)."""
+    size = len(pool)
+    start = rotation % size
+    return [(index - start) % size for index in range(size)]
+
+
+def _scored(node: NodeState, score: float, in_flight: Mapping[str, int], note: str = "") -> CandidateScore:
+    load = node.load
+    return CandidateScore(
+        node=node.ip,
+        score=score,
+        in_flight=in_flight.get(node.ip, 0),
+        running=load.running if load.known else None,
+        waiting=load.waiting if load.known else None,
+        kv_cache_usage=load.kv_cache_usage if load.known else None,
+        note=note,
+    )
+
+
+def _ranked(
+    pool: Sequence[NodeState], order: list[int], scores: list[float], in_flight: Mapping[str, int], notes=None
+) -> Choice:
+    """The choice of `pool[order[0]]`, candidates listed in `order`."""
+    notes = notes or {}
+    candidates = tuple(_scored(pool[i], scores[i], in_flight, notes.get(i, "")) for i in order)
+    margin = candidates[1].score - candidates[0].score if len(candidates) > 1 else None
+    return Choice(pool[order[0]], candidates, margin)
+
+
+def _round_robin(pool: Sequence[NodeState], rotation: int, in_flight: Mapping[str, int]) -> Choice:
+    turns = _turns(pool, rotation)
+    order = sorted(range(len(pool)), key=turns.__getitem__)
+    return _ranked(pool, order, [float(turn) for turn in turns], in_flight)
+
+
+def _least_load(pool: Sequence[NodeState], rotation: int, in_flight: Mapping[str, int]) -> Choice:
+    loads = node_loads(pool, in_flight)
+    turns = _turns(pool, rotation)
+    order = sorted(range(len(pool)), key=lambda i: (loads[i], turns[i]))
+    return _ranked(pool, order, loads, in_flight)
+
+
+def _power_of_two(pool: Sequence[NodeState], rotation: int, in_flight: Mapping[str, int], request_id: str) -> Choice:
+    loads = node_loads(pool, in_flight)
+    if len(pool) < 2:
+        return _ranked(pool, [0], loads, in_flight)
+    seed = int.from_bytes(hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).digest()[:8], "big")
+    first, second = random.Random(seed).sample(range(len(pool)), 2)
+    drawn = [second, first] if loads[second] < loads[first] else [first, second]
+    turns = _turns(pool, rotation)
+    rest = sorted((i for i in range(len(pool)) if i not in drawn), key=lambda i: (loads[i], turns[i]))
+    return _ranked(pool, drawn + rest, loads, in_flight, dict.fromkeys(rest, NOT_DRAWN))
+
+
+def _prefix_affinity(
+    pool: Sequence[NodeState], in_flight: Mapping[str, int], prefix: str, load_bound: float
+) -> Choice:
+    order = sorted(range(len(pool)), key=lambda i: _rendezvous_weight(prefix, pool[i].ip), reverse=True)
+    loads = node_loads(pool, in_flight)
+    bound = load_bound * (sum(loads) + 1) / len(pool)
+    over = {i for i in order if loads[i] + 1 > math.ceil(bound)}
+    if len(over) == len(order):
+        over.discard(min(order, key=loads.__getitem__))  # loads in fractions can leave none under
+    ranks = [0.0] * len(pool)
+    for rank, index in enumerate(order):
+        ranks[index] = float(rank)
+    chosen = [i for i in order if i not in over]
+    passed_over = [i for i in order if i in over]
+    return _ranked(pool, chosen + passed_over, ranks, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
+
+
+def _rendezvous_weight(prefix: str, ip: str) -> int:
+    digest = hashlib.blake2b(f"{prefix}\0{ip}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big")

@@ -1,0 +1,125 @@
+"""The routing policies (`controlplane.policies`): what each picks and the scores it records."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from controlplane.policies import (
+    LEAST_LOAD,
+    NOT_DRAWN,
+    OVER_LOAD_BOUND,
+    POWER_OF_TWO,
+    PREFIX_AFFINITY,
+    ROUND_ROBIN,
+    choose,
+    node_loads,
+)
+from events.state import NodeLoad, NodeState
+
+IPS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
+
+
+def pool(*loads: tuple[float, float] | None) -> list[NodeState]:
+    """Nodes in IP order with (running, waiting) from their last scrape, or None: unknown."""
+    return [
+        NodeState(ip=ip, load=NodeLoad() if load is None else NodeLoad(known=True, running=load[0], waiting=load[1]))
+        for ip, load in zip(IPS, loads)
+    ]
+
+
+def test_round_robin_is_plinths_rotation_and_scores_turns():
+    nodes = pool((9, 9), (0, 0), (0, 0))
+    picks = [choose(ROUND_ROBIN, nodes, rotation=r, in_flight={}).node.ip for r in range(4)]
+    assert picks == [IPS[0], IPS[1], IPS[2], IPS[0]]  # load is not looked at
+    choice = choose(ROUND_ROBIN, nodes, rotation=4, in_flight={IPS[0]: 2})
+    assert [(c.node, c.score) for c in choice.candidates] == [(IPS[1], 0.0), (IPS[2], 1.0), (IPS[0], 2.0)]
+    assert choice.margin == 1.0
+    assert choice.candidates[2].in_flight == 2 and choice.candidates[2].running == 9
+
+
+def test_least_load_adds_in_flight_here_to_running_and_waiting_there():
+    nodes = pool((3, 1), (1, 0), (0, 0))
+    choice = choose(LEAST_LOAD, nodes, rotation=0, in_flight={IPS[2]: 2})
+    assert [(c.node, c.score) for c in choice.candidates] == [(IPS[1], 1.0), (IPS[2], 2.0), (IPS[0], 4.0)]
+    assert choice.node.ip == IPS[1] and choice.margin == 1.0
+
+
+def test_least_load_breaks_ties_in_round_robin_order():
+    nodes = pool((1, 0), (1, 0), (1, 0))
+    assert [choose(LEAST_LOAD, nodes, rotation=r, in_flight={}).node.ip for r in range(3)] == list(IPS)
+    assert choose(LEAST_LOAD, nodes, rotation=0, in_flight={}).margin == 0.0
+
+
+def test_an_unknown_load_counts_as_the_mean_of_the_known_ones():
+    nodes = pool((4, 0), None, (0, 2))
+    assert node_loads(nodes, {IPS[1]: 1}) == [4.0, 4.0, 2.0]
+    choice = choose(LEAST_LOAD, nodes, rotation=1, in_flight={})
+    assert choice.node.ip == IPS[2]
+    unknown = next(c for c in choice.candidates if c.node == IPS[1])
+    assert (unknown.running, unknown.waiting, unknown.score) == (None, None, 3.0)
+    assert node_loads(pool(None, None), {}) == [0.0, 0.0]
+
+
+def test_power_of_two_draws_from_the_request_id_and_takes_the_less_loaded():
+    nodes = pool((5, 0), (0, 0), (2, 0))
+    first = choose(POWER_OF_TWO, nodes, rotation=0, in_flight={}, request_id="req-1")
+    again = choose(POWER_OF_TWO, nodes, rotation=7, in_flight={}, request_id="req-1")
+    assert first == again  # the same request id draws the same two
+    drawn, other = first.candidates[:2], first.candidates[2]
+    assert drawn[0].score <= drawn[1].score and other.note == NOT_DRAWN and not drawn[0].note
+    assert first.margin == drawn[1].score - drawn[0].score
+    # over many requests, every pair is drawn: the most loaded node never wins, the least never loses
+    winners = Counter(
+        choose(POWER_OF_TWO, nodes, rotation=0, in_flight={}, request_id=f"r{i}").node.ip for i in range(300)
+    )
+    assert winners[IPS[0]] == 0 and winners[IPS[1]] > winners[IPS[2]] > 0
+
+
+def test_power_of_two_with_one_candidate_takes_it():
+    choice = choose(POWER_OF_TWO, pool((1, 0)), rotation=0, in_flight={}, request_id="x")
+    assert choice.node.ip == IPS[0] and choice.margin is None and len(choice.candidates) == 1
+
+
+def test_prefix_affinity_sends_a_prefix_to_the_same_node_and_spreads_prefixes():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    def home(prefix: str, rotation: int = 0) -> str:
+        return choose(PREFIX_AFFINITY, nodes, rotation=rotation, in_flight={}, prefix=prefix).node.ip
+
+    homes = {prefix: home(prefix) for prefix in map(str, range(60))}
+    assert all(home(prefix, rotation) == homes[prefix] for rotation in range(3) for prefix in homes)
+    assert set(Counter(homes.values())) == set(IPS)  # every node is home to some prefixes
+    assert min(Counter(homes.values()).values()) >= 10
+
+
+def test_prefix_affinity_keeps_its_home_when_another_node_goes_away():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    for prefix in map(str, range(30)):
+        home = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix=prefix).node
+        for gone in nodes:
+            if gone is not home:
+                rest = [node for node in nodes if node is not gone]
+                assert choose(PREFIX_AFFINITY, rest, rotation=0, in_flight={}, prefix=prefix).node is home
+
+
+def test_prefix_affinity_passes_over_a_node_above_the_load_bound():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    prefix = "system prompt A"
+    home = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix=prefix).node.ip
+    busy = {home: 6}  # mean with this request: 7/3; bound 1.25 × that → at most 3 with this one
+    choice = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight=busy, prefix=prefix, load_bound=1.25)
+    assert choice.node.ip != home
+    passed = next(c for c in choice.candidates if c.node == home)
+    assert (passed.note, passed.score, choice.candidates[-1].node) == (OVER_LOAD_BOUND, 0.0, home)
+    assert choice.candidates[0].score == 1.0  # the next node in the prefix's order
+    # a looser bound keeps the home node
+    assert choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight=busy, prefix=prefix, load_bound=4.0).node.ip == home
+
+
+@pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])
+def test_every_policy_scores_every_candidate_once_and_picks_the_first(policy):
+    nodes = pool((2, 1), None, (0, 3))
+    choice = choose(policy, nodes, rotation=5, in_flight={IPS[0]: 1}, request_id="abc", prefix="p")
+    assert sorted(c.node for c in choice.candidates) == list(IPS)
+    assert choice.node.ip == choice.candidates[0].node
