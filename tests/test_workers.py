@@ -93,6 +93,21 @@ async def test_every_worker_holds_the_leaders_state_after_a_fault_sequence(tmp_p
         assert {answer.json()["details"][1]["status"] for answer in answers} == {"healthy"}
 
 
+async def test_every_worker_follows_the_load_the_leader_scrapes(tmp_path):
+    routing = {"load_scrape_interval": "0.1s"}
+    async with nodes_and_gateway(tmp_path, node_specs(2), workers=2, routing=routing, **FAST) as (nodes, gateway):
+        digests = record_leader_digests(gateway)
+        nodes[1].behaviour.refuse = True
+        await gateway.wait_for(
+            lambda: gateway.node(nodes[0].host).load.known and gateway.node(nodes[1].host).load.fails >= 2
+        )
+        nodes[1].behaviour.refuse = False
+        await gateway.wait_for(lambda: gateway.node(nodes[1].host).load.known)
+        await workers_agree_with_leader(gateway, digests, workers=(1, 2))
+        answers = (await health_by_worker(gateway.url, (1, 2))).values()
+        assert all("load" in entry for answer in answers for entry in answer.json()["details"])
+
+
 async def test_a_node_that_dies_under_load_is_avoided_by_every_worker_and_no_request_fails(tmp_path):
     specs = node_specs(3)
     decisions = tmp_path / "decisions.jsonl"
