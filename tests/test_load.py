@@ -237,7 +237,7 @@ async def test_a_reload_changes_the_interval_and_the_nodes_scraped(fast_clock, g
 
             gateway_config([first, added], health_interval="1s", routing=EVERY_SECOND)
             assert await control_plane.reload()
-            with trio.fail_after(30):  # virtual seconds: far less than the hour the old interval had left
+            with trio.fail_after(300):  # virtual seconds: far less than the hour the old interval had left
                 await eventually(lambda: scrapes(first) >= 4 and scrapes(added) >= 3)
             assert scrapes(second) == 1  # removed: no longer scraped
             assert sample(control_plane, "interlock_node_load_known", node=second.host) is None
@@ -257,15 +257,11 @@ async def test_a_reload_changes_the_interval_and_the_nodes_scraped(fast_clock, g
 async def test_one_scrape_per_node_at_a_time_and_a_hung_one_makes_the_load_unknown(
     fast_clock, gateway_config, json_log
 ):
-    hanging = []
-    most_hanging = 0
+    asked = []
 
     async def never_answer(connection: ServerConnection) -> None:
-        nonlocal most_hanging
-        hanging.append(connection)
-        most_hanging = max(most_hanging, len(hanging))
+        asked.append(trio.current_time())
         await connection.wait_closed_by_client()  # at the scrape's timeout
-        hanging.remove(connection)
 
     async with raw_node(metrics=never_answer) as node:
         node.metrics_port = 1  # no GPU exporter: its /metrics scrapes are refused, never counted here
@@ -275,8 +271,9 @@ async def test_one_scrape_per_node_at_a_time_and_a_hung_one_makes_the_load_unkno
             await eventually(lambda: state().load.fails >= 2, timeout=120)
             assert state().status == Health.HEALTHY  # unknown load is not ill health
             assert "timed out after 30s" in state().load.last_error
-    # Ticks every second, each scrape hanging for 30 s: the ticks in between were skipped.
-    assert most_hanging == 1
+    # Ticks every second, each scrape hanging for 30 s: the ticks in between were skipped (a
+    # scrape a tick would have asked about 60 times).
+    assert 2 <= len(asked) <= 4
     assert load_lines(json_log, node.host) == ["node load unknown"]
 
 
