@@ -411,8 +411,9 @@ class Prober:
     One ticker task for all nodes (not a sleeping task per node): per tick, discovery for
     every node is started and not awaited (plinth's discoverAll), then a health check for every
     node, and the ticker waits until that round's checks have all ended (plinth's blocking
-    round). The probes are exchanges run together by one `Readiness` (one wait for every
-    socket, one timer), whose results a second task turns into events.
+    round). A second ticker task starts the load scrapes (`_scrape_load_ticks`). The probes are
+    exchanges run together by one `Readiness` (one wait for every socket, one timer), whose
+    results a third task turns into events.
     """
 
     def __init__(self, client: ProbeClient, control_plane: ControlPlane) -> None:
