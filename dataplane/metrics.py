@@ -78,6 +78,9 @@ class RequestMetrics:
             "Attempts on a node that failed before anything was sent to the client, then tried on the next node",
             "node",
         )
+        self._picks = counter(
+            "interlock_routing_picks_total", "Nodes chosen for an attempt, by the routing policy that chose", "policy"
+        )
         # With `serve --workers N` each worker counts its own: the leader's /metrics sums the
         # workers alive (a dead worker's requests are no longer in flight).
         self._node_in_flight = _Children(
@@ -98,6 +101,10 @@ class RequestMetrics:
     def attempt(self, model: str, status: int) -> None:
         """One proxy attempt: the node's status, or 502 for an attempt that failed."""
         self._attempts(model, status).inc()
+
+    def picked(self, policy: str) -> None:
+        """A node chosen under `policy` (one of the config's POLICIES: the label stays bounded)."""
+        self._picks(policy).inc()
 
     def node_attempt_started(self, node: str) -> None:
         self._node_in_flight(node).inc()

@@ -2,7 +2,8 @@
 
 Routing starts from the model's ring pool, drops the nodes whose model list rules the model out
 (both through `controlplane.routing`), then runs the attempt loop: pick a node with the shared
-round-robin balancer among the candidates not yet tried and neither dead nor offline, forward
+balancer (under the model's routing policy) among the candidates not yet tried and neither dead
+nor offline, forward
 the request, and either answer the client or retry on the next node. Each attempt returns its
 `Outcome`, and `Proxy._settle` is the one place that records how an attempt ended (log line,
 metrics, what the control plane learns about the node, the decision record's entry).
@@ -32,7 +33,8 @@ import trio
 from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
-from dataplane.balancer import RoundRobin
+from controlplane.policies import PREFIX_AFFINITY, Choice
+from dataplane.balancer import Balancer
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import (
     CLIENT_GONE,
@@ -57,6 +59,7 @@ from dataplane.errors import (
     model_not_found,
 )
 from dataplane.metrics import RequestMetrics
+from dataplane.prefix import prompt_prefix
 from events.config import Config, NodeConfig
 from events.state import ClusterState, NodeState
 from events.types import Checkpoint, UpstreamFailed, UpstreamRecovered
@@ -122,6 +125,12 @@ class ConfigView:
         self.body_idle_timeout = gateway.request_body_idle_timeout
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
+        routing = config.routing
+        self.cluster_policy = routing.policy
+        self.model_policies = {model.name: config.model_policy(model.name) for model in config.models.available}
+        self.prefix_messages = routing.prefix_messages
+        self.prefix_bytes = routing.prefix_bytes
+        self.load_bound = routing.load_bound
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
         self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
@@ -232,7 +241,7 @@ class Exchange:
 
     __slots__ = (
         "request_id", "path", "model", "metric_model", "stream", "body", "headers", "view", "route", "at",
-        "started", "attempts", "skipped", "attempt_started",
+        "started", "attempts", "skipped", "attempt_started", "policy", "prefix", "rotation", "first_choice",
     )  # fmt: skip
 
     def __init__(
@@ -264,6 +273,17 @@ class Exchange:
         """When the attempt in progress began (attempts are made one after another)."""
         self.skipped: list[Exclusion] = []
         """The candidates the attempt loop passed over (dead or offline when it picked), once each."""
+        config = view.config
+        self.policy = config.model_policies.get(model, config.cluster_policy)
+        self.prefix = (
+            prompt_prefix(path, body, messages=config.prefix_messages, limit=config.prefix_bytes)
+            if self.policy == PREFIX_AFFINITY or config.decision_log
+            else ""
+        )
+        """The prompt prefix's hash (`dataplane.prefix`), when the policy or the decision log needs it."""
+        self.rotation = 0
+        self.first_choice: Choice | None = None
+        """The first pick, with its candidates' scores when they were computed, and its rotation."""
 
     def skip(self, ip: str, reason: str) -> None:
         for exclusion in self.skipped:
@@ -357,7 +377,7 @@ class Proxy:
         self._metrics = metrics
         self._log = log
         self._decisions = decisions
-        self._balancer = RoundRobin()
+        self._balancer = Balancer()
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
@@ -408,7 +428,8 @@ class Proxy:
 
     def _pick(self, exchange: Exchange, tried: set[str]) -> NodeState | None:
         """The balancer's pick among the candidates not yet tried that are neither dead nor offline
-        now (those are noted as the request's exclusions); None when there is none."""
+        now (those are noted as the request's exclusions); None when there is none. The first
+        pick is kept for the decision record, scored when there is one."""
         now = self._control_plane.now()
         available = []
         for node in exchange.route.candidates:
@@ -419,7 +440,25 @@ class Proxy:
                 exchange.skip(node.ip, reason)
             else:
                 available.append(node)
-        return self._balancer.select(available) if available else None
+        if not available:
+            return None
+        config = exchange.view.config
+        rotation = self._balancer.rotation
+        choice = self._balancer.select(
+            available,
+            exchange.policy,
+            scored=config.decision_log,
+            request_id=exchange.request_id,
+            prefix=exchange.prefix,
+            load_bound=config.load_bound,
+        )
+        if choice is None:
+            return None
+        if exchange.first_choice is None:
+            exchange.first_choice = choice
+            exchange.rotation = rotation
+        self._metrics.picked(exchange.policy)
+        return choice.node
 
     # --- one attempt
 
@@ -437,6 +476,7 @@ class Proxy:
         upstream: UpstreamResponse | None = None
         exchange.attempt_started = time.perf_counter()
         self._metrics.node_attempt_started(node.ip)
+        self._balancer.attempt_started(node.ip)
         try:
             try:
                 with trio.fail_after(self._response_header_timeout):
@@ -453,8 +493,11 @@ class Proxy:
         except BaseException as error:
             if upstream is not None:
                 upstream.close()
+            status = upstream.status if upstream else None
             if isinstance(error, trio.Cancelled):
-                self._settle(exchange, node, Outcome(CLIENT_GONE, status=upstream.status if upstream else None))
+                self._settle(exchange, node, Outcome(CLIENT_GONE, status=status))
+            else:  # a fault of ours: the attempt still ends (its in-flight counts are released)
+                self._settle(exchange, node, Outcome(FAILED, status=status, error=error))
             raise
 
     def _failed(self, exchange: Exchange, error: Exception) -> Outcome:
@@ -586,6 +629,7 @@ class Proxy:
             self._log.error("client write failed after commit", node=node.ip, error=error)
             self._metrics.client_write_failure(exchange.metric_model)
         self._metrics.node_attempt_ended(node.ip)
+        self._balancer.attempt_ended(node.ip)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
             status = outcome.status or 502
             self._metrics.attempt(exchange.metric_model, status)
@@ -605,6 +649,7 @@ class Proxy:
         if self._decisions is None or not exchange.view.config.decision_log:
             return
         route = exchange.route
+        choice = exchange.first_choice
         self._decisions.record(
             Decision(
                 request_id=exchange.request_id,
@@ -619,6 +664,11 @@ class Proxy:
                 attempts=tuple(exchange.attempts),
                 status=status,
                 duration=time.perf_counter() - exchange.started,
+                policy=exchange.policy,
+                prefix=exchange.prefix,
+                rotation=exchange.rotation,
+                candidates=choice.candidates if choice else (),
+                margin=choice.margin if choice else None,
             )
         )
 

@@ -90,6 +90,7 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
             ["stream", "yes" if decision.stream else "no"],
             ["snapshot", f"seq {decision.seq}"],
             ["routed by", routed_by(decision)],
+            ["policy", _policy(decision)],
             ["ring", format_ring(decision.ring)],
             ["ring pool", ", ".join(decision.ring_pool) or "none"],
             ["status", final_status(decision)],
@@ -103,6 +104,9 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
     else:
         lines.append("no node excluded")
     lines.append("")
+    if decision.candidates:
+        lines += _candidates_table(decision)
+        lines.append("")
     if decision.attempts:
         rows = [
             [str(number), attempt.node, attempt.outcome, _or_dash(attempt.status), attempt.error or "-"]
@@ -115,6 +119,38 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
         times = ", ".join(f"{format_timestamp(record.at)} (status {_or_dash(record.status)})" for record in earlier)
         lines += ["", f"{len(earlier)} earlier request(s) with this id, not shown: {times}"]
     return "\n".join(lines)
+
+
+def _policy(decision: Decision) -> str:
+    """The policy, the first pick's margin when it was scored, and the prompt prefix's hash."""
+    text = decision.policy
+    if decision.margin is not None:
+        text += f", margin {_number(decision.margin)}"
+    return f"{text}, prefix {decision.prefix}" if decision.prefix else text
+
+
+def _candidates_table(decision: Decision) -> list[str]:
+    """The first pick's candidates as the policy scored them, best first, the chosen one marked."""
+    rows = [
+        [
+            ("* " if number == 0 else "  ") + candidate.node,
+            str(candidate.in_flight),
+            _number(candidate.running),
+            _number(candidate.waiting),
+            _number(candidate.kv_cache_usage),
+            _number(candidate.score),
+            candidate.note or "-",
+        ]
+        for number, candidate in enumerate(decision.candidates)
+    ]
+    return format_table(["CANDIDATE", "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "SCORE", "NOTE"], rows)
+
+
+def _number(value: float | None) -> str:
+    """A score or a scraped figure: whole numbers as such, others to two places, None as a dash."""
+    if value is None:
+        return "-"
+    return str(int(value)) if value == int(value) else f"{value:.2f}"
 
 
 def render_causes(decision: Decision, result: ReplayResult) -> str:

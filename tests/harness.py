@@ -124,7 +124,7 @@ def config_text(
 ) -> str:
     """A gateway TOML with one [[nodes]] per simulated node (ip = its host, its name and both
     ports; rings by node name), listening on free ports of 127.0.0.1. `models` are (name, ring)
-    pairs for [[models.available]]; `node_settings` adds keys to nodes by name; `routing` is the
+    or (name, ring, policy) for [[models.available]]; `node_settings` adds keys to nodes by name; `routing` is the
     [routing] table; `gateway` adds [gateway] keys (durations as strings: "1s")."""
     rings = rings or {}
     lines = ["[gateway]", 'listen = "127.0.0.1:0"', 'metrics_listen = "127.0.0.1:0"']
@@ -143,8 +143,9 @@ def config_text(
     if routing is not None:
         lines += ["[routing]"] + [f"{key} = {_toml(value)}" for key, value in routing.items()]
     lines += ["[models]", f"default = {_toml(default)}"]
-    for name, ring in models:
+    for name, ring, *policy in models:
         lines += ["[[models.available]]", f"name = {_toml(name)}", f"ring = {_toml(ring)}"]
+        lines += [f"policy = {_toml(value)}" for value in policy]
     return "\n".join(lines) + "\n"
 
 
@@ -401,3 +402,18 @@ def decision_records(path: Path) -> list[Decision]:
 
 def error_message(response: httpx.Response) -> str:
     return response.json()["error"]["message"]
+
+
+def table(out: str, first_heading: str) -> list[dict[str, str]]:
+    """The rows of the table whose heading line starts with `first_heading`."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(first_heading + " "))
+    headings = [heading for heading in lines[start].split("  ") if heading.strip()]
+    starts = [lines[start].index(heading.strip()) for heading in headings]
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        cells = [line[begin:end].strip() for begin, end in zip(starts, starts[1:] + [None])]
+        rows.append(dict(zip((heading.strip() for heading in headings), cells)))
+    return rows

@@ -17,7 +17,7 @@ from events.log import read_events
 from events.types import HealthProbed, ModelsListed
 from interlock.cli import main
 
-from harness import MODEL, chat, decision_records, node_specs, nodes_and_gateway
+from harness import MODEL, chat, decision_records, node_specs, nodes_and_gateway, table
 
 CHAT = "/v1/chat/completions"
 
@@ -74,21 +74,6 @@ def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
 def fields(out: str) -> dict[str, str]:
     """The `label  value` lines at the top of the output."""
     return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.split("\n\n")[0].splitlines())
-
-
-def table(out: str, first_heading: str) -> list[dict[str, str]]:
-    """The rows of the table whose heading line starts with `first_heading`."""
-    lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith(first_heading + " "))
-    headings = [heading for heading in lines[start].split("  ") if heading.strip()]
-    starts = [lines[start].index(heading.strip()) for heading in headings]
-    rows = []
-    for line in lines[start + 1 :]:
-        if not line.strip():
-            break
-        cells = [line[begin:end].strip() for begin, end in zip(starts, starts[1:] + [None])]
-        rows.append(dict(zip((heading.strip() for heading in headings), cells)))
-    return rows
 
 
 def seq_of_first(events_path: Path, kind: type, node: str, **match: object) -> int:
