@@ -3,6 +3,7 @@ official openai SDK: endpoints, every fault, recording, the control endpoint and
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import openai
 import pytest
 import trio
 
+from controlplane.probes import parse_vllm_load
 from fixtures.node import (
     OVERSIZED_MODELS_BYTES,
     Behaviour,
@@ -466,6 +468,118 @@ def test_behaviour_rejects_unknown_fields_and_bad_values():
         Behaviour(ttft=-1)
     with pytest.raises(ValueError, match="refuse"):
         behaviour.refuse = "yes"
+
+    with pytest.raises(ValueError, match="slowness"):
+        behaviour.slowness = 0
+    with pytest.raises(ValueError, match="prefill_hit_factor"):
+        Behaviour(prefill_hit_factor=1.5)
+    with pytest.raises(ValueError, match="max_running"):
+        behaviour.max_running = -1
+    with pytest.raises(ValueError, match="kv_cache_metric"):
+        behaviour.kv_cache_metric = "newest"
+
+
+# ---- the load model
+
+
+def sample(metrics: str, name: str, model: str = MODEL) -> float:
+    """The value of `name{model_name=model}` on a node's /metrics page."""
+    prefix = f'{name}{{model_name="{model}"}} '
+    return float(next(line[len(prefix) :] for line in metrics.splitlines() if line.startswith(prefix)))
+
+
+async def test_requests_beyond_max_running_wait_their_turn_in_order():
+    async with node_with_client(max_running=2, ttft=600.0, timeout=None) as (node, client):
+        finished: list[int] = []
+
+        async def ask(number: int) -> None:
+            await client.post("/v1/chat/completions", json=chat_body(user=str(number)))
+            finished.append(number)
+
+        async with trio.open_nursery() as nursery:
+            for number in range(5):
+                nursery.start_soon(ask, number)
+                with trio.fail_after(5):
+                    while len(node.requests) <= number:
+                        await trio.sleep(0.005)
+            metrics = (await client.get("/metrics")).text
+            assert (sample(metrics, "vllm:num_requests_running"), sample(metrics, "vllm:num_requests_waiting")) == (2, 3)
+            assert parse_vllm_load(metrics.encode())[:2] == (2.0, 3.0)  # the gateway's parser reads the same
+            node.behaviour.ttft = 0.0
+            node.behaviour.max_running = 1  # the two running finish at 600 s: the queue still waits
+            await trio.sleep(0.05)
+            assert finished == []
+            nursery.cancel_scope.cancel()
+        # The clients left: those running see it at once, those waiting when their turn comes.
+        with trio.fail_after(5):
+            while not all(record.ended.is_set() for record in node.requests if record.path != "/metrics"):
+                await trio.sleep(0.005)
+        metrics = (await client.get("/metrics")).text
+        assert (sample(metrics, "vllm:num_requests_running"), sample(metrics, "vllm:num_requests_waiting")) == (0, 0)
+
+
+async def test_the_queue_is_first_come_first_served():
+    async with node_with_client(max_running=1, tpot=0.05, timeout=None) as (node, client):
+        finished: list[int] = []
+
+        async def ask(number: int, tokens: int) -> None:
+            await client.post("/v1/chat/completions", json=chat_body(max_tokens=tokens))
+            finished.append(number)
+
+        async with trio.open_nursery() as nursery:
+            for number, tokens in enumerate((8, 4, 1)):  # the later, the shorter
+                nursery.start_soon(ask, number, tokens)
+                with trio.fail_after(5):
+                    while len(node.requests) <= number:
+                        await trio.sleep(0.005)
+        assert finished == [0, 1, 2]  # without the queue the shortest would end first
+
+
+@pytest.mark.parametrize(
+    ("setting", "names"),
+    [
+        ("old", ["vllm:gpu_cache_usage_perc"]),
+        ("new", ["vllm:kv_cache_usage_perc"]),
+        ("both", ["vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc"]),
+    ],
+)
+async def test_the_kv_cache_gauge_under_each_name(setting, names):
+    async with node_with_client(kv_cache_metric=setting, max_running=4, ttft=600.0, timeout=None) as (node, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(client.post, "/v1/chat/completions", json=chat_body()))
+            with trio.fail_after(5):
+                while not node.requests:
+                    await trio.sleep(0.005)
+            metrics = (await client.get("/metrics")).text
+            nursery.cancel_scope.cancel()
+    served = [name for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc") if f"{name}{{" in metrics]
+    assert served == names
+    assert all(sample(metrics, name) == 0.25 for name in names)  # one of four places in the batch
+    assert parse_vllm_load(metrics.encode())[2] == 0.25
+
+
+async def test_a_prefix_cache_hit_comes_sooner_than_a_miss_and_is_counted():
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    async with node_with_client(prefix_cache_entries=2, prefill_per_kib=0.2, prefill_hit_factor=0.0) as (node, client):
+
+        async def first_token_after(first_message: dict) -> float:
+            body = chat_body(stream=True, messages=[first_message, {"role": "user", "content": "hi"}])
+            async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                started = time.perf_counter()
+                async for _ in response.aiter_bytes():
+                    return time.perf_counter() - started
+            raise AssertionError("no token")
+
+        miss = await first_token_after(system)
+        hit = await first_token_after(system)
+        for other in ("a", "b"):  # two other prefixes push it out of a cache of two
+            await first_token_after({"role": "system", "content": other})
+        evicted = await first_token_after(system)
+        metrics = (await client.get("/metrics")).text
+    assert hit < miss and hit < evicted
+    assert sample(metrics, "vllm:prefix_cache_queries_total") == 5
+    assert sample(metrics, "vllm:prefix_cache_hits_total") == 1
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in metrics
 
 
 # ---- the official openai SDK
