@@ -25,77 +25,16 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import trio
 
-from bench.processes import NamedProcess, Processes, free_port, wait_until_healthy
-from bench.servers import HOST, PROJECT_ROOT
+from bench.processes import Processes
+from bench.servers import start_gateway, start_simulated_nodes
 from dataplane.decisions import RETRIED, read_decisions
 
 MODEL = "drill-model"
-
-
-@dataclass
-class Node:
-    host: str
-    port: int
-    metrics_port: int
-    process: NamedProcess
-
-
-def start_nodes(processes: Processes, args: argparse.Namespace) -> list[Node]:
-    """The simulated nodes, each answering its /health."""
-    nodes = []
-    for index in range(args.nodes):
-        host = f"127.0.0.{index + 2}"
-        port, metrics_port = free_port(host), free_port(host)
-        argv = [
-            sys.executable, "-m", "fixtures.node", "--host", host, "--base-port", str(port),
-            "--metrics-base-port", str(metrics_port), "--name-prefix", f"n{index + 1}-", "--models", MODEL,
-            "--ttft", str(args.ttft), "--tpot", str(args.tpot), "--tokens", str(args.tokens),
-        ]  # fmt: skip
-        process = processes.start(f"node-{index + 1}", argv, cores=None, cwd=PROJECT_ROOT)
-        wait_until_healthy(host, port, process)
-        nodes.append(Node(host, port, metrics_port, process))
-    return nodes
-
-
-def gateway_config(port: int, nodes: list[Node], retry_unanswered: bool, folder: Path) -> str:
-    quoted = lambda value: json.dumps(value)  # noqa: E731 (a TOML basic string)
-    lines = [
-        "[gateway]",
-        f"listen = {quoted(f'{HOST}:{port}')}",
-        f"metrics_listen = {quoted(f'{HOST}:{free_port()}')}",
-        'health_interval = "1s"',
-        f"decision_log = {quoted(str(folder / 'decisions.jsonl'))}",
-        f"retry_unanswered = {'true' if retry_unanswered else 'false'}",
-    ]
-    for index, node in enumerate(nodes):
-        lines += ["[[nodes]]", f"ip = {quoted(node.host)}", f'name = "n{index + 1}"']
-        lines += [f"vllm_port = {node.port}", f"metrics_port = {node.metrics_port}"]
-    lines += ["[models]", f"default = {quoted(MODEL)}", "[[models.available]]", f"name = {quoted(MODEL)}"]
-    return "\n".join(lines) + "\n"
-
-
-def start_gateway(
-    processes: Processes, folder: Path, nodes: list[Node], retry_unanswered: bool
-) -> tuple[int, NamedProcess]:
-    """`interlock serve`, ready once every node is healthy and its models are known."""
-    port = free_port()
-    config = folder / "gateway.toml"
-    config.write_text(gateway_config(port, nodes, retry_unanswered, folder))
-    argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
-    process = processes.start("interlock", argv, cores=None, cwd=PROJECT_ROOT)
-
-    def all_ready(status: int, body: bytes) -> bool:
-        health = json.loads(body) if status == 200 else {}
-        return health.get("status") == "ok" and health.get("models_ok") == len(nodes)
-
-    wait_until_healthy(HOST, port, process, accept=all_ready)
-    return port, process
 
 
 async def load(url: str, clients: int, duration: float, kill_at: float, kill) -> tuple[int, Counter, float]:
@@ -133,14 +72,19 @@ async def load(url: str, clients: int, duration: float, kill_at: float, kill) ->
 def run_setting(args: argparse.Namespace, retry_unanswered: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="failover-drill-") as temporary, Processes(Path(temporary)) as processes:
         folder = Path(temporary)
-        nodes = start_nodes(processes, args)
-        port, gateway = start_gateway(processes, folder, nodes, retry_unanswered)
+        nodes = start_simulated_nodes(processes, args.nodes, MODEL, ttft=args.ttft, tpot=args.tpot, tokens=args.tokens)
+        settings = {
+            "health_interval": "1s",
+            "decision_log": str(folder / "decisions.jsonl"),
+            "retry_unanswered": retry_unanswered,
+        }
+        gateway = start_gateway(processes, folder, nodes, MODEL, gateway=settings)
         killed = nodes[0]
-        url = f"http://{HOST}:{port}/v1/chat/completions"
+        url = gateway.url
         requests, failures, rate = trio.run(
             load, url, args.clients, args.duration, args.kill_at, lambda: os.killpg(killed.process.pid, signal.SIGKILL)
         )
-        processes.stop(gateway)  # SIGTERM: the decision log is written out
+        processes.stop(gateway.process)  # SIGTERM: the decision log is written out
         decisions = list(read_decisions(folder / "decisions.jsonl"))
     retried_away = sum(
         1

@@ -420,10 +420,10 @@ def _command_output(argv: list[str], cwd: Path | None = None) -> str:
     return (completed.stdout or completed.stderr).strip()
 
 
-def write_results(results: dict, folder: Path = RESULTS_FOLDER) -> Path:
-    """Write `results` as `<folder>/<UTC timestamp>.json` (never over an earlier file)."""
+def write_results(results: dict, folder: Path = RESULTS_FOLDER, kind: str = "") -> Path:
+    """Write `results` as `<folder>/<UTC timestamp>[-kind].json` (never over an earlier file)."""
     folder.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H-%M-%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H-%M-%SZ") + (f"-{kind}" if kind else "")
     path = folder / f"{stamp}.json"
     suffix = 1
     while path.exists():

@@ -6,6 +6,10 @@
   connections, no response buffering so SSE flows chunk by chunk), from a generated config;
 - interlock: `interlock serve` with one standalone node, the upstream, probed every second, with
   its metrics listener and its event log on.
+
+The failover drill and the routing benchmark run simulated nodes instead (`fixtures.node`, each
+a process on its own loopback address) behind `interlock serve` (`start_simulated_nodes`,
+`start_gateway`).
 """
 
 from __future__ import annotations
@@ -176,3 +180,77 @@ def start_interlock(
 
     name = name or ("interlock" if workers == 1 else f"interlock-x{workers}")
     return _launch(processes, name, argv, port, cores, accept=node_ready, root=root)
+
+
+# --- simulated nodes behind a gateway (the failover drill, the routing benchmark) --------------
+
+
+@dataclass
+class SimulatedNodeProcess:
+    name: str
+    host: str
+    port: int
+    metrics_port: int
+    process: NamedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def start_simulated_nodes(
+    processes: Processes, count: int, model: str, *, ttft: float, tpot: float, tokens: int
+) -> list[SimulatedNodeProcess]:
+    """`count` simulated nodes n1, n2, … on 127.0.0.2, 127.0.0.3, …, each a process answering its /health."""
+    nodes = []
+    for index in range(count):
+        host = f"127.0.0.{index + 2}"
+        port, metrics_port = free_port(host), free_port(host)
+        argv = [
+            sys.executable, "-m", "fixtures.node", "--host", host, "--base-port", str(port),
+            "--metrics-base-port", str(metrics_port), "--name-prefix", f"n{index + 1}-", "--models", model,
+            "--ttft", str(ttft), "--tpot", str(tpot), "--tokens", str(tokens),
+        ]  # fmt: skip
+        process = processes.start(f"node-{index + 1}", argv, cores=None, cwd=PROJECT_ROOT)
+        wait_until_healthy(host, port, process)
+        nodes.append(SimulatedNodeProcess(f"n{index + 1}", host, port, metrics_port, process))
+    return nodes
+
+
+def gateway_config(
+    port: int, nodes: list[SimulatedNodeProcess], model: str, gateway: dict[str, object], routing: dict[str, object]
+) -> str:
+    """A TOML config for `nodes` serving `model`, with `gateway` keys and a [routing] table."""
+    quoted = lambda value: msgspec.json.encode(value).decode()  # noqa: E731 (TOML spells these as JSON does)
+    lines = ["[gateway]", f"listen = {quoted(f'{HOST}:{port}')}", f"metrics_listen = {quoted(f'{HOST}:{free_port()}')}"]
+    lines += [f"{key} = {quoted(value)}" for key, value in gateway.items()]
+    for node in nodes:
+        lines += ["[[nodes]]", f"ip = {quoted(node.host)}", f"name = {quoted(node.name)}"]
+        lines += [f"vllm_port = {node.port}", f"metrics_port = {node.metrics_port}"]
+    lines += ["[routing]"] + [f"{key} = {quoted(value)}" for key, value in routing.items()]
+    lines += ["[models]", f"default = {quoted(model)}", "[[models.available]]", f"name = {quoted(model)}"]
+    return "\n".join(lines) + "\n"
+
+
+def start_gateway(
+    processes: Processes,
+    folder: Path,
+    nodes: list[SimulatedNodeProcess],
+    model: str,
+    *,
+    gateway: dict[str, object],
+    routing: dict[str, object] | None = None,
+    name: str = "interlock",
+) -> Server:
+    """`interlock serve` for `nodes` (see `gateway_config`), ready once every node is healthy
+    and its models are known."""
+    port = free_port()
+    config = folder / f"{name}.toml"
+    config.write_text(gateway_config(port, nodes, model, gateway, routing or {}))
+    argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
+
+    def all_ready(status: int, body: bytes) -> bool:
+        health = json.loads(body) if status == 200 else {}
+        return health.get("status") == "ok" and health.get("models_ok") == len(nodes)
+
+    return _launch(processes, name, argv, port, None, accept=all_ready)

@@ -18,6 +18,7 @@ from bench.servers import Server, interlock_config, nginx_path, start_nginx, sta
 from bench.upstream import MODEL, STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
 from controlplane.config import load_config
+from events.jsonl import list_segments
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,3 +165,26 @@ def test_the_log_files_bench_measures_the_writers_and_a_checkpoint():
     assert writer["plain_us"] > 0 and writer["segmented_us"] > 0 and writer["batch_bytes"] > 0
     checkpoint = measure_checkpoint(node_count=10, rounds=1)
     assert checkpoint["nodes"] == 10 and checkpoint["kib"] > 0 and checkpoint["decode_ms"] > 0
+
+
+def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
+    completed = subprocess.run(
+        [
+            sys.executable, "-m", "bench.routing", "--duration", "2", "--rate", "5",
+            "--policies", "round_robin,prefix_affinity", "--out", str(tmp_path / "results"),
+            "--logs", str(tmp_path / "logs"),
+        ],  # fmt: skip
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    [path] = (tmp_path / "results").iterdir()
+    results = json.loads(path.read_text())
+    assert [run["policy"] for run in results["runs"]] == ["round_robin", "prefix_affinity"]
+    for run in results["runs"]:
+        assert run["requests"] > 0 and run["failed"] == 0 and sum(run["share"].values()) > 0.99
+        assert list_segments(tmp_path / "logs" / run["policy"] / "decisions.jsonl")
+    assert [target["verdict"] for target in results["targets"]][0] == "n/a"  # least_load was not run
+    assert "round_robin" in completed.stdout and "prefix_affinity" in completed.stdout
