@@ -1,7 +1,7 @@
 """Routing policies compared on one workload: time to first token, prefix-cache hits, node load.
 
     python -m bench.routing [--policies round_robin,least_load,power_of_two,prefix_affinity]
-        [--duration 40] [--rate 7] [--prompts 16] [--seed 1] [--logs DIR] [--out DIR]
+        [--duration 40] [--rate 7] [--prompts 24] [--load-bound F] [--seed 1] [--logs DIR] [--out DIR]
 
 Three simulated nodes (`fixtures.node`, each its own process) with the load model: at most
 NODE_LOAD["max_running"] requests in the batch and a queue behind it, tokens slower in a fuller
@@ -16,8 +16,11 @@ from its /metrics), and the requests that failed.
 
 Targets (issue 12): least_load's p99 time to first token at most half round robin's;
 prefix_affinity's hit rate at least twice round robin's, with the busiest node's mean load at
-most 1.3× the nodes' mean. The logs of each run are kept under `--logs` (default: a new folder
-in the system's temporary directory), for `interlock whatif` and `explain`.
+most 1.3× the nodes' mean; and `interlock whatif` on the round-robin run's logs predicts each
+node's share of the least_load run within WHAT_IF_SHARE_TOLERANCE (the what-if keeps the recorded
+durations and the nodes' other load, and the two runs' arrivals meet different queues, so the
+shares cannot match exactly). The logs of each run are kept under `--logs` (default: a new
+folder in the system's temporary directory), for `interlock whatif` and `explain`.
 
 Prints a table, writes bench/results/<UTC time>-routing.json. Takes about (duration + 8 s) per policy.
 """
@@ -42,13 +45,15 @@ from bench.report import busy_note, load_average, machine_details, utc_now, writ
 from bench.servers import SimulatedNodeProcess, start_gateway, start_simulated_nodes
 from controlplane.policies import LEAST_LOAD, POLICIES, PREFIX_AFFINITY, ROUND_ROBIN
 from controlplane.probes import ProbeError, parse_vllm_load
+from dataplane.decisions import read_decisions
+from interlock.whatif import what_if
 
 MODEL = "routing-model"
 NODE_LOAD = {
     "max_running": 4,
     "batch_slowdown": 0.15,
     "prefill_per_kib": 0.1,
-    "prefix_cache_entries": 4,
+    "prefix_cache_entries": 6,
     "prefill_hit_factor": 0.1,
     "kv_cache_metric": "both",
 }
@@ -60,6 +65,8 @@ LOAD_SAMPLE_INTERVAL = 0.25
 MAX_LEAST_LOAD_P99_RATIO = 0.5
 MIN_PREFIX_HIT_RATIO = 2.0
 MAX_BUSIEST_LOAD_RATIO = 1.3
+WHAT_IF_SHARE_TOLERANCE = 0.10
+"""Each node's predicted share of the requests within this much (10 percentage points) of the run's."""
 
 
 # --- the workload -----------------------------------------------------------------------------
@@ -155,7 +162,7 @@ def _counters(page: str) -> dict[str, float]:
     return dict(totals)
 
 
-def run_policy(policy: str, requests: list, logs: Path, processes: Processes) -> dict:
+def run_policy(policy: str, requests: list, logs: Path, processes: Processes, load_bound: float | None) -> dict:
     """Fresh nodes and a fresh gateway under `policy`, the workload through them."""
     folder = logs / policy
     folder.mkdir(parents=True, exist_ok=True)
@@ -170,6 +177,8 @@ def run_policy(policy: str, requests: list, logs: Path, processes: Processes) ->
             "decision_log": str(folder / "decisions.jsonl"),
         }
         routing = {"policy": policy, "load_scrape_interval": "0.5s"}
+        if load_bound is not None:
+            routing["load_bound"] = load_bound
         gateway = start_gateway(processes, folder, nodes, MODEL, gateway=settings, routing=routing)
         try:
             measured = trio.run(drive, gateway.url, requests, nodes)
@@ -208,7 +217,21 @@ def _percentile(ordered: list[float], fraction: float) -> float:
 # --- targets and output -----------------------------------------------------------------------
 
 
-def evaluate(runs: dict[str, dict]) -> list[dict]:
+def predict(logs: Path, runs: dict[str, dict]) -> dict | None:
+    """`interlock whatif` on the round-robin run's logs under least_load, against the least_load
+    run's shares; None unless both ran."""
+    if ROUND_ROBIN not in runs or LEAST_LOAD not in runs:
+        return None
+    folder = logs / ROUND_ROBIN
+    report = what_if([folder / "events.jsonl"], read_decisions(folder / "decisions.jsonl"), policy=LEAST_LOAD)
+    predicted = {report.nodes[ip]: round(count / report.routed_again, 3) for ip, count in report.after.items()}
+    measured = runs[LEAST_LOAD]["share"]
+    names = sorted(set(predicted) | set(measured))
+    difference = max(abs(predicted.get(name, 0.0) - measured.get(name, 0.0)) for name in names)
+    return {"predicted_share": predicted, "measured_share": measured, "max_difference": round(difference, 3)}
+
+
+def evaluate(runs: dict[str, dict], prediction: dict | None) -> list[dict]:
     """The issue's targets, each PASS, MISS, or n/a (a policy it compares was not run)."""
     base = runs.get(ROUND_ROBIN)
     targets = []
@@ -239,7 +262,24 @@ def evaluate(runs: dict[str, dict]) -> list[dict]:
             "measured": measured,
         }
     )
+    if prediction:
+        difference = prediction["max_difference"]
+        verdict = "PASS" if difference <= WHAT_IF_SHARE_TOLERANCE else "MISS"
+        measured = f"shares within {100 * difference:.1f} points (predicted {_shares(prediction['predicted_share'])}; run {_shares(prediction['measured_share'])})"
+    else:
+        verdict, measured = "n/a", "not measured"
+    targets.append(
+        {
+            "target": f"whatif on the round-robin logs predicts least_load's shares within {100 * WHAT_IF_SHARE_TOLERANCE:.0f} points",
+            "verdict": verdict,
+            "measured": measured,
+        }
+    )
     return targets
+
+
+def _shares(shares: dict[str, float]) -> str:
+    return " ".join(f"{name} {share:.0%}" for name, share in sorted(shares.items()))
 
 
 def render(runs: dict[str, dict], targets: list[dict]) -> str:
@@ -268,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     add("--policies", default=",".join(POLICIES), help="policies to run, in order (default: all four)")
     add("--duration", type=float, default=40.0, help="seconds of arrivals per policy (default: 40)")
     add("--rate", type=float, default=7.0, help="requests per second, on average (default: 7)")
-    add("--prompts", type=int, default=16, help="distinct system prompts (default: 16)")
+    add("--prompts", type=int, default=24, help="distinct system prompts (default: 24)")
+    add("--load-bound", type=float, help="[routing] load_bound for prefix_affinity (default: the gateway's)")
     add("--seed", type=int, default=1)
     add("--logs", type=Path, help="where each policy's event and decision logs go (default: a new temporary folder)")
     add("--out", type=Path, help="results folder (default: bench/results)")
@@ -294,10 +335,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict] = {}
     with Processes(logs) as processes:
         for policy in policies:
-            runs[policy] = run_policy(policy, requests, logs, processes)
+            runs[policy] = run_policy(policy, requests, logs, processes, args.load_bound)
             print(f"{policy}: done", file=sys.stderr, flush=True)
     results["runs"] = list(runs.values())
-    results["targets"] = evaluate(runs)
+    results["whatif"] = predict(logs, runs)
+    results["targets"] = evaluate(runs, results["whatif"])
     results |= {"load_average_at_end": load_average(), "finished_at": utc_now()}
     print(render(runs, results["targets"]))
     path = write_results(results, **({"folder": args.out} if args.out else {}), kind="routing")

@@ -9,6 +9,7 @@
     interlock explain [LOG…] --request-id ID --decisions FILE [--json] [--skip-invalid]
     interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
+    interlock whatif LOG… --decisions FILE [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
@@ -30,7 +31,7 @@ import msgspec
 from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
-from dataplane.decisions import find_decisions
+from dataplane.decisions import find_decisions, read_decisions
 from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
 from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
@@ -44,6 +45,7 @@ from interlock.render import (
     state_to_builtins,
 )
 from interlock.timeline import TimelineError, build_timeline, render_html
+from interlock.whatif import DEFAULT_CACHE_ENTRIES, RECORDED, WHAT_IF_POLICIES, render_report, what_if
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -245,16 +247,21 @@ def _explain_request(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def add_audit(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("audit", help="print the transition log lines the live gateway printed")
-    _add_log_arguments(parser, moment=False)
-    parser.add_argument("--node", metavar="IP|NAME", help="only transitions of this node (its IP, or its name)")
+def _add_span(parser: argparse.ArgumentParser) -> None:
+    """--since and --until, for the commands that take a span of the log."""
     parser.add_argument(
         "--since", type=_argument_type(parse_time), metavar="T", help="only from this time on (RFC 3339, UNIX seconds)"
     )
     parser.add_argument(
         "--until", type=_argument_type(parse_time_through), metavar="T", help=f"only up to this time {_THROUGH_HELP}"
     )
+
+
+def add_audit(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("audit", help="print the transition log lines the live gateway printed")
+    _add_log_arguments(parser, moment=False)
+    parser.add_argument("--node", metavar="IP|NAME", help="only transitions of this node (its IP, or its name)")
+    _add_span(parser)
     parser.add_argument(
         "--kind",
         dest="kinds",
@@ -279,6 +286,57 @@ def run_audit(args: argparse.Namespace) -> int:
     sys.stdout.write("".join(transition.log_line() + "\n" for transition in lines))
     if not lines:
         print(f"{args.prog}: no transition of the log's {len(result.transitions)} matches", file=sys.stderr)
+    return EXIT_OK
+
+
+# --- whatif ----------------------------------------------------------------------------------
+
+
+def add_whatif(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "whatif", help="route a recorded run's requests again under another policy, offline, and compare"
+    )
+    _add_log_arguments(parser, moment=False)
+    parser.add_argument("--decisions", required=True, metavar="FILE", help="the run's decision log (gateway.decision_log)")
+    parser.add_argument(
+        "--policy",
+        default=RECORDED,
+        choices=WHAT_IF_POLICIES,
+        help="the policy to route by (default: recorded, each request's own, with its recorded inputs)",
+    )
+    _add_span(parser)
+    parser.add_argument(
+        "--cache-entries",
+        type=int,
+        default=DEFAULT_CACHE_ENTRIES,
+        metavar="N",
+        help=f"prompt prefixes a node remembers, for the prefix-seen share (default: {DEFAULT_CACHE_ENTRIES})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_skip_invalid(parser)
+    parser.set_defaults(run=run_whatif)
+
+
+def run_whatif(args: argparse.Namespace) -> int:
+    if args.cache_entries < 1:
+        return _error(args, "argument --cache-entries: must be at least 1")
+    if args.since is not None and args.until is not None and args.since > args.until:
+        return _error(args, "argument --since: must not be after --until")
+    warn = _warner(args)
+    report = what_if(
+        args.logs,
+        read_decisions(args.decisions, warn),
+        policy=args.policy,
+        since=args.since,
+        until=args.until,
+        cache_entries=args.cache_entries,
+        warn=warn,
+        skip_invalid=warn if args.skip_invalid else None,
+    )
+    if args.json:
+        _print_json(msgspec.to_builtins(report))
+    else:
+        print(render_report(report))
     return EXIT_OK
 
 
@@ -468,7 +526,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # --- the program -----------------------------------------------------------------------------
 
-SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline]
+SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif]
 
 
 def build_parser() -> argparse.ArgumentParser:

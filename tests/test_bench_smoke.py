@@ -171,7 +171,7 @@ def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
     completed = subprocess.run(
         [
             sys.executable, "-m", "bench.routing", "--duration", "2", "--rate", "5",
-            "--policies", "round_robin,prefix_affinity", "--out", str(tmp_path / "results"),
+            "--policies", "round_robin,least_load", "--out", str(tmp_path / "results"),
             "--logs", str(tmp_path / "logs"),
         ],  # fmt: skip
         cwd=PROJECT_ROOT,
@@ -182,9 +182,12 @@ def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
     assert completed.returncode == 0, completed.stderr
     [path] = (tmp_path / "results").iterdir()
     results = json.loads(path.read_text())
-    assert [run["policy"] for run in results["runs"]] == ["round_robin", "prefix_affinity"]
+    assert [run["policy"] for run in results["runs"]] == ["round_robin", "least_load"]
     for run in results["runs"]:
         assert run["requests"] > 0 and run["failed"] == 0 and sum(run["share"].values()) > 0.99
         assert list_segments(tmp_path / "logs" / run["policy"] / "decisions.jsonl")
-    assert [target["verdict"] for target in results["targets"]][0] == "n/a"  # least_load was not run
-    assert "round_robin" in completed.stdout and "prefix_affinity" in completed.stdout
+    least_load, prefix_affinity, what_if = (target["verdict"] for target in results["targets"])
+    assert least_load in ("PASS", "MISS") and prefix_affinity == "n/a"  # prefix_affinity was not run
+    # whatif read the round-robin run's logs and routed its requests under least_load.
+    assert what_if in ("PASS", "MISS") and abs(sum(results["whatif"]["predicted_share"].values()) - 1) < 0.01
+    assert "round_robin" in completed.stdout and "least_load" in completed.stdout

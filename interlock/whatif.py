@@ -1,0 +1,295 @@
+"""`interlock whatif`: a recorded run's requests routed again, under another policy, offline.
+
+Each decision record names the snapshot it was routed on (its seq). The event log is folded
+through the reducer once, in order, and each request (ordered by seq, then arrival) is routed
+again on the state at its seq: the pool routing gives (`controlplane.routing`, as the data plane
+builds it: ring, model list, dead or offline at the request's arrival, healthy before degraded)
+and the policy's choice (`controlplane.policies.choose`, the data plane's function). Only the
+first pick is routed again: whether a retry would have happened elsewhere is not in the log.
+
+`--policy recorded` routes each request under the policy it was routed by, with the inputs its
+record holds (the round-robin counter, this process's in-flight counts, the request id, the
+prompt prefix's hash): with the same code, every choice is the recorded one, and a change is a
+change of the code. Under another policy the in-flight counts are the what-if world's own: the
+requests it routed that were still in flight (from their arrival for their recorded duration,
+per worker, since each process counts its own). A node's scraped load is corrected the same
+way: at the scrape's moment, the gateway's recorded requests on the node are taken out and the
+what-if world's put in; the rest (other clients') stays as scraped. Durations stay as recorded:
+a request moved off a slow node is counted in flight elsewhere as long as it took on the slow
+one, so a what-if that relieves a slow node over-estimates the load it moves.
+
+For every request with a prompt prefix the report also says whether the node it went to had seen
+that prefix among its last `cache_entries` prefixes: a stand-in for a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator
+
+import msgspec
+
+from controlplane.policies import choose
+from controlplane.reducer import INITIAL_STATE
+from controlplane.replay import replay_steps
+from controlplane.routing import balancer_pool, filter_by_model, ring_pool, unavailable_reason
+from dataplane.decisions import Decision
+from events.config import DEFAULT_LOAD_BOUND, POLICIES
+from events.state import ClusterState, NodeState
+from interlock.render import format_table
+
+RECORDED = "recorded"
+"""Route each request under the policy its record names, with the record's own inputs."""
+WHAT_IF_POLICIES = (RECORDED, *POLICIES)
+DEFAULT_CACHE_ENTRIES = 256
+IN_FLIGHT_SLACK_SECONDS = 10.0
+"""How long a routed request is remembered after it ended, for the load scraped before a later
+request arrived (a scrape's moment lies at most a scrape interval back)."""
+
+
+class WhatIfReport(msgspec.Struct, kw_only=True):
+    policy: str
+    decisions: int
+    """Records in the span considered."""
+    routed_again: int
+    """Records whose first pick was routed again (both the recording and the what-if have one)."""
+    changed: int
+    """Of those, picks that went to another node."""
+    became_503: int
+    """Requests that got a node, whose pool is empty when routed again (only a change of the
+    routing code, or of its reading of the log, can do this: a policy only chooses within the pool)."""
+    stopped_503: int
+    """Requests refused for want of a node, that have a node when routed again."""
+    beyond_log: int
+    """Records whose seq the event log does not reach (it ends too early, or is another run's)."""
+    nodes: dict[str, str]
+    """Each node's name (its IP when it has none), by IP."""
+    before: dict[str, int]
+    """First picks per node, as recorded."""
+    after: dict[str, int]
+    """First picks per node, routed again."""
+    prefixed: int
+    """Requests with a prompt prefix recorded (and a pick both times)."""
+    prefix_seen_before: int
+    prefix_seen_after: int
+    """Of those, the requests whose node had seen their prefix among its last `cache_entries`."""
+    cache_entries: int
+
+
+def what_if(
+    event_logs: Iterable[str | os.PathLike],
+    decisions: Iterable[Decision],
+    *,
+    policy: str = RECORDED,
+    since: float | None = None,
+    until: float | None = None,
+    cache_entries: int = DEFAULT_CACHE_ENTRIES,
+    warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
+) -> WhatIfReport:
+    """Route the recorded requests arriving in [since, until] again under `policy` (a name of
+    POLICIES, or RECORDED) on the states of `event_logs`; never contacts a node."""
+    chosen = sorted(
+        (d for d in decisions if (since is None or d.at >= since) and (until is None or d.at <= until)),
+        key=lambda decision: (decision.seq, decision.at),
+    )
+    states = _States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
+    in_flight, recorded_in_flight = _InFlight(), _InFlight()
+    load_changes: dict[tuple[str, float], int] = {}
+    seen_before, seen_after = _RecentPrefixes(cache_entries), _RecentPrefixes(cache_entries)
+    before: Counter[str] = Counter()
+    after: Counter[str] = Counter()
+    report = WhatIfReport(
+        policy=policy, decisions=len(chosen), routed_again=0, changed=0, became_503=0, stopped_503=0,
+        beyond_log=0, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0, prefix_seen_after=0,
+        cache_entries=cache_entries,
+    )  # fmt: skip
+    for decision in chosen:
+        state = states.at(decision.seq)
+        if state is None:
+            report.beyond_log += 1
+            continue
+        recorded_node = _first_pick(decision)
+        pool = _pool(state, decision.model, decision.at)
+        if not pool:
+            report.became_503 += recorded_node is not None
+            continue
+        if recorded_node is None:
+            report.stopped_503 += decision.status == 503 and not decision.attempts
+            continue
+        if policy == RECORDED:
+            counts = {candidate.node: candidate.in_flight for candidate in decision.candidates if candidate.in_flight}
+        else:
+            counts = in_flight.of_worker(decision.worker, decision.at)
+            pool = [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool]
+        node = choose(
+            decision.policy if policy == RECORDED else policy,
+            pool,
+            rotation=decision.rotation,
+            in_flight=counts,
+            request_id=decision.request_id,
+            prefix=decision.prefix,
+            load_bound=state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND,
+        ).node.ip
+        in_flight.add(decision.worker, decision.at, decision.duration, node)
+        recorded_in_flight.add(decision.worker, decision.at, decision.duration, recorded_node)
+        report.routed_again += 1
+        report.changed += node != recorded_node
+        before[recorded_node] += 1
+        after[node] += 1
+        for ip in (recorded_node, node):
+            known = state.nodes.get(ip)
+            report.nodes[ip] = (known.name if known else "") or ip
+        if decision.prefix:
+            report.prefixed += 1
+            report.prefix_seen_before += seen_before.saw(recorded_node, decision.prefix)
+            report.prefix_seen_after += seen_after.saw(node, decision.prefix)
+    report.before, report.after = dict(sorted(before.items())), dict(sorted(after.items()))
+    return report
+
+
+def _first_pick(decision: Decision) -> str | None:
+    """The node the request's policy chose first, as recorded; None when none was chosen."""
+    if decision.candidates:
+        return decision.candidates[0].node
+    return decision.attempts[0].node if decision.attempts else None
+
+
+def _pool(state: ClusterState, model: str, at: float) -> list:
+    """The nodes the first pick chooses among, as the data plane builds the pool."""
+    candidates, _ = filter_by_model(ring_pool(state, model), model)
+    return balancer_pool([node for node in candidates if not unavailable_reason(node, at)])
+
+
+def _with_what_if_load(
+    node: NodeState, recorded: _InFlight, what_if: _InFlight, changes: dict[tuple[str, float], int]
+) -> NodeState:
+    """`node` with its scraped load as the what-if world's requests would have made it. The
+    change is computed once per scrape (`changes`): every request that had arrived by the
+    scrape's moment has been routed by the first request that reads it."""
+    load = node.load
+    if not load.known or load.scraped_at is None:
+        return node
+    key = (node.ip, load.scraped_at)
+    change = changes.get(key)
+    if change is None:
+        change = changes[key] = what_if.on_node(node.ip, key[1]) - recorded.on_node(node.ip, key[1])
+    if not change:
+        return node
+    queued = max(0.0, load.queued + change)
+    waiting = min(load.waiting, queued)
+    return msgspec.structs.replace(node, load=msgspec.structs.replace(load, running=queued - waiting, waiting=waiting))
+
+
+class _States:
+    """The states of an event log, folded once, in order: `at(seq)` is the state after the last
+    event numbered `seq` or below (None when the log ends before `seq`)."""
+
+    def __init__(self, steps: Iterator) -> None:
+        self._steps = steps
+        self._state: ClusterState = INITIAL_STATE
+        self._next: ClusterState | None = None
+        self._ended = False
+
+    def at(self, seq: int) -> ClusterState | None:
+        while True:
+            upcoming = self._peek()
+            if upcoming is None or upcoming.seq > seq:
+                break
+            self._state, self._next = upcoming, None
+        return self._state if self._state.seq >= seq else None
+
+    def _peek(self) -> ClusterState | None:
+        if self._next is None and not self._ended:
+            step = next(self._steps, None)
+            if step is None:
+                self._ended = True
+            else:
+                self._next = step[1]
+        return self._next
+
+
+class _InFlight:
+    """Requests routed, as (arrival, end, node): those in flight at a moment, per worker (each
+    process counts its own) and in all."""
+
+    def __init__(self) -> None:
+        self._ends: dict[int, list[tuple[float, str]]] = {}
+        self._counts: dict[int, Counter[str]] = {}
+        self._recent: list[tuple[float, float, str]] = []
+        self._prune_at = 64
+
+    def add(self, worker: int, at: float, duration: float, node: str) -> None:
+        heapq.heappush(self._ends.setdefault(worker, []), (at + duration, node))
+        self._counts.setdefault(worker, Counter())[node] += 1
+        self._recent.append((at, at + duration, node))
+        if len(self._recent) >= self._prune_at:  # amortized: the list at most doubles between prunings
+            self._recent = [entry for entry in self._recent if entry[1] > at - IN_FLIGHT_SLACK_SECONDS]
+            self._prune_at = 2 * len(self._recent) + 64
+
+    def of_worker(self, worker: int, moment: float) -> dict[str, int]:
+        """The worker's requests in flight per node at `moment` (moments must not step back)."""
+        ends, counts = self._ends.get(worker, []), self._counts.get(worker, Counter())
+        while ends and ends[0][0] <= moment:
+            _, node = heapq.heappop(ends)
+            counts[node] -= 1
+        return {node: count for node, count in counts.items() if count}
+
+    def on_node(self, node: str, moment: float) -> int:
+        """Every worker's requests in flight on `node` at `moment`, which may lie up to
+        IN_FLIGHT_SLACK_SECONDS before the latest arrival (a scrape's moment)."""
+        return sum(1 for start, end, routed in self._recent if routed == node and start <= moment < end)
+
+
+class _RecentPrefixes:
+    """Each node's last `size` prompt prefixes (an LRU, as a prefix cache keeps them)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._by_node: dict[str, OrderedDict[str, None]] = {}
+
+    def saw(self, node: str, prefix: str) -> bool:
+        """Whether `node` had seen `prefix` recently; it has now."""
+        recent = self._by_node.setdefault(node, OrderedDict())
+        seen = prefix in recent
+        recent[prefix] = None
+        recent.move_to_end(prefix)
+        if len(recent) > self._size:
+            recent.popitem(last=False)
+        return seen
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def render_report(report: WhatIfReport) -> str:
+    routed = report.routed_again
+    lines = [
+        f"{report.decisions} recorded requests, {routed} routed again under "
+        + ("the policy each was routed by" if report.policy == RECORDED else report.policy),
+        f"{report.changed} would have gone to another node ({_share(report.changed, routed)})",
+        f"{report.became_503} would have become 503, {report.stopped_503} would have stopped being 503",
+    ]
+    if report.beyond_log:
+        lines.append(f"{report.beyond_log} not routed again: the event log does not hold their snapshot")
+    lines.append("")
+    rows = [
+        [report.nodes.get(ip, ip), ip, f"{report.before.get(ip, 0)} ({_share(report.before.get(ip, 0), routed)})",
+         f"{report.after.get(ip, 0)} ({_share(report.after.get(ip, 0), routed)})"]
+        for ip in sorted(report.nodes)
+    ]  # fmt: skip
+    lines += format_table(["NODE", "IP", "RECORDED", "ROUTED AGAIN"], rows) if rows else ["no request routed again"]
+    if report.prefixed:
+        lines += [
+            "",
+            f"prompt prefix seen by the node among its last {report.cache_entries}: recorded"
+            f" {_share(report.prefix_seen_before, report.prefixed)}, routed again"
+            f" {_share(report.prefix_seen_after, report.prefixed)} (of {report.prefixed} requests with a prefix)",
+        ]
+    return "\n".join(lines)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"

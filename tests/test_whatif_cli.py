@@ -1,0 +1,136 @@
+"""`interlock whatif`: the requests of a real gateway's run, routed again from its event and
+decision logs under another policy, offline (the nodes are gone by the time it runs)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from dataplane.decisions import read_decisions
+from events.jsonl import list_segments
+from interlock.cli import main
+
+from harness import chat, decision_records, nodes_and_gateway, node_specs
+from test_policy_routing import held_requests, seen_busy, served_by, system_prompt
+
+SCRAPED = {"load_scrape_interval": "50ms"}
+
+
+@dataclass(frozen=True)
+class Run:
+    events: Path
+    decisions: Path
+    busy: str
+    """The node that was kept busy (by requests sent straight to it) for the run's second half."""
+    middle: float
+    """A moment between the two halves (UNIX seconds)."""
+
+
+async def record_run(folder: Path, policy: str) -> Run:
+    """Twelve requests under `policy` (three nodes, load scraped): six on idle nodes, then six
+    while n1 runs three requests of other clients; each request opens with one of four system
+    prompts."""
+    folder.mkdir()
+    events, decisions = folder / "events.jsonl", folder / "decisions.jsonl"
+    routing = {"policy": policy, **SCRAPED}
+    config = {"event_log": str(events), "decision_log": str(decisions), "routing": routing}
+    async with nodes_and_gateway(folder, node_specs(3), **config) as (nodes, gateway):
+        await gateway.discovered()
+        await gateway.wait_for(lambda: all(node.load.known for node in gateway.nodes()))
+        for number in range(6):
+            await served_by(gateway, system_prompt(f"topic {number % 4}"), f"idle-{number}")
+        middle = gateway.control_plane.now()
+        async with held_requests(nodes[0], 3):
+            await seen_busy(gateway, nodes[0], 3)
+            for number in range(6):
+                await served_by(gateway, system_prompt(f"topic {number % 4}"), f"busy-{number}")
+            await gateway.wait_for(lambda: len(decision_records(decisions)) == 12)
+    [segment] = list_segments(decisions)
+    return Run(events=events, decisions=segment, busy=nodes[0].host, middle=middle)
+
+
+@pytest.fixture(scope="module")
+def round_robin_run(tmp_path_factory) -> Run:
+    return trio.run(record_run, tmp_path_factory.mktemp("whatif") / "round_robin", "round_robin")
+
+
+@pytest.fixture(scope="module")
+def least_load_run(tmp_path_factory) -> Run:
+    return trio.run(record_run, tmp_path_factory.mktemp("whatif") / "least_load", "least_load")
+
+
+def whatif(capsys, run: Run, *options: str) -> tuple[int, str, str]:
+    code = main(["whatif", str(run.events), "--decisions", str(run.decisions), *options])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def report(capsys, run: Run, *options: str) -> dict:
+    code, out, err = whatif(capsys, run, "--json", *options)
+    assert (code, err) == (0, "")
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("run_name", ["round_robin_run", "least_load_run"])
+def test_routed_again_under_its_recorded_policy_every_request_goes_where_it_went(capsys, request, run_name):
+    run = request.getfixturevalue(run_name)
+    same = report(capsys, run)
+    assert (same["policy"], same["decisions"], same["routed_again"], same["changed"]) == ("recorded", 12, 12, 0)
+    assert same["before"] == same["after"] and sum(same["before"].values()) == 12
+    assert same["became_503"] == same["stopped_503"] == same["beyond_log"] == 0
+
+
+def test_least_load_would_have_kept_the_busy_nodes_share_for_when_it_was_idle(capsys, round_robin_run):
+    recorded = report(capsys, round_robin_run, "--since", str(round_robin_run.middle))
+    assert recorded["before"][round_robin_run.busy] == 2  # round robin: its turn came twice in six
+    shifted = report(capsys, round_robin_run, "--policy", "least_load", "--since", str(round_robin_run.middle))
+    assert shifted["decisions"] == 6 and round_robin_run.busy not in shifted["after"]
+    assert shifted["changed"] >= 2 and sum(shifted["after"].values()) == 6
+
+
+def test_prefix_affinity_would_send_each_prompt_back_to_a_node_that_saw_it(capsys, round_robin_run):
+    until = ("--until", str(round_robin_run.middle))
+    recorded = report(capsys, round_robin_run, *until)
+    affinity = report(capsys, round_robin_run, "--policy", "prefix_affinity", *until)
+    assert recorded["prefixed"] == affinity["prefixed"] == 6
+    # Four prompts, the first two twice: round robin sent each repeat to the next node, prefix
+    # affinity to the node that had its prompt.
+    assert (recorded["prefix_seen_before"], affinity["prefix_seen_after"]) == (0, 2)
+
+
+def test_the_report_is_the_same_every_time_and_reads_as_a_table(capsys, round_robin_run):
+    options = ("--policy", "power_of_two")
+    first, second = whatif(capsys, round_robin_run, "--json", *options), whatif(capsys, round_robin_run, "--json", *options)
+    assert first == second and first[0] == 0
+    code, out, _ = whatif(capsys, round_robin_run, *options)
+    assert code == 0
+    assert out.splitlines()[0] == "12 recorded requests, 12 routed again under power_of_two"
+    assert "NODE  IP" in out and "RECORDED" in out and "ROUTED AGAIN" in out
+
+
+def test_requests_whose_snapshot_the_event_log_does_not_hold_are_counted_not_routed(capsys, round_robin_run, tmp_path):
+    [segment] = list_segments(round_robin_run.events)
+    lines = segment.read_text().splitlines(keepends=True)
+    cut = tmp_path / "events.000001.jsonl"
+    first_seq = min(record.seq for record in read_decisions(round_robin_run.decisions))
+    cut.write_text("".join(line for line in lines if json.loads(line)["seq"] < first_seq))
+    code, out, err = whatif(capsys, Run(cut, round_robin_run.decisions, "", 0.0), "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["beyond_log"] == 12 and json.loads(out)["routed_again"] == 0
+
+
+def test_bad_input_is_named(capsys, round_robin_run, tmp_path):
+    broken = tmp_path / "decisions.jsonl"
+    broken.write_text('{"request_id": "x"}\n' + round_robin_run.decisions.read_text())
+    code, _, err = whatif(capsys, Run(round_robin_run.events, broken, "", 0.0))
+    assert code == 2 and f"{broken}:1: Object missing required field" in err
+    code, _, err = whatif(capsys, round_robin_run, "--cache-entries", "0")
+    assert code == 2 and "--cache-entries: must be at least 1" in err
+    code, _, err = whatif(capsys, round_robin_run, "--policy", "fastest")
+    assert code == 2 and "invalid choice: 'fastest'" in err
+    code, _, err = whatif(capsys, round_robin_run, "--since", "2026-01-02T00:00:00Z", "--until", "2026-01-01T00:00:00Z")
+    assert code == 2 and "--since: must not be after --until" in err
