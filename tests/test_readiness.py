@@ -23,7 +23,7 @@ from test_http11 import (
 from controlplane.probes import MAX_BODY_BYTES
 from fixtures.node import serve_node
 from transport.http11 import BodyTooLarge, ConnectFailed, HttpClient, HttpError, request_steps
-from transport.readiness import Readiness, TimedOut, drive
+from transport.readiness import GATHER_FROM, GATHER_SECONDS, READ, Readiness, TimedOut, Wait, drive
 
 
 async def steps_get(client: HttpClient, host: str, port: int, target: bytes = b"/", limit: int | None = None):
@@ -210,3 +210,40 @@ async def test_closing_a_readiness_ends_its_exchanges_and_drops_their_connection
             nursery.cancel_scope.cancel()
         readiness.close()
         await closed_by_client(hung, 3)
+
+
+async def test_with_many_exchanges_waiting_the_sockets_are_looked_at_once_per_gathering_time(mock_clock):
+    """Sockets that become ready one after another within GATHER_SECONDS are reported together,
+    not one wake-up each (the clock stands still until the test moves it)."""
+    count = GATHER_FROM + 8
+
+    def read_one(sock: socket.socket):
+        yield Wait(sock, READ, trio.current_time() + 60)
+        return sock.recv(10)
+
+    pairs = [socket.socketpair() for _ in range(count)]
+    batches: list[int] = []
+    async with trio.open_nursery() as nursery:
+        readiness = Readiness(nursery)
+        for number, (ours, _) in enumerate(pairs):
+            ours.setblocking(False)
+            readiness.start(number, read_one(ours))
+
+        async def collect() -> None:
+            while sum(batches) < count:
+                batches.append(len(await readiness.finished()))
+
+        nursery.start_soon(collect)
+        pairs[0][1].send(b"first")
+        while not batches:
+            await trio.sleep(0)  # the first answer, seen as soon as it came
+        for _, theirs in pairs[1:]:
+            theirs.send(b"later")
+            await trio.sleep(0)  # a wake-up per socket would happen here
+        assert batches == [1]
+        mock_clock.jump(GATHER_SECONDS)
+    readiness.close()
+    for pair in pairs:
+        for sock in pair:
+            sock.close()
+    assert batches == [1, count - 1]

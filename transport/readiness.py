@@ -14,6 +14,12 @@ sockets and one timer, where a trio task per probe costs a task, a cancel scope 
 
 An exchange may also yield a `Lookup` (a host name to resolve); `Readiness` resolves it in a
 task of the nursery it was given.
+
+With many exchanges waiting (GATHER_FROM or more), `finished()` looks at the sockets at most
+once every GATHER_SECONDS: a thousand probes against nodes that answer one at a time would
+otherwise wake the task for one or two sockets each time, and the wake-ups, not the probes, would
+take most of the CPU. The cost is that a result is seen up to GATHER_SECONDS late, so a probe's
+measured latency can include it, and a deadline can pass by as much before it is acted on.
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ READ = select.EPOLLIN
 WRITE = select.EPOLLOUT
 _ONESHOT = select.EPOLLONESHOT
 _ANY_READINESS = READ | WRITE | select.EPOLLERR | select.EPOLLHUP
+
+GATHER_FROM = 32
+GATHER_SECONDS = 0.002
+"""With at least GATHER_FROM exchanges waiting, the sockets are looked at every GATHER_SECONDS
+at most (see the module docstring)."""
 
 
 class Wait(NamedTuple):
@@ -115,6 +126,8 @@ class Readiness:
         self._order = 0
         self._finished: list[tuple[Hashable, Any, BaseException | None]] = []
         self._wait_scope: trio.CancelScope | None = None
+        self._looked_at = -math.inf
+        """When `finished()` last looked at which sockets were ready."""
 
     def __len__(self) -> int:
         """Exchanges started and not finished."""
@@ -132,11 +145,17 @@ class Readiness:
     async def finished(self) -> list[tuple[Hashable, Any, BaseException | None]]:
         """Wait until some exchanges have ended; (key, result, None) or (key, None, exception) each."""
         while not self._finished:
-            deadline = self._earliest_deadline()
-            with trio.CancelScope(deadline=deadline) as self._wait_scope:
-                await trio.lowlevel.wait_readable(self._epoll.fileno())
-            self._wait_scope = None
-            for fd, events in self._epoll.poll(0):
+            ready = []
+            if len(self._waiting) >= GATHER_FROM:
+                gathered = self._looked_at + GATHER_SECONDS
+                if gathered > trio.current_time():
+                    await self._wait(min(gathered, self._earliest_deadline()), readable=False)
+                ready = self._epoll.poll(0)
+            if not ready and not self._finished:
+                await self._wait(self._earliest_deadline(), readable=True)
+                ready = self._epoll.poll(0)
+            self._looked_at = trio.current_time()
+            for fd, events in ready:
                 running = self._waiting.pop(fd, None)
                 if running is not None:
                     running.waiting_on = -1
@@ -144,6 +163,16 @@ class Readiness:
             self._expire(trio.current_time())
         done, self._finished = self._finished, []
         return done
+
+    async def _wait(self, deadline: float, *, readable: bool) -> None:
+        """Sleep until `deadline` (or until an exchange's wait needs an earlier one, or an
+        exchange ended in `start`), and, if `readable`, no later than some socket is ready."""
+        with trio.CancelScope(deadline=deadline) as self._wait_scope:
+            if readable:
+                await trio.lowlevel.wait_readable(self._epoll.fileno())
+            else:
+                await trio.sleep_forever()
+        self._wait_scope = None
 
     def close(self) -> None:
         """End every exchange still running (their connections close); call it once no task
