@@ -31,9 +31,9 @@ class Run:
 
 
 async def record_run(folder: Path, policy: str) -> Run:
-    """Twelve requests under `policy` (three nodes, load scraped): six on idle nodes, then six
-    while n1 runs three requests of other clients; each request opens with one of four system
-    prompts."""
+    """Twelve requests under `policy` (three nodes, load scraped): six on idle nodes (each once
+    a scrape has seen the last one end), then six while n1 runs three requests of other
+    clients; each request opens with one of four system prompts."""
     folder.mkdir()
     events, decisions = folder / "events.jsonl", folder / "decisions.jsonl"
     routing = {"policy": policy, **SCRAPED}
@@ -43,6 +43,7 @@ async def record_run(folder: Path, policy: str) -> Run:
         await gateway.wait_for(lambda: all(node.load.known for node in gateway.nodes()))
         for number in range(6):
             await served_by(gateway, system_prompt(f"topic {number % 4}"), f"idle-{number}")
+            await scraped_idle_since(gateway, gateway.control_plane.now())
         middle = gateway.control_plane.now()
         async with held_requests(nodes[0], 3):
             await seen_busy(gateway, nodes[0], 3)
@@ -51,6 +52,14 @@ async def record_run(folder: Path, policy: str) -> Run:
             await gateway.wait_for(lambda: len(decision_records(decisions)) == 12)
     [segment] = list_segments(decisions)
     return Run(events=events, decisions=segment, busy=nodes[0].host, middle=middle)
+
+
+async def scraped_idle_since(gateway, moment: float) -> None:
+    """Until every node's last scrape, taken after `moment`, says it runs nothing: the next
+    decision sees idle nodes, not a scrape taken while the last request ran."""
+    await gateway.wait_for(
+        lambda: all(node.load.scraped_at > moment and node.load.queued == 0 for node in gateway.nodes())
+    )
 
 
 @pytest.fixture(scope="module")
