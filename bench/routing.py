@@ -235,46 +235,43 @@ def evaluate(runs: dict[str, dict], prediction: dict | None) -> list[dict]:
     """The issue's targets, each PASS, MISS, or n/a (a policy it compares was not run)."""
     base = runs.get(ROUND_ROBIN)
     targets = []
+
+    def add(target: str, passed: bool | None, measured: str = "not measured") -> None:
+        verdict = "n/a" if passed is None else "PASS" if passed else "MISS"
+        targets.append({"target": target, "verdict": verdict, "measured": measured})
+
     least = runs.get(LEAST_LOAD)
+    name = f"least_load p99 TTFT <= {MAX_LEAST_LOAD_P99_RATIO}x round robin"
     if base and least and base["ttft_p99_ms"] and least["ttft_p99_ms"]:
         ratio = least["ttft_p99_ms"] / base["ttft_p99_ms"]
-        verdict = "PASS" if ratio <= MAX_LEAST_LOAD_P99_RATIO else "MISS"
-        measured = f"{least['ttft_p99_ms']:.0f} vs {base['ttft_p99_ms']:.0f} ms: {ratio:.2f}x"
+        add(name, ratio <= MAX_LEAST_LOAD_P99_RATIO, f"{least['ttft_p99_ms']:.0f} vs {base['ttft_p99_ms']:.0f} ms: {ratio:.2f}x")
     else:
-        verdict, measured = "n/a", "not measured"
-    targets.append({"target": f"least_load p99 TTFT <= {MAX_LEAST_LOAD_P99_RATIO}x round robin", "verdict": verdict, "measured": measured})
+        add(name, None)
     affinity = runs.get(PREFIX_AFFINITY)
+    name = (
+        f"prefix_affinity hit rate >= {MIN_PREFIX_HIT_RATIO}x round robin,"
+        f" busiest node <= {MAX_BUSIEST_LOAD_RATIO}x mean load"
+    )
     if base and affinity and base["prefix_hit_rate"] and affinity["prefix_hit_rate"] is not None:
         ratio = affinity["prefix_hit_rate"] / base["prefix_hit_rate"]
         busiest = affinity["busiest_load_vs_mean"] or 0.0
-        passed = ratio >= MIN_PREFIX_HIT_RATIO and busiest <= MAX_BUSIEST_LOAD_RATIO
-        verdict = "PASS" if passed else "MISS"
         measured = (
             f"hit rate {affinity['prefix_hit_rate']:.2f} vs {base['prefix_hit_rate']:.2f}: {ratio:.2f}x;"
             f" busiest node {busiest:.2f}x the mean load"
         )
+        add(name, ratio >= MIN_PREFIX_HIT_RATIO and busiest <= MAX_BUSIEST_LOAD_RATIO, measured)
     else:
-        verdict, measured = "n/a", "not measured"
-    targets.append(
-        {
-            "target": f"prefix_affinity hit rate >= {MIN_PREFIX_HIT_RATIO}x round robin, busiest node <= {MAX_BUSIEST_LOAD_RATIO}x mean load",
-            "verdict": verdict,
-            "measured": measured,
-        }
-    )
+        add(name, None)
+    name = f"whatif on the round-robin logs predicts least_load's shares within {100 * WHAT_IF_SHARE_TOLERANCE:.0f} points"
     if prediction:
         difference = prediction["max_difference"]
-        verdict = "PASS" if difference <= WHAT_IF_SHARE_TOLERANCE else "MISS"
-        measured = f"shares within {100 * difference:.1f} points (predicted {_shares(prediction['predicted_share'])}; run {_shares(prediction['measured_share'])})"
+        measured = (
+            f"shares within {100 * difference:.1f} points (predicted {_shares(prediction['predicted_share'])};"
+            f" run {_shares(prediction['measured_share'])})"
+        )
+        add(name, difference <= WHAT_IF_SHARE_TOLERANCE, measured)
     else:
-        verdict, measured = "n/a", "not measured"
-    targets.append(
-        {
-            "target": f"whatif on the round-robin logs predicts least_load's shares within {100 * WHAT_IF_SHARE_TOLERANCE:.0f} points",
-            "verdict": verdict,
-            "measured": measured,
-        }
-    )
+        add(name, None)
     return targets
 
 
