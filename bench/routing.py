@@ -129,8 +129,8 @@ async def drive(url: str, requests: list[tuple[float, str, dict]], nodes: list[S
             while not stop.is_set():
                 for node in nodes:
                     try:
-                        running, waiting, _ = parse_vllm_load((await http.get(node.url + "/metrics")).content)
-                        samples[node.name].append(running + waiting)
+                        load = parse_vllm_load((await http.get(node.url + "/metrics")).content)
+                        samples[node.name].append(load.running + load.waiting)
                     except (httpx.HTTPError, ProbeError):
                         pass
                 with trio.move_on_after(LOAD_SAMPLE_INTERVAL):

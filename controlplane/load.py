@@ -30,6 +30,24 @@ def load_scraped(node: NodeState, event: LoadScraped, config: Config, out: StepB
             running=event.running,
             waiting=event.waiting,
             kv_cache_usage=event.kv_cache_usage,
+            seconds_per_token=_seconds_per_token(previous, event),
+            token_seconds=event.token_seconds,
+            tokens=event.tokens,
             scraped_at=event.at,
         )
     return msgspec.structs.replace(node, load=load)
+
+
+def _seconds_per_token(previous: NodeLoad, event: LoadScraped) -> float | None:
+    """The mean time between tokens since the previous counted scrape, when the node produced
+    tokens meanwhile; else the previous mean (an idle node, or counters that went back because
+    the node restarted). None once the node stops exporting the histogram."""
+    if event.tokens is None or event.token_seconds is None:
+        return None
+    if previous.tokens is None or previous.token_seconds is None:
+        return previous.seconds_per_token
+    tokens = event.tokens - previous.tokens
+    seconds = event.token_seconds - previous.token_seconds
+    if tokens > 0 and seconds >= 0:
+        return seconds / tokens
+    return previous.seconds_per_token

@@ -106,6 +106,13 @@ class ControlPlaneMetrics:
             ["node"],
             registry=registry,
         )
+        self.node_seconds_per_token = Gauge(
+            "interlock_node_seconds_per_token",
+            "The node's mean time between output tokens (vLLM's token histogram) over the last"
+            " scrape interval in which it produced tokens",
+            ["node"],
+            registry=registry,
+        )
         # At thousands of events a second `.labels()` and a locked `set` per event are a good
         # part of the reducer task's time: the labelled children are looked up once, the
         # sequence number is read when scraped, and a gauge is set only when its value changes.
@@ -182,11 +189,15 @@ class ControlPlaneMetrics:
         if load.scraped_at is not None:
             self.node_requests_running.labels(node=ip).set(load.running)
             self.node_requests_waiting.labels(node=ip).set(load.waiting)
-        if load.kv_cache_usage is not None:
-            self.node_kv_cache_usage.labels(node=ip).set(load.kv_cache_usage)
-        else:
-            with contextlib.suppress(KeyError):
-                self.node_kv_cache_usage.remove(ip)  # the node stopped exporting it
+        for gauge, value in (
+            (self.node_kv_cache_usage, load.kv_cache_usage),
+            (self.node_seconds_per_token, load.seconds_per_token),
+        ):
+            if value is not None:
+                gauge.labels(node=ip).set(value)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(ip)  # the node stopped exporting it
 
     def _count_model_nodes(self, state: ClusterState) -> None:
         """For every model configured or listed by a node, its possible nodes by health status."""
@@ -218,6 +229,7 @@ class ControlPlaneMetrics:
                 self.node_requests_running,
                 self.node_requests_waiting,
                 self.node_kv_cache_usage,
+                self.node_seconds_per_token,
             ):
                 with contextlib.suppress(KeyError):
                     gauge.remove(ip)

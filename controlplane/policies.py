@@ -17,9 +17,14 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
 - `power_of_two`: two candidates drawn at random, the less loaded wins (ties: the first drawn).
   The draw is seeded from the request id, so a replay draws the same two.
 - `prefix_affinity`: rendezvous hashing of the prompt prefix over the candidates, so that
-  requests sharing a prefix go to the node whose cache holds it; a node whose load is above
+  requests sharing a prefix go to the node whose cache holds it; a node whose work is above
   `load_bound` times the pool's mean (counting this request) is passed over for the next one in
-  the prefix's order (consistent hashing with bounded loads). The score is the rank in that order.
+  the prefix's order (consistent hashing with bounded loads). A node's work is its load times
+  its cost: its time between tokens over the fastest candidate's (`NodeLoad.seconds_per_token`;
+  unknown: the mean cost of the known ones, 1 when none is known), so that a node 3× slower
+  holds a third of the requests before it is passed over. Counted in requests, the bound would
+  let a slow node's queue run long, since each of its requests stays 3× as long. The bound is
+  rounded up to whole requests of the node. The score is the rank in the prefix's order.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     waiting: float | None = None
     """The node's own figures at its last scrape; None when its load is unknown."""
     kv_cache_usage: float | None = None
+    seconds_per_token: float | None = None
+    """The node's time between tokens, when known: what prefix affinity's load bound weighs with."""
     note: str = ""
     """Why the candidate was passed over other than by its score (NOT_DRAWN, OVER_LOAD_BOUND)."""
 
@@ -110,6 +117,7 @@ def _scored(node: NodeState, score: float, in_flight: Mapping[str, int], note: s
         running=load.running if load.known else None,
         waiting=load.waiting if load.known else None,
         kv_cache_usage=load.kv_cache_usage if load.known else None,
+        seconds_per_token=load.seconds_per_token,
         note=note,
     )
 
@@ -154,16 +162,30 @@ def _prefix_affinity(
 ) -> Choice:
     order = sorted(range(len(pool)), key=lambda i: _rendezvous_weight(prefix, pool[i].ip), reverse=True)
     loads = node_loads(pool, in_flight)
-    bound = load_bound * (sum(loads) + 1) / len(pool)
-    over = {i for i in order if loads[i] + 1 > math.ceil(bound)}
-    if len(over) == len(order):
-        over.discard(min(order, key=loads.__getitem__))  # loads in fractions can leave none under
+    costs = _costs(pool)
+    work = sum(load * cost for load, cost in zip(loads, costs))
+    # The most requests each node may hold, this one included, for its work to stay within the bound.
+    allowed = [math.ceil(load_bound * (work + cost) / len(pool) / cost) for cost in costs]
+    over = {i for i in order if loads[i] + 1 > allowed[i]}
+    if len(over) == len(order):  # loads in fractions can leave none under
+        over.discard(min(order, key=lambda i: (loads[i] + 1) * costs[i]))
     ranks = [0.0] * len(pool)
     for rank, index in enumerate(order):
         ranks[index] = float(rank)
     chosen = [i for i in order if i not in over]
     passed_over = [i for i in order if i in over]
     return _ranked(pool, chosen + passed_over, ranks, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
+
+
+def _costs(pool: Sequence[NodeState]) -> list[float]:
+    """Each candidate's time between tokens over the fastest candidate's (see the module's doc);
+    a time of 0 counts as unknown (the simulated nodes' default: no time between tokens)."""
+    known = [node.load.seconds_per_token for node in pool if node.load.seconds_per_token]
+    if not known:
+        return [1.0] * len(pool)
+    fastest = min(known)
+    unknown_as = sum(known) / len(known) / fastest
+    return [node.load.seconds_per_token / fastest if node.load.seconds_per_token else unknown_as for node in pool]
 
 
 def _rendezvous_weight(prefix: str, ip: str) -> int:

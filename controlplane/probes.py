@@ -218,12 +218,20 @@ def scrape_load(
         response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"vLLM metrics endpoint returned status {response.status}")
-        running, waiting, kv_cache_usage = parse_vllm_load(response.body)
+        load = parse_vllm_load(response.body)
     except ProbeError as exc:
         return LoadScraped(at=now(), node=node.ip, error=_capped(str(exc)))
     except Exception as exc:  # a bug must cost one scrape, never the scrape loop
         return LoadScraped(at=now(), node=node.ip, error=_capped(f"load scrape crashed: {type(exc).__name__}: {exc}"))
-    return LoadScraped(at=now(), node=node.ip, running=running, waiting=waiting, kv_cache_usage=kv_cache_usage)
+    return LoadScraped(
+        at=now(),
+        node=node.ip,
+        running=load.running,
+        waiting=load.waiting,
+        kv_cache_usage=load.kv_cache_usage,
+        token_seconds=load.token_seconds,
+        tokens=load.tokens,
+    )
 
 
 MAX_LOAD_ERROR_CHARS = 300
@@ -234,23 +242,41 @@ LOAD_METRICS_MISSING = "load metrics missing: no vllm:num_requests_running nor v
 _RUNNING, _WAITING = b"vllm:num_requests_running", b"vllm:num_requests_waiting"
 _KV_CACHE_USAGE = (b"vllm:kv_cache_usage_perc", b"vllm:gpu_cache_usage_perc")
 """KV-cache usage (0..1) under vLLM's newer name and its older one."""
+_TOKEN_HISTOGRAMS = (b"vllm:inter_token_latency_seconds", b"vllm:time_per_output_token_seconds")
+"""The histogram of the time between two output tokens, under vLLM's newer name and its older
+one; when a node exports both, the newer one is read."""
 
 _LOAD_SAMPLE = re.compile(
-    rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc))"
+    rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc"
+    rb"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
     rb'[ \t]*(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+([^ \t\r\n]+)'
 )
-"""One sample line of a load gauge in Prometheus' text format: the name at the start of a line
-(so `# HELP` and `# TYPE` never match), any labels (a quoted value may hold `}`, spaces and
-escaped quotes), whitespace, the value; a timestamp after it is ignored. A longer name
-(`vllm:num_requests_running_max`) does not match: its next character is neither `{` nor blank."""
+"""One sample line of a load gauge, or of the token histogram's sum or count, in Prometheus'
+text format: the name at the start of a line (so `# HELP` and `# TYPE` never match), any labels
+(a quoted value may hold `}`, spaces and escaped quotes), whitespace, the value; a timestamp
+after it is ignored. A longer name (`vllm:num_requests_running_max`) does not match: its next
+character is neither `{` nor blank."""
 
 
-def parse_vllm_load(body: bytes) -> tuple[float, float, float | None]:
-    """Requests running and waiting, summed over the label sets (models, engines), and the
-    largest KV-cache usage, from vLLM's `/metrics`. A sample that is not a finite non-negative
-    number (`NaN`, `+Inf`, junk) is skipped. A gauge with no sample counts 0 if the other has
-    one; neither is ProbeError(LOAD_METRICS_MISSING). Only the gauges' lines are looked at (a
-    regular expression over the whole body), since vLLM's exposition is mostly histograms."""
+class VllmLoad(NamedTuple):
+    """What a node's vLLM `/metrics` says of its load."""
+
+    running: float
+    waiting: float
+    kv_cache_usage: float | None = None
+    token_seconds: float | None = None
+    """The token histogram's sum: seconds between output tokens, counted since the node started."""
+    tokens: float | None = None
+    """The token histogram's count: the gaps between output tokens summed in `token_seconds`."""
+
+
+def parse_vllm_load(body: bytes) -> VllmLoad:
+    """Requests running and waiting, summed over the label sets (models, engines), the largest
+    KV-cache usage, and the token histogram's sum and count (each summed over its label sets),
+    from vLLM's `/metrics`. A sample that is not a finite non-negative number (`NaN`, `+Inf`,
+    junk) is skipped. A gauge with no sample counts 0 if the other has one; neither is
+    ProbeError(LOAD_METRICS_MISSING). Only these lines are looked at (a regular expression over
+    the whole body), since vLLM's exposition is mostly histograms."""
     sums: dict[bytes, float] = {}
     kv_cache_usage = None
     for match in _LOAD_SAMPLE.finditer(b"\n" + body):
@@ -265,9 +291,14 @@ def parse_vllm_load(body: bytes) -> tuple[float, float, float | None]:
             kv_cache_usage = value if kv_cache_usage is None else max(kv_cache_usage, value)
         else:
             sums[name] = sums.get(name, 0.0) + value
-    if not sums:
+    if _RUNNING not in sums and _WAITING not in sums:
         raise ProbeError(LOAD_METRICS_MISSING)
-    return sums.get(_RUNNING, 0.0), sums.get(_WAITING, 0.0), kv_cache_usage
+    token_seconds = tokens = None
+    for histogram in _TOKEN_HISTOGRAMS:
+        if histogram + b"_sum" in sums and histogram + b"_count" in sums:
+            token_seconds, tokens = sums[histogram + b"_sum"], sums[histogram + b"_count"]
+            break
+    return VllmLoad(sums.get(_RUNNING, 0.0), sums.get(_WAITING, 0.0), kv_cache_usage, token_seconds, tokens)
 
 
 def _capped(error: str) -> str:

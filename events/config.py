@@ -141,8 +141,9 @@ class RoutingConfig(Struct, frozen=True, kw_only=True):
     prefix_bytes: int = DEFAULT_PREFIX_BYTES
     """…cut to this many bytes of their text (a completion's prompt: its first bytes)."""
     load_bound: float = DEFAULT_LOAD_BOUND
-    """`prefix_affinity`: a node whose load is above this factor times the pool's mean load is
-    passed over for the next node in the prefix's order (consistent hashing with bounded loads)."""
+    """`prefix_affinity`: a node whose work (load weighed by its time between tokens) is above
+    this factor times the pool's mean is passed over for the next node in the prefix's order
+    (consistent hashing with bounded loads)."""
 
 
 class NodeConfig(Struct, frozen=True, kw_only=True):

@@ -97,6 +97,14 @@ class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """`vllm:num_requests_waiting`."""
     kv_cache_usage: float | None = None
     """The KV-cache usage gauge (0..1), when the node exports it."""
+    seconds_per_token: float | None = None
+    """The node's mean time between two output tokens over the last scrape interval in which it
+    produced tokens (vLLM's token histogram); None until two scrapes have counted tokens. Kept
+    through idle intervals and failed scrapes: it says how fast the node is, not how busy."""
+    token_seconds: float | None = None
+    tokens: float | None = None
+    """The token histogram's sum and count at the last scrape that had them, for the next
+    interval's mean."""
     scraped_at: float | None = None
     """Time of the last successful scrape; None if never."""
     fails: int = 0

@@ -70,12 +70,15 @@ class GpuScraped(EventBase, frozen=True, tag="gpu_scrape"):
 
 class LoadScraped(EventBase, frozen=True, tag="load_scrape"):
     """One scrape of a node's vLLM `GET /metrics`: its running and waiting requests (and KV-cache
-    usage, when exported), or the error when the scrape gave no usable answer."""
+    usage and the time-between-tokens histogram's sum and count, when exported), or the error
+    when the scrape gave no usable answer."""
 
     node: str
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None
+    token_seconds: float | None = None
+    tokens: float | None = None
     error: str = ""
 
 

@@ -138,12 +138,14 @@ def _candidates_table(decision: Decision) -> list[str]:
             _number(candidate.running),
             _number(candidate.waiting),
             _number(candidate.kv_cache_usage),
+            "-" if candidate.seconds_per_token is None else f"{1000 * candidate.seconds_per_token:.1f}",
             _number(candidate.score),
             candidate.note or "-",
         ]
         for number, candidate in enumerate(decision.candidates)
     ]
-    return format_table(["CANDIDATE", "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "SCORE", "NOTE"], rows)
+    headers = ["CANDIDATE", "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "MS/TOKEN", "SCORE", "NOTE"]
+    return format_table(headers, rows)
 
 
 def _number(value: float | None) -> str:

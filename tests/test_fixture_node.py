@@ -555,7 +555,7 @@ async def test_the_kv_cache_gauge_under_each_name(setting, names):
     served = [name for name in ("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc") if f"{name}{{" in metrics]
     assert served == names
     assert all(sample(metrics, name) == 0.25 for name in names)  # one of four places in the batch
-    assert parse_vllm_load(metrics.encode())[2] == 0.25
+    assert parse_vllm_load(metrics.encode()).kv_cache_usage == 0.25
 
 
 async def test_a_prefix_cache_hit_comes_sooner_than_a_miss_and_is_counted():

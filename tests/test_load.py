@@ -20,6 +20,7 @@ from controlplane.probes import (
     MAX_BODY_BYTES,
     ProbeClient,
     ProbeError,
+    VllmLoad,
     parse_vllm_load,
     scrape_load,
 )
@@ -110,11 +111,40 @@ def load_lines(json_log, ip: str) -> list[str]:
         (b"vllm:num_requests_waiting 3\n", (0.0, 3.0, None)),
         # Not UTF-8 elsewhere in the body.
         (b"\xff\xfe junk\nvllm:num_requests_running 2\n", (2.0, 0.0, None)),
+        # The time-between-tokens histogram: sum and count, summed over engines; its buckets and
+        # other histograms' sums are not read.
+        (
+            b"vllm:num_requests_running 1\n"
+            b'vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf"} 400\n'
+            b'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 8.0\n'
+            b'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 400\n'
+            b'vllm:inter_token_latency_seconds_sum{engine="1",model_name="m"} 2.0\n'
+            b'vllm:inter_token_latency_seconds_count{engine="1",model_name="m"} 100\n'
+            b"vllm:e2e_request_latency_seconds_sum 99\n",
+            (1.0, 0.0, None, 10.0, 500.0),
+        ),
+        # Both histogram names during vLLM's deprecation period: the newer one is read; the older
+        # name alone is read too; a sum without its count is not a mean.
+        (
+            b"vllm:num_requests_running 1\n"
+            b"vllm:time_per_output_token_seconds_sum 5\nvllm:time_per_output_token_seconds_count 50\n"
+            b"vllm:inter_token_latency_seconds_sum 4\nvllm:inter_token_latency_seconds_count 40\n",
+            (1.0, 0.0, None, 4.0, 40.0),
+        ),
+        (
+            b"vllm:num_requests_running 1\n"
+            b"vllm:time_per_output_token_seconds_sum 5\nvllm:time_per_output_token_seconds_count 50\n",
+            (1.0, 0.0, None, 5.0, 50.0),
+        ),
+        (b"vllm:num_requests_running 1\nvllm:inter_token_latency_seconds_sum 4\n", (1.0, 0.0, None)),
     ],
-    ids=["older-vllm", "v1-engines", "both-cache-names", "exposition-details", "junk", "one-gauge", "not-utf8"],
+    ids=[
+        *("older-vllm", "v1-engines", "both-cache-names", "exposition-details", "junk", "one-gauge", "not-utf8"),
+        *("token-histogram", "both-histogram-names", "older-histogram-name", "sum-without-count"),
+    ],
 )
 def test_parse_vllm_load(body, expected):
-    assert parse_vllm_load(body) == expected
+    assert parse_vllm_load(body) == VllmLoad(*expected)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +153,7 @@ def test_parse_vllm_load(body, expected):
         b"",
         b"# HELP vllm:num_requests_running Number of requests currently running on GPU.\n",
         b"vllm:gpu_cache_usage_perc 0.5\n",  # cache usage alone says nothing of the requests
+        b"vllm:inter_token_latency_seconds_sum 4\nvllm:inter_token_latency_seconds_count 40\n",  # nor speed
         b"vllm:num_requests_running NaN\nvllm:num_requests_waiting +Inf\n",
         b"gpu_utilization_percent{gpu=\"GPU-a\"} 42\n",  # a gpu-exporter's answer
         b'{"object": "list"}',
@@ -346,12 +377,15 @@ async def test_health_shows_each_nodes_load_only_when_load_is_scraped(tmp_path):
 
     assert list(simulated_entry) == ["ip", "name", "status", "models", "load"]
     load = simulated_entry["load"]
-    assert list(load) == ["known", "running", "waiting", "kv_cache_usage", "age_seconds", "fails", "last_error"]
+    assert list(load) == [
+        *("known", "running", "waiting", "kv_cache_usage", "seconds_per_token", "age_seconds", "fails", "last_error")
+    ]
     assert load | {"age_seconds": 0, "kv_cache_usage": 0} == {
         "known": True,
         "running": 0.0,
         "waiting": 0.0,
         "kv_cache_usage": 0,
+        "seconds_per_token": None,  # it has produced no tokens
         "age_seconds": 0,
         "fails": 0,
         "last_error": "",
@@ -363,12 +397,33 @@ async def test_health_shows_each_nodes_load_only_when_load_is_scraped(tmp_path):
         "running": 0.0,
         "waiting": 0.0,
         "kv_cache_usage": None,
+        "seconds_per_token": None,
         "age_seconds": None,
         "fails": 1,
         "last_error": "vLLM metrics endpoint returned status 503",
     }
     assert hidden["load"]["last_error"] == "(hidden: gateway.health_hides_errors)"
     assert all("load" not in entry for entry in unscraped)  # plinth's body, as it was
+
+
+async def test_the_scrape_measures_each_nodes_time_between_tokens(tmp_path):
+    specs = node_specs(2, tpot=0.002, tokens=6)
+    specs[1].behaviour.slowness = 3.0
+    async with serve_nodes(specs) as (fast, slow):
+        routing = {"load_scrape_interval": "50ms"}
+        async with running_gateway(tmp_path, [fast, slow], health_interval="50ms", routing=routing) as gateway:
+            await gateway.wait_for(lambda: gateway.node(fast.host).load.known and gateway.node(slow.host).load.known)
+            for _ in range(4):  # round robin: two to each node
+                response = await gateway.http.post(gateway.url + CHAT, json=chat(stream=True))
+                assert response.status_code == 200
+            speed = lambda node: gateway.node(node.host).load.seconds_per_token  # noqa: E731
+            await gateway.wait_for(lambda: speed(fast) is not None and speed(slow) is not None)
+            health = (await gateway.http.get(gateway.url + "/health")).json()["details"]
+            gauge = await gateway.metric(f'interlock_node_seconds_per_token{{node="{slow.host}"}}')
+    assert speed(fast) == pytest.approx(0.002)  # the simulated node counts the gaps it waits
+    assert speed(slow) == pytest.approx(0.006)
+    assert [entry["load"]["seconds_per_token"] for entry in health] == [speed(fast), speed(slow)]
+    assert gauge == pytest.approx(0.006)
 
 
 async def test_a_node_whose_scrape_fails_keeps_serving_completions(tmp_path):

@@ -117,6 +117,31 @@ def test_prefix_affinity_passes_over_a_node_above_the_load_bound():
     assert choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight=busy, prefix=prefix, load_bound=4.0).node.ip == home
 
 
+def test_prefix_affinitys_load_bound_weighs_each_node_by_its_time_between_tokens():
+    def timed(*seconds_per_token: float | None) -> list[NodeState]:
+        """Idle nodes (as last scraped) with these times between tokens."""
+        return [
+            NodeState(ip=ip, load=NodeLoad(known=True, seconds_per_token=seconds))
+            for ip, seconds in zip(IPS, seconds_per_token)
+        ]
+
+    def pick(nodes: list[NodeState], prefix: str):
+        return choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight=dict.fromkeys(IPS, 2), prefix=prefix)
+
+    prefix = next(p for p in map(str, range(100)) if pick(timed(None, None, None), p).node.ip == IPS[2])
+    # Two requests each: in requests, the third node may take a third (3 <= ceil(1.25 × 7/3)).
+    assert pick(timed(None, None, None), prefix).node.ip == IPS[2]
+    assert pick(timed(0.01, 0.01, 0.01), prefix).node.ip == IPS[2]  # the same speed weighs nothing
+    # 3× slower, its two requests weigh 6 of 10: with this one the work is 13, and the bound,
+    # 1.25 × 13/3 = 5.4, rounds up to 2 of its requests.
+    choice = pick(timed(0.01, 0.01, 0.03), prefix)
+    slow = next(candidate for candidate in choice.candidates if candidate.node == IPS[2])
+    assert choice.node.ip != IPS[2] and slow.note == OVER_LOAD_BOUND and slow.seconds_per_token == 0.03
+    # An unknown time weighs as the mean of the known ones (2×): the work with this request is
+    # 15, and the bound, 1.25 × 15/3 = 6.25, rounds up to 3 of the third node's requests.
+    assert pick(timed(0.01, None, 0.03), prefix).node.ip == IPS[2]
+
+
 @pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])
 def test_every_policy_scores_every_candidate_once_and_picks_the_first(policy):
     nodes = pool((2, 1), None, (0, 3))

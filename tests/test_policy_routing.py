@@ -49,6 +49,14 @@ async def seen_busy(gateway: Gateway, node: SimulatedNode, queued: int) -> None:
     await gateway.wait_for(lambda: gateway.node(node.host).load.queued == queued)
 
 
+async def scraped_idle_since(gateway: Gateway, moment: float) -> None:
+    """Until every node's last scrape, taken after `moment`, says it runs nothing: the next
+    decision sees idle nodes, not a scrape taken while the last request ran."""
+    await gateway.wait_for(
+        lambda: all(node.load.scraped_at > moment and node.load.queued == 0 for node in gateway.nodes())
+    )
+
+
 async def served_by(gateway: Gateway, body: dict, request_id: str | None = None, model: str = MODEL) -> str:
     headers = {"X-Request-Id": request_id} if request_id else {}
     response = await gateway.http.post(gateway.url + CHAT, json=body | {"model": model}, headers=headers)
@@ -129,8 +137,11 @@ async def test_prefix_affinity_keeps_a_prefix_on_one_node_until_it_is_over_the_l
         await gateway.discovered()
         await gateway.wait_for(lambda: all(node.load.known for node in gateway.nodes()))
         topics = [f"topic {i}" for i in range(12)]
-        homes = {topic: await served_by(gateway, system_prompt(topic)) for topic in topics}
-        repeated = {topic: await served_by(gateway, system_prompt(topic)) for topic in topics}
+        homes, repeated = {}, {}
+        for served in (homes, repeated):
+            for topic in topics:
+                served[topic] = await served_by(gateway, system_prompt(topic))
+                await scraped_idle_since(gateway, gateway.control_plane.now())
         home = next(node for node in nodes if node.name == homes["topic 0"])
         async with held_requests(home, 3):
             await seen_busy(gateway, home, 3)

@@ -601,6 +601,32 @@ def test_a_scrape_without_the_gauges_is_a_failed_one():
     assert [fields(t)["error"] for t in transitions] == ["load metrics missing"]
 
 
+def token_scrape(token_seconds: float | None, tokens: float | None, at: float) -> LoadScraped:
+    return LoadScraped(at=at, node=NODE, running=1.0, waiting=0.0, token_seconds=token_seconds, tokens=tokens)
+
+
+def test_a_nodes_time_between_tokens_is_the_mean_over_the_last_interval_that_counted_tokens():
+    def speeds(*scrapes: LoadScraped) -> list[float | None]:
+        state, seen = started(), []
+        for scrape in scrapes:
+            state, _, _ = apply([scrape], state)
+            seen.append(state.nodes[NODE].load.seconds_per_token)
+        return seen
+
+    assert speeds(
+        token_scrape(10.0, 100, T0),  # counters since the node started: no interval yet
+        token_scrape(12.0, 200, T0 + 1),  # 2 s over 100 tokens
+        token_scrape(12.0, 200, T0 + 2),  # idle: no tokens, the last mean stays
+        token_scrape(18.0, 300, T0 + 3),
+        LoadScraped(at=T0 + 4, node=NODE, error="status 500"),  # a failed scrape keeps it
+        token_scrape(19.0, 310, T0 + 5),  # counted from the last scrape that had the counters
+        token_scrape(0.5, 10, T0 + 6),  # the counters went back: the node restarted
+        token_scrape(0.9, 20, T0 + 7),
+        token_scrape(None, None, T0 + 8),  # the node no longer exports the histogram
+        token_scrape(5.0, 100, T0 + 9),
+    ) == [None, 0.02, 0.02, 0.06, 0.06, 0.1, 0.1, pytest.approx(0.04), None, None]
+
+
 # --- run start and reload (§2.3 NewMonitorWithState, §7) ---------------------------------------
 
 

@@ -15,7 +15,7 @@ from events.jsonl import list_segments
 from interlock.cli import main
 
 from harness import chat, decision_records, nodes_and_gateway, node_specs
-from test_policy_routing import held_requests, seen_busy, served_by, system_prompt
+from test_policy_routing import held_requests, scraped_idle_since, seen_busy, served_by, system_prompt
 
 SCRAPED = {"load_scrape_interval": "50ms"}
 
@@ -52,14 +52,6 @@ async def record_run(folder: Path, policy: str) -> Run:
             await gateway.wait_for(lambda: len(decision_records(decisions)) == 12)
     [segment] = list_segments(decisions)
     return Run(events=events, decisions=segment, busy=nodes[0].host, middle=middle)
-
-
-async def scraped_idle_since(gateway, moment: float) -> None:
-    """Until every node's last scrape, taken after `moment`, says it runs nothing: the next
-    decision sees idle nodes, not a scrape taken while the last request ran."""
-    await gateway.wait_for(
-        lambda: all(node.load.scraped_at > moment and node.load.queued == 0 for node in gateway.nodes())
-    )
 
 
 @pytest.fixture(scope="module")
