@@ -19,7 +19,11 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
 - `prefix_affinity`: rendezvous hashing of the prompt prefix over the candidates, so that
   requests sharing a prefix go to the node whose cache holds it; a node whose work is above
   `load_bound` times the pool's mean (counting this request) is passed over for the next one in
-  the prefix's order (consistent hashing with bounded loads). A node's work is its load times
+  the prefix's order (consistent hashing with bounded loads). The node the routing process last
+  sent the prefix to (`remembered`, kept in a `PrefixMemory`) comes first in that order: a prefix
+  passed over to another node stays there, whose cache now holds it, rather than coming back
+  when its first node has room, so a node that hashing gave too many prefixes sheds some for
+  good instead of a few requests of each. A node's work is its load times
   its cost: its time between tokens over the fastest candidate's (`NodeLoad.seconds_per_token`;
   unknown: the mean cost of the known ones, 1 when none is known), so that a node 3× slower
   holds a third of the requests before it is passed over. Counted in requests, the bound would
@@ -32,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -70,6 +75,30 @@ class Choice(NamedTuple):
     """Every candidate, the chosen one first, then best first."""
     margin: float | None
     """The chosen node's score lead over the next candidate; None with a single candidate."""
+    remembered: str = ""
+    """prefix_affinity: the node the prefix last went to, tried first ("" when none in the pool)."""
+
+
+PREFIX_MEMORY_ENTRIES = 10_000
+"""Prefixes a routing process remembers the node of, the least recently routed forgotten first."""
+
+
+class PrefixMemory:
+    """The node each prompt prefix last went to, for prefix affinity: one per routing process
+    (the data plane's balancer, and each worker's in `interlock whatif`)."""
+
+    def __init__(self, entries: int = PREFIX_MEMORY_ENTRIES) -> None:
+        self._entries = entries
+        self._nodes: OrderedDict[str, str] = OrderedDict()
+
+    def node_of(self, prefix: str) -> str:
+        return self._nodes.get(prefix, "")
+
+    def remember(self, prefix: str, ip: str) -> None:
+        self._nodes[prefix] = ip
+        self._nodes.move_to_end(prefix)
+        if len(self._nodes) > self._entries:
+            self._nodes.popitem(last=False)
 
 
 def choose(
@@ -81,15 +110,17 @@ def choose(
     request_id: str = "",
     prefix: str = "",
     load_bound: float = 1.25,
+    remembered: str = "",
 ) -> Choice:
     """The node `policy` picks from `pool` (non-empty, in routing's order), with every
-    candidate's score; an unknown policy name is round robin (a config names only known ones)."""
+    candidate's score; an unknown policy name is round robin (a config names only known ones).
+    `remembered` is the node the prefix last went to (prefix affinity's only)."""
     if policy == LEAST_LOAD:
         return _least_load(pool, rotation, in_flight)
     if policy == POWER_OF_TWO:
         return _power_of_two(pool, rotation, in_flight, request_id)
     if policy == PREFIX_AFFINITY:
-        return _prefix_affinity(pool, in_flight, prefix, load_bound)
+        return _prefix_affinity(pool, in_flight, prefix, load_bound, remembered)
     return _round_robin(pool, rotation, in_flight)
 
 
@@ -158,9 +189,13 @@ def _power_of_two(pool: Sequence[NodeState], rotation: int, in_flight: Mapping[s
 
 
 def _prefix_affinity(
-    pool: Sequence[NodeState], in_flight: Mapping[str, int], prefix: str, load_bound: float
+    pool: Sequence[NodeState], in_flight: Mapping[str, int], prefix: str, load_bound: float, remembered: str
 ) -> Choice:
     order = sorted(range(len(pool)), key=lambda i: _rendezvous_weight(prefix, pool[i].ip), reverse=True)
+    first = next((i for i in order if pool[i].ip == remembered), None)
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
     loads = node_loads(pool, in_flight)
     costs = _costs(pool)
     work = sum(load * cost for load, cost in zip(loads, costs))
@@ -174,7 +209,8 @@ def _prefix_affinity(
         ranks[index] = float(rank)
     chosen = [i for i in order if i not in over]
     passed_over = [i for i in order if i in over]
-    return _ranked(pool, chosen + passed_over, ranks, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
+    choice = _ranked(pool, chosen + passed_over, ranks, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
+    return choice._replace(remembered=remembered if first is not None else "")
 
 
 def _costs(pool: Sequence[NodeState]) -> list[float]:

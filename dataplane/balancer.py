@@ -1,11 +1,12 @@
 """Choosing the node for each attempt: plinth's round-robin counter (§3), one for every model and
-every retry, and the policies of `controlplane.policies`, fed with this process's in-flight counts."""
+every retry, and the policies of `controlplane.policies`, fed with this process's in-flight counts
+and, for prefix affinity, the node each prefix last went to."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from controlplane.policies import ROUND_ROBIN, Choice, choose
+from controlplane.policies import PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
 from controlplane.routing import balancer_pool
 from events.state import NodeState
 
@@ -15,14 +16,16 @@ class Balancer:
 
     The counter starts at 0 and advances on every pick from a non-empty pool, whatever the
     policy (round robin, and the ties of the others, follow it). `in_flight` counts the attempts
-    this process has in progress to each node; the proxy keeps it. The data plane runs in one
-    trio thread, so neither needs a lock.
+    this process has in progress to each node; the proxy keeps it. `prefixes` remembers where
+    prefix affinity sent each prefix last (retries included). The data plane runs in one trio
+    thread, so none of them needs a lock.
     """
 
     def __init__(self) -> None:
         self.rotation = 0
         """The counter the next pick is made with."""
         self.in_flight: dict[str, int] = {}
+        self.prefixes = PrefixMemory()
 
     def select(
         self,
@@ -44,7 +47,8 @@ class Balancer:
         self.rotation += 1
         if policy == ROUND_ROBIN and not scored:
             return Choice(pool[rotation % len(pool)], (), None)
-        return choose(
+        affine = policy == PREFIX_AFFINITY and prefix
+        choice = choose(
             policy,
             pool,
             rotation=rotation,
@@ -52,7 +56,11 @@ class Balancer:
             request_id=request_id,
             prefix=prefix,
             load_bound=load_bound,
+            remembered=self.prefixes.node_of(prefix) if affine else "",
         )
+        if affine:
+            self.prefixes.remember(prefix, choice.node.ip)
+        return choice
 
     def attempt_started(self, ip: str) -> None:
         self.in_flight[ip] = self.in_flight.get(ip, 0) + 1

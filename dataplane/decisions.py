@@ -84,6 +84,8 @@ class Decision(msgspec.Struct, frozen=True):
     """The first pick's candidates, best first, as the policy scored them."""
     margin: float | None = None
     """The chosen node's score lead over the next candidate; None with a single candidate."""
+    remembered: str = ""
+    """prefix_affinity: the node this process last sent the prefix to, tried first ("" if none)."""
 
 
 class DecisionRecorder(Protocol):

@@ -669,6 +669,7 @@ class Proxy:
                 rotation=exchange.rotation,
                 candidates=choice.candidates if choice else (),
                 margin=choice.margin if choice else None,
+                remembered=choice.remembered if choice else "",
             )
         )
 

@@ -122,11 +122,14 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
 
 
 def _policy(decision: Decision) -> str:
-    """The policy, the first pick's margin when it was scored, and the prompt prefix's hash."""
+    """The policy, the first pick's margin when it was scored, the prompt prefix's hash, and the
+    node the prefix last went to (prefix affinity tries it first)."""
     text = decision.policy
     if decision.margin is not None:
         text += f", margin {_number(decision.margin)}"
-    return f"{text}, prefix {decision.prefix}" if decision.prefix else text
+    if decision.prefix:
+        text += f", prefix {decision.prefix}"
+    return f"{text}, last sent to {decision.remembered}" if decision.remembered else text
 
 
 def _candidates_table(decision: Decision) -> list[str]:

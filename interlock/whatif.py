@@ -9,14 +9,16 @@ first pick is routed again: whether a retry would have happened elsewhere is not
 
 `--policy recorded` routes each request under the policy it was routed by, with the inputs its
 record holds (the round-robin counter, this process's in-flight counts, the request id, the
-prompt prefix's hash): with the same code, every choice is the recorded one, and a change is a
-change of the code. Under another policy the in-flight counts are the what-if world's own: the
-requests it routed that were still in flight (from their arrival for their recorded duration,
-per worker, since each process counts its own). A node's scraped load is corrected the same
-way: at the scrape's moment, the gateway's recorded requests on the node are taken out and the
-what-if world's put in; the rest (other clients') stays as scraped. Durations stay as recorded:
-a request moved off a slow node is counted in flight elsewhere as long as it took on the slow
-one, so a what-if that relieves a slow node over-estimates the load it moves.
+prompt prefix's hash, the node the prefix last went to): with the same code, every choice is the
+recorded one, and a change is a change of the code.
+
+Under another policy the inputs are the what-if world's own, per worker (each process counts its
+own): the requests it routed that were still in flight, and prefix affinity's memory of where
+each prefix last went. A node's scraped load is corrected the same way: at the scrape's moment,
+the gateway's recorded requests on the node are taken out and the what-if world's put in; the
+rest (other clients') stays as scraped. Durations stay as recorded: a request moved off a slow
+node is counted in flight elsewhere as long as it took on the slow one, so a what-if that
+relieves a slow node over-estimates the load it moves.
 
 For every request with a prompt prefix the report also says whether the node it went to had seen
 that prefix among its last `cache_entries` prefixes: a stand-in for a prefix-cache hit.
@@ -26,12 +28,12 @@ from __future__ import annotations
 
 import heapq
 import os
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from controlplane.policies import choose
+from controlplane.policies import PREFIX_AFFINITY, PrefixMemory, choose
 from controlplane.reducer import INITIAL_STATE
 from controlplane.replay import replay_steps
 from controlplane.routing import balancer_pool, filter_by_model, ring_pool, unavailable_reason
@@ -98,6 +100,8 @@ def what_if(
     states = _States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
     in_flight, recorded_in_flight = _InFlight(), _InFlight()
     load_changes: dict[tuple[str, float], int] = {}
+    prefixes: defaultdict[int, PrefixMemory] = defaultdict(PrefixMemory)
+    """Prefix affinity's memory of the what-if world, per worker."""
     seen_before, seen_after = _RecentPrefixes(cache_entries), _RecentPrefixes(cache_entries)
     before: Counter[str] = Counter()
     after: Counter[str] = Counter()
@@ -121,9 +125,11 @@ def what_if(
             continue
         if policy == RECORDED:
             counts = {candidate.node: candidate.in_flight for candidate in decision.candidates if candidate.in_flight}
+            remembered = decision.remembered
         else:
             counts = in_flight.of_worker(decision.worker, decision.at)
             pool = [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool]
+            remembered = prefixes[decision.worker].node_of(decision.prefix) if decision.prefix else ""
         node = choose(
             decision.policy if policy == RECORDED else policy,
             pool,
@@ -132,7 +138,10 @@ def what_if(
             request_id=decision.request_id,
             prefix=decision.prefix,
             load_bound=state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND,
+            remembered=remembered,
         ).node.ip
+        if policy == PREFIX_AFFINITY and decision.prefix:
+            prefixes[decision.worker].remember(decision.prefix, node)
         in_flight.add(decision.worker, decision.at, decision.duration, node)
         recorded_in_flight.add(decision.worker, decision.at, decision.duration, recorded_node)
         report.routed_again += 1

@@ -13,6 +13,7 @@ from controlplane.policies import (
     POWER_OF_TWO,
     PREFIX_AFFINITY,
     ROUND_ROBIN,
+    PrefixMemory,
     choose,
     node_loads,
 )
@@ -140,6 +141,32 @@ def test_prefix_affinitys_load_bound_weighs_each_node_by_its_time_between_tokens
     # An unknown time weighs as the mean of the known ones (2×): the work with this request is
     # 15, and the bound, 1.25 × 15/3 = 6.25, rounds up to 3 of the third node's requests.
     assert pick(timed(0.01, None, 0.03), prefix).node.ip == IPS[2]
+
+
+def test_prefix_affinity_tries_the_node_the_prefix_last_went_to_first():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    prefix = "system prompt A"
+    home = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix=prefix)
+    elsewhere = next(c.node for c in home.candidates if c.node != home.node.ip)
+    kept = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix=prefix, remembered=elsewhere)
+    assert (kept.node.ip, kept.remembered, kept.candidates[0].score) == (elsewhere, elsewhere, 0.0)
+    assert [c.node for c in kept.candidates[1:]] == [c.node for c in home.candidates if c.node != elsewhere]
+    # Over the bound, the remembered node is passed over for the prefix's own order.
+    busy = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={elsewhere: 6}, prefix=prefix, remembered=elsewhere)
+    assert busy.node.ip == home.node.ip and busy.candidates[-1].note == OVER_LOAD_BOUND
+    # A remembered node no longer in the pool is nobody.
+    rest = [node for node in nodes if node.ip != elsewhere]
+    gone = choose(PREFIX_AFFINITY, rest, rotation=0, in_flight={}, prefix=prefix, remembered=elsewhere)
+    assert (gone.node.ip, gone.remembered) == (home.node.ip, "")
+
+
+def test_prefix_memory_forgets_the_least_recently_routed_prefix_first():
+    memory = PrefixMemory(entries=2)
+    memory.remember("a", IPS[0])
+    memory.remember("b", IPS[1])
+    memory.remember("a", IPS[2])  # routed again: now the most recent
+    memory.remember("c", IPS[0])
+    assert [memory.node_of(prefix) for prefix in "abc"] == [IPS[2], "", IPS[0]]
 
 
 @pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])

@@ -127,7 +127,9 @@ def system_prompt(topic: str) -> dict:
     return chat(messages=[{"role": "system", "content": f"You answer questions about {topic}."}])
 
 
-async def test_prefix_affinity_keeps_a_prefix_on_one_node_until_it_is_over_the_load_bound(tmp_path):
+async def test_prefix_affinity_keeps_a_prefix_on_one_node_until_it_is_over_the_load_bound_then_on_the_next(
+    tmp_path, capsys
+):
     decisions = tmp_path / "decisions.jsonl"
     routing = {"policy": "prefix_affinity", "load_bound": 1.25, **SCRAPED}
     async with nodes_and_gateway(tmp_path, node_specs(3), routing=routing, decision_log=str(decisions)) as (
@@ -146,12 +148,22 @@ async def test_prefix_affinity_keeps_a_prefix_on_one_node_until_it_is_over_the_l
         async with held_requests(home, 3):
             await seen_busy(gateway, home, 3)
             moved = await served_by(gateway, system_prompt("topic 0"), "moved")
-            await gateway.wait_for(lambda: any(record.request_id == "moved" for record in decision_records(decisions)))
+        await scraped_idle_since(gateway, gateway.control_plane.now())
+        stayed = await served_by(gateway, system_prompt("topic 0"), "stayed")
+        await gateway.wait_for(lambda: len(decision_records(decisions)) == 26)
     assert repeated == homes and len(set(homes.values())) > 1  # prefixes spread, each keeps its node
     assert moved != home.name
     record = recorded(gateway, decisions, "moved")
     assert record.candidates[-1].node == home.host and record.candidates[-1].note == OVER_LOAD_BOUND
+    assert record.remembered == home.host
     assert record.prefix == prompt_prefix(CHAT, _encoded(system_prompt("topic 0")), messages=0, limit=512)
+    # Its first node has room again, but the prefix stays where it went (whose cache now has it).
+    assert stayed == moved
+    moved_host = next(node.host for node in nodes if node.name == moved)
+    assert recorded(gateway, decisions, "stayed").remembered == moved_host
+    assert main(["explain", "--request-id", "stayed", "--decisions", str(decisions)]) == 0
+    policy_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("policy "))
+    assert policy_line.endswith(f", last sent to {moved_host}")
 
 
 def _encoded(body: dict) -> bytes:

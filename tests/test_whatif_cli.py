@@ -64,6 +64,11 @@ def least_load_run(tmp_path_factory) -> Run:
     return trio.run(record_run, tmp_path_factory.mktemp("whatif") / "least_load", "least_load")
 
 
+@pytest.fixture(scope="module")
+def prefix_affinity_run(tmp_path_factory) -> Run:
+    return trio.run(record_run, tmp_path_factory.mktemp("whatif") / "prefix_affinity", "prefix_affinity")
+
+
 def whatif(capsys, run: Run, *options: str) -> tuple[int, str, str]:
     code = main(["whatif", str(run.events), "--decisions", str(run.decisions), *options])
     captured = capsys.readouterr()
@@ -76,9 +81,11 @@ def report(capsys, run: Run, *options: str) -> dict:
     return json.loads(out)
 
 
-@pytest.mark.parametrize("run_name", ["round_robin_run", "least_load_run"])
+@pytest.mark.parametrize("run_name", ["round_robin_run", "least_load_run", "prefix_affinity_run"])
 def test_routed_again_under_its_recorded_policy_every_request_goes_where_it_went(capsys, request, run_name):
     run = request.getfixturevalue(run_name)
+    if run_name == "prefix_affinity_run":  # the node each prefix last went to is an input too
+        assert any(decision.remembered for decision in read_decisions(run.decisions))
     same = report(capsys, run)
     assert (same["policy"], same["decisions"], same["routed_again"], same["changed"]) == ("recorded", 12, 12, 0)
     assert same["before"] == same["after"] and sum(same["before"].values()) == 12
@@ -135,3 +142,4 @@ def test_bad_input_is_named(capsys, round_robin_run, tmp_path):
     assert code == 2 and "invalid choice: 'fastest'" in err
     code, _, err = whatif(capsys, round_robin_run, "--since", "2026-01-02T00:00:00Z", "--until", "2026-01-01T00:00:00Z")
     assert code == 2 and "--since: must not be after --until" in err
+
