@@ -16,9 +16,11 @@ Under another policy the inputs are the what-if world's own, per worker (each pr
 own): the requests it routed that were still in flight, and prefix affinity's memory of where
 each prefix last went. A node's scraped load is corrected the same way: at the scrape's moment,
 the gateway's recorded requests on the node are taken out and the what-if world's put in; the
-rest (other clients') stays as scraped. Durations stay as recorded: a request moved off a slow
-node is counted in flight elsewhere as long as it took on the slow one, so a what-if that
-relieves a slow node over-estimates the load it moves.
+rest (other clients') stays as scraped. A request moved to another node is counted in flight
+there for its recorded duration scaled by the two nodes' times between tokens (as last scraped;
+as recorded when either is unknown). Its time in the first node's queue is scaled too, and a
+request left where it was keeps its recorded duration: what-if queues are not simulated, so a
+what-if that relieves a crowded node still over-estimates the load it moves.
 
 For every request with a prompt prefix the report also says whether the node it went to had seen
 that prefix among its last `cache_entries` prefixes: a stand-in for a prefix-cache hit.
@@ -142,7 +144,8 @@ def what_if(
         ).node.ip
         if policy == PREFIX_AFFINITY and decision.prefix:
             prefixes[decision.worker].remember(decision.prefix, node)
-        in_flight.add(decision.worker, decision.at, decision.duration, node)
+        duration = _moved_duration(decision.duration, state, recorded_node, node)
+        in_flight.add(decision.worker, decision.at, duration, node)
         recorded_in_flight.add(decision.worker, decision.at, decision.duration, recorded_node)
         report.routed_again += 1
         report.changed += node != recorded_node
@@ -157,6 +160,16 @@ def what_if(
             report.prefix_seen_after += seen_after.saw(node, decision.prefix)
     report.before, report.after = dict(sorted(before.items())), dict(sorted(after.items()))
     return report
+
+
+def _moved_duration(duration: float, state: ClusterState, recorded: str, node: str) -> float:
+    """How long the request would have taken on `node` rather than `recorded`: its recorded
+    duration scaled by the two nodes' times between tokens when both are known, else as recorded."""
+    if node == recorded:
+        return duration
+    recorded_speed = state.nodes[recorded].load.seconds_per_token if recorded in state.nodes else None
+    speed = state.nodes[node].load.seconds_per_token if node in state.nodes else None
+    return duration * speed / recorded_speed if speed and recorded_speed else duration
 
 
 def _first_pick(decision: Decision) -> str | None:

@@ -7,13 +7,19 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 import trio
 
-from dataplane.decisions import read_decisions
+from dataplane.decisions import AttemptRecord, Decision, read_decisions
+from events.config import ModelEntry
 from events.jsonl import list_segments
+from events.log import encode_event
+from events.types import LoadScraped
 from interlock.cli import main
+from interlock.whatif import what_if
 
+from builders import T0, make_config, node_ip, run_started
 from harness import chat, decision_records, nodes_and_gateway, node_specs
 from test_policy_routing import held_requests, scraped_idle_since, seen_busy, served_by, system_prompt
 
@@ -143,3 +149,37 @@ def test_bad_input_is_named(capsys, round_robin_run, tmp_path):
     code, _, err = whatif(capsys, round_robin_run, "--since", "2026-01-02T00:00:00Z", "--until", "2026-01-01T00:00:00Z")
     assert code == 2 and "--since: must not be after --until" in err
 
+
+def test_a_request_moved_to_a_faster_node_stays_in_flight_there_for_its_duration_scaled_by_speed(tmp_path):
+    """Node 1 makes its tokens 3× faster than node 2, which runs a request of another client (as
+    scraped). Round robin sent A and B to node 2, 0.5 s apart; A took 0.9 s there. least_load
+    would have sent A to node 1, where it would have taken 0.3 s; so B finds node 1 idle and goes
+    there too. Counted for its recorded 0.9 s, A would still hold node 1, and the tie would have
+    left B on node 2 (its turn)."""
+    fast, slow = node_ip(1), node_ip(2)
+    config = make_config(2, models=[ModelEntry(name="m")], default="m")
+    scrapes = [
+        LoadScraped(at=T0 + at, node=ip, running=running, waiting=0.0, token_seconds=seconds, tokens=tokens)
+        for at, ip, running, seconds, tokens in [
+            (1, fast, 0.0, 0.0, 0), (1, slow, 1.0, 0.0, 0), (2, fast, 0.0, 1.0, 100), (2, slow, 1.0, 3.0, 100),
+        ]
+    ]  # fmt: skip
+    events = tmp_path / "events.jsonl"
+    events.write_bytes(
+        b"".join(
+            encode_event(msgspec.structs.replace(event, seq=seq))
+            for seq, event in enumerate([run_started(config), *scrapes], start=1)
+        )
+    )
+
+    def on_slow_node(request_id: str, after: float, rotation: int) -> Decision:
+        return Decision(
+            request_id=request_id, at=T0 + 3 + after, path="/v1/chat/completions", model="m", stream=True, seq=5,
+            ring="", ring_pool=(fast, slow), excluded=(), attempts=(AttemptRecord(node=slow, outcome="completed"),),
+            status=200, duration=0.9, rotation=rotation,
+        )  # fmt: skip
+
+    requests = [on_slow_node("A", 0.0, rotation=1), on_slow_node("B", 0.5, rotation=3)]
+    assert what_if([events], requests).changed == 0  # as recorded
+    report = what_if([events], requests, policy="least_load")
+    assert (report.changed, report.after) == (2, {fast: 2})
