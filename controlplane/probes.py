@@ -249,13 +249,14 @@ one; when a node exports both, the newer one is read."""
 _LOAD_SAMPLE = re.compile(
     rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc"
     rb"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
-    rb'[ \t]*(?:\{(?:[^"}\n]|"(?:[^"\\\n]|\\.)*")*\})?[ \t]+([^ \t\r\n]+)'
+    rb'[ \t]*(?:\{(?:[^"}\n]++|"(?:[^"\\\n]++|\\.)*+")*+\})?[ \t]+([^ \t\r\n]+)'
 )
 """One sample line of a load gauge, or of the token histogram's sum or count, in Prometheus'
 text format: the name at the start of a line (so `# HELP` and `# TYPE` never match), any labels
 (a quoted value may hold `}`, spaces and escaped quotes), whitespace, the value; a timestamp
 after it is ignored. A longer name (`vllm:num_requests_running_max`) does not match: its next
-character is neither `{` nor blank."""
+character is neither `{` nor blank. The labels are read in runs that never give back
+(possessive quantifiers): what the parse costs is mostly the labels of the histograms' sums."""
 
 
 class VllmLoad(NamedTuple):
