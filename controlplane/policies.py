@@ -3,8 +3,9 @@
 The pool is what routing leaves (`controlplane.routing`: ring, model list, offline, dead, and
 healthy before degraded), minus the nodes a request already tried; a policy only chooses within
 it. Each policy is a pure function of the pool, the load the snapshot holds, the in-flight counts
-of the process that routes, the round-robin rotation, the request id and the prompt prefix, so
-the data plane and `interlock whatif` choose the same way from the same inputs.
+of the process that routes, the round-robin rotation, the request id, the prompt prefix and the
+node that process last sent the prefix to, so the data plane and `interlock whatif` choose the
+same way from the same inputs.
 
 Every candidate gets a score, lower is better, and the choice lists them best first:
 
@@ -19,16 +20,16 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
 - `prefix_affinity`: rendezvous hashing of the prompt prefix over the candidates, so that
   requests sharing a prefix go to the node whose cache holds it; a node whose work is above
   `load_bound` times the pool's mean (counting this request) is passed over for the next one in
-  the prefix's order (consistent hashing with bounded loads). The node the routing process last
-  sent the prefix to (`remembered`, kept in a `PrefixMemory`) comes first in that order: a prefix
-  passed over to another node stays there, whose cache now holds it, rather than coming back
-  when its first node has room, so a node that hashing gave too many prefixes sheds some for
-  good instead of a few requests of each. A node's work is its load times
-  its cost: its time between tokens over the fastest candidate's (`NodeLoad.seconds_per_token`;
-  unknown: the mean cost of the known ones, 1 when none is known), so that a node 3× slower
-  holds a third of the requests before it is passed over. Counted in requests, the bound would
-  let a slow node's queue run long, since each of its requests stays 3× as long. The bound is
-  rounded up to whole requests of the node. The score is the rank in the prefix's order.
+  the prefix's order (consistent hashing with bounded loads). The score is the rank in that order.
+  - The node the routing process last sent the prefix to (`remembered`, kept in a
+    `PrefixMemory`) comes first in the order: a prefix passed over to another node stays there,
+    whose cache now holds it, rather than coming back when its first node has room. So a node
+    that hashing gave too many prefixes sheds some for good, not a few requests of each.
+  - A node's work is its load times its cost: its time between tokens over the fastest
+    candidate's (`NodeLoad.seconds_per_token`; unknown: the mean cost of the known ones, 1 when
+    none is known). A node 3× slower is passed over once it holds a third of the requests: counted
+    in requests, the bound would let its queue run long, each of its requests staying 3× as long.
+    The bound is rounded up to whole requests of the node.
 """
 
 from __future__ import annotations

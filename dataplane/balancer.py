@@ -47,7 +47,7 @@ class Balancer:
         self.rotation += 1
         if policy == ROUND_ROBIN and not scored:
             return Choice(pool[rotation % len(pool)], (), None)
-        affine = policy == PREFIX_AFFINITY and prefix
+        affine = policy == PREFIX_AFFINITY and bool(prefix)
         choice = choose(
             policy,
             pool,

@@ -117,8 +117,11 @@ async def test_power_of_two_repeats_its_draw_for_the_same_request_id(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(3), routing=routing) as (nodes, gateway):
         await gateway.discovered()
         await gateway.wait_for(lambda: all(node.load.known for node in gateway.nodes()))
-        first = [await served_by(gateway, chat(), f"id-{i}") for i in range(12)]
-        again = [await served_by(gateway, chat(), f"id-{i}") for i in range(12)]
+        first, again = [], []
+        for picks in (first, again):
+            for i in range(12):
+                picks.append(await served_by(gateway, chat(), f"id-{i}"))
+                await scraped_idle_since(gateway, gateway.control_plane.now())
     assert first == again  # loads equal: the first drawn wins, and the draw follows the id
     assert len(set(first)) > 1
 
