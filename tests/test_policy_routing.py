@@ -49,9 +49,10 @@ async def seen_busy(gateway: Gateway, node: SimulatedNode, queued: int) -> None:
     await gateway.wait_for(lambda: gateway.node(node.host).load.queued == queued)
 
 
-async def scraped_idle_since(gateway: Gateway, moment: float) -> None:
-    """Until every node's last scrape, taken after `moment`, says it runs nothing: the next
-    decision sees idle nodes, not a scrape taken while the last request ran."""
+async def scraped_idle(gateway: Gateway) -> None:
+    """Until every node's last scrape, taken from now on, says it runs nothing: the next decision
+    sees idle nodes, not a scrape taken while the last request ran."""
+    moment = gateway.control_plane.now()
     await gateway.wait_for(
         lambda: all(node.load.scraped_at > moment and node.load.queued == 0 for node in gateway.nodes())
     )
@@ -121,7 +122,7 @@ async def test_power_of_two_repeats_its_draw_for_the_same_request_id(tmp_path):
         for picks in (first, again):
             for i in range(12):
                 picks.append(await served_by(gateway, chat(), f"id-{i}"))
-                await scraped_idle_since(gateway, gateway.control_plane.now())
+                await scraped_idle(gateway)
     assert first == again  # loads equal: the first drawn wins, and the draw follows the id
     assert len(set(first)) > 1
 
@@ -146,12 +147,12 @@ async def test_prefix_affinity_keeps_a_prefix_on_one_node_until_it_is_over_the_l
         for served in (homes, repeated):
             for topic in topics:
                 served[topic] = await served_by(gateway, system_prompt(topic))
-                await scraped_idle_since(gateway, gateway.control_plane.now())
+                await scraped_idle(gateway)
         home = next(node for node in nodes if node.name == homes["topic 0"])
         async with held_requests(home, 3):
             await seen_busy(gateway, home, 3)
             moved = await served_by(gateway, system_prompt("topic 0"), "moved")
-        await scraped_idle_since(gateway, gateway.control_plane.now())
+        await scraped_idle(gateway)
         stayed = await served_by(gateway, system_prompt("topic 0"), "stayed")
         await gateway.wait_for(lambda: len(decision_records(decisions)) == 26)
     assert repeated == homes and len(set(homes.values())) > 1  # prefixes spread, each keeps its node

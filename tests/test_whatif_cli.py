@@ -21,7 +21,7 @@ from interlock.whatif import what_if
 
 from builders import T0, make_config, node_ip, run_started
 from harness import chat, decision_records, nodes_and_gateway, node_specs
-from test_policy_routing import held_requests, scraped_idle_since, seen_busy, served_by, system_prompt
+from test_policy_routing import held_requests, scraped_idle, seen_busy, served_by, system_prompt
 
 SCRAPED = {"load_scrape_interval": "50ms"}
 
@@ -49,7 +49,7 @@ async def record_run(folder: Path, policy: str) -> Run:
         await gateway.wait_for(lambda: all(node.load.known for node in gateway.nodes()))
         for number in range(6):
             await served_by(gateway, system_prompt(f"topic {number % 4}"), f"idle-{number}")
-            await scraped_idle_since(gateway, gateway.control_plane.now())
+            await scraped_idle(gateway)
         middle = gateway.control_plane.now()
         async with held_requests(nodes[0], 3):
             await seen_busy(gateway, nodes[0], 3)
