@@ -28,6 +28,7 @@ class Follower:
         self._report = report
         self._clock = now
         self._snapshot = INITIAL_STATE
+        self._stale = ""
 
     @property
     def snapshot(self) -> ClusterState:
@@ -36,6 +37,17 @@ class Follower:
 
     def now(self) -> float:
         return self._clock()
+
+    def stale_reason(self) -> str:
+        """Current from the leader's first checkpoint on, until `mark_stale` says otherwise."""
+        if self._snapshot.config is None:
+            return "no checkpoint from the leader yet"
+        return self._stale
+
+    def mark_stale(self, reason: str) -> None:
+        """Whether the leader's events still reach this follower: `reason` why they may not
+        (the leader's stream ended), "" when they do again."""
+        self._stale = reason
 
     def observe(self, event: Event) -> None:
         """Report a data-plane observation to the leader; never blocks."""

@@ -72,6 +72,12 @@ def unavailable_reason(node: NodeState, now: float) -> str:
     return ""
 
 
+def routable_nodes(candidates: list[NodeState], now: float) -> list[NodeState]:
+    """The nodes a request's first pick would be made from at `now`, among the candidates the
+    model filter kept: neither dead nor offline, the healthy ones, else the degraded ones."""
+    return balancer_pool([node for node in candidates if not unavailable_reason(node, now)])
+
+
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     ip: str
     name: str
@@ -101,8 +107,7 @@ def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
     pool = ring_members(state, ring)
     candidates, dropped = filter_by_model(pool, model)
     model_reasons = {node.ip: reason for node, reason in dropped}
-    reachable = [node for node in candidates if not node.is_offline(now)]
-    picks = {node.ip for node in balancer_pool(reachable)}
+    picks = {node.ip for node in routable_nodes(candidates, now)}
     verdicts = []
     for node in state.nodes.values():
         if node.ring != ring:

@@ -136,6 +136,10 @@ class ControlPlane:
         """The clock events are stamped with."""
         return self._clock()
 
+    def stale_reason(self) -> str:
+        """The control plane numbers the events itself: its state is current once it has started."""
+        return "" if self._snapshot.config is not None else "the control plane has not started"
+
     def add_listener(self, fn: Listener) -> None:
         """Call `fn(event, state, step)` in the reducer task after each publish, with the numbered
         event; it must not block."""

@@ -1,9 +1,10 @@
-"""The API listener's Quart-trio app: plinth's routes (§4) other than the completion POSTs.
+"""The API listener's Quart-trio app: plinth's routes (§4) other than the completion POSTs, and `/ready`.
 
-`GET /health`, `GET /v1/models` and `GET /v1/models/{id}` describe the current snapshot; unknown paths and methods get
-plinth's 404 and 405. `POST` to the two completion routes never gets here: the API listener's
-ASGI application (`dataplane.asgi`) answers those itself, and hands everything else to this app.
-The completion routes are declared here all the same, so that other methods on them get 405.
+`GET /health`, `GET /ready`, `GET /v1/models` and `GET /v1/models/{id}` describe the current
+snapshot; unknown paths and methods get plinth's 404 and 405. `POST` to the two completion
+routes never gets here: the API listener's ASGI application (`dataplane.asgi`) answers those
+itself, and hands everything else to this app. The completion routes are declared here all the
+same, so that other methods on them get 405.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
-from dataplane.proxy import COMPLETION_PATHS, ConfigView, SnapshotViews
+from dataplane.proxy import COMPLETION_PATHS, ConfigView, SnapshotView, SnapshotViews
 from events.state import Health, NodeState
 
 _encode = msgspec.json.Encoder()
+
+NOTHING_ROUTABLE = "no model has a routable node"
+"""`/ready`'s reason when no model it counts (`SnapshotView.routable_models`) has a node to route to."""
 
 
 class _HttpConnection(TrioASGIHTTPConnection):
@@ -79,14 +83,31 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
             "nodes": len(nodes),
             "status": status,
         }
-        # Which process answered, and the state it answered from: processes that followed the
-        # same events agree on the digest at the same seq (plinth's body stays as it is).
-        headers = {
+        return Response(_encode.encode(body), content_type="application/json", headers=state_headers(view))
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        """For a load balancer in front: 200 when this process routes on current state and some
+        model has a node to route to, else 503; the reason in the body."""
+        view = views.current()
+        stale = control_plane.stale_reason()
+        if stale:
+            body: dict[str, Any] = {"ready": False, "reason": stale}
+        elif routable := view.routable_models(control_plane.now()):
+            body = {"ready": True, "models": routable}
+        else:
+            body = {"ready": False, "reason": NOTHING_ROUTABLE}
+        status = 200 if body["ready"] else 503
+        return Response(_encode.encode(body), status, content_type="application/json", headers=state_headers(view))
+
+    def state_headers(view: SnapshotView) -> dict[str, str]:
+        """Which process answered, and the state it answered from: processes that followed the
+        same events agree on the digest at the same seq (plinth's bodies stay as they are)."""
+        return {
             "X-Interlock-Worker": str(worker),
-            "X-Interlock-Seq": str(snapshot.seq),
+            "X-Interlock-Seq": str(view.snapshot.seq),
             "X-Interlock-State-Digest": view.state_digest,
         }
-        return Response(_encode.encode(body), content_type="application/json", headers=headers)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -6,7 +6,7 @@ per small request (measured here). So they are answered here, straight from hype
 messages: steps 1-3 of plinth's pipeline (read the body within the limit, parse only `model`
 and `stream`, inject the default model), then the proxy (routing and the attempt loop), whose
 `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
-unchanged: `/health`, `/v1/models`, the 404s, and other methods on the completion paths (405).
+unchanged: `/health`, `/ready`, `/v1/models`, the 404s, and other methods on the completion paths (405).
 Each request reads the control plane's snapshot once and keeps it throughout.
 
 Two things hypercorn (trio) does shape `_completion`:
@@ -237,8 +237,9 @@ async def _read_rest(receive, pieces: list[bytes], config: ConfigView) -> bytes 
 
 
 def _admitted(scope, config: ConfigView) -> bool:
-    """With client keys configured: whether the request holds one, or needs none (an open /health)."""
-    if config.health_open and scope["path"] == "/health":
+    """With client keys configured: whether the request holds one, or needs none (an open
+    /health or /ready: a load balancer's check carries no key)."""
+    if config.health_open and scope["path"] in ("/health", "/ready"):
         return True
     return key_accepted(scope["headers"], config.api_key_digests)
 

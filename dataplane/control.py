@@ -1,7 +1,7 @@
 """What the data plane needs of a control plane, and nothing more.
 
 The request path reads the current snapshot, stamps observations with the control plane's
-clock, and reports what it observed. `controlplane.runtime.ControlPlane` is one such source;
+clock, and reports what it observed; `/ready` asks whether that snapshot is current. `controlplane.runtime.ControlPlane` is one such source;
 a process that follows another's event stream can be another.
 """
 
@@ -23,3 +23,7 @@ class ControlPlaneView(Protocol):
 
     def observe(self, event: Event) -> None:
         """Report a data-plane observation (an upstream failed or recovered); never blocks."""
+
+    def stale_reason(self) -> str:
+        """Why this process may not be routing on the current state, "" when it is: the one
+        place `/ready` asks (a load balancer then sends its requests to another replica)."""

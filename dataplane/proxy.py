@@ -24,6 +24,7 @@ Everything a request needs from a control-plane snapshot that does not depend on
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -32,7 +33,14 @@ import trio
 
 from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
+from controlplane.routing import (
+    filter_by_model,
+    is_unknown_model,
+    model_ring,
+    ring_members,
+    routable_nodes,
+    unavailable_reason,
+)
 from controlplane.policies import PREFIX_AFFINITY, Choice
 from dataplane.balancer import Balancer
 from dataplane.control import ControlPlaneView
@@ -191,6 +199,8 @@ class SnapshotView:
         self.snapshot = snapshot
         self.config = config
         self._routes: dict[str, Route] = {}
+        self._routable: tuple[tuple[str, ...], float] | None = None
+        """`routable_models`' last answer, and the moment until which it holds."""
 
     def route(self, model: str) -> Route:
         route = self._routes.get(model)
@@ -199,6 +209,34 @@ class SnapshotView:
             if len(self._routes) < self.MAX_ROUTES:
                 self._routes[model] = route
         return route
+
+    def routable_models(self, now: float) -> tuple[str, ...]:
+        """The models `/ready` counts (the configured ones; with none configured, those the
+        nodes list) that have a node a request's first pick would be made from at `now`.
+
+        On one snapshot the answer changes only when an offline mark ends, so it is kept until
+        the first such moment among the models' candidates."""
+        cached = self._routable
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        routable = []
+        holds_until = math.inf
+        for model in self._readiness_models:
+            candidates = self.route(model).candidates
+            if routable_nodes(candidates, now):
+                routable.append(model)
+            for node in candidates:
+                if node.is_offline(now):
+                    holds_until = min(holds_until, node.offline_until)
+        self._routable = tuple(routable), holds_until
+        return self._routable[0]
+
+    @functools.cached_property
+    def _readiness_models(self) -> tuple[str, ...]:
+        configured = dict.fromkeys(model.name for model in self.snapshot.config.models.available)
+        if configured:
+            return tuple(configured)
+        return tuple(sorted({name for node in self.snapshot.node_list() for name in node.models.names or ()}))
 
     def metric_model(self, model: str) -> str:
         """`model` as the metrics' `model` label: itself when configured or listed by a node."""

@@ -107,8 +107,10 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
                 follower.apply(event)
                 if follower.snapshot.config is not config:
                     _follow_log_settings(log, follower)
+            follower.mark_stale("the leader's event stream ended")
         except OutOfStep as error:
             log.error("worker out of step with the leader", error=str(error))
+            follower.mark_stale("out of step with the leader")
             exit_code = EXIT_OUT_OF_STEP
         stop.set()  # the leader is gone (or we cannot follow it): drain and exit
 
