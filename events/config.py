@@ -96,8 +96,8 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     api_key_file: str = ""
     """A file of SHA-256 hex digests of client keys, one a line; read at each (re)load."""
     health_requires_api_key: bool = False
-    """With client keys: whether `/health` on the API listener needs one too (load balancers
-    usually probe without)."""
+    """With client keys: whether `/health` and `/ready` on the API listener need one too (load
+    balancers usually probe without)."""
     health_hides_errors: bool = False
     """`/health` on the API listener leaves out the nodes' error texts (they name addresses)."""
     upstream_api_key_file: str = ""
