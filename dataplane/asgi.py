@@ -6,7 +6,8 @@ per small request (measured here). So they are answered here, straight from hype
 messages: steps 1-3 of plinth's pipeline (read the body within the limit, parse only `model`
 and `stream`, inject the default model), then the proxy (routing and the attempt loop), whose
 `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
-unchanged: `/health`, `/ready`, `/v1/models`, the 404s, and other methods on the completion paths (405).
+unchanged: `/health`, `/ready`, `/v1/models`, the 404s, and other methods on the completion
+paths (405).
 Each request reads the control plane's snapshot once and keeps it throughout.
 
 Two things hypercorn (trio) does shape `_completion`:

@@ -1,8 +1,9 @@
 """What the data plane needs of a control plane, and nothing more.
 
 The request path reads the current snapshot, stamps observations with the control plane's
-clock, and reports what it observed; `/ready` asks whether that snapshot is current. `controlplane.runtime.ControlPlane` is one such source;
-a process that follows another's event stream can be another.
+clock, and reports what it observed; `/ready` asks whether that snapshot is current.
+`controlplane.runtime.ControlPlane` is one such source; a process that follows another's event
+stream can be another.
 """
 
 from __future__ import annotations
