@@ -172,7 +172,7 @@ def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
         if len(fields) != 2 or fields[0].startswith("#"):
             continue
         token, text = fields
-        value = _parse_go_float(text)
+        value = parse_sample_value(text)
         uuid = _gpu_label(token)
         if value is None or not uuid:
             continue
@@ -183,9 +183,11 @@ def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
     return tuple(GpuSample(uuid=uuid, **values) for uuid, values in gpus.items())
 
 
-def _parse_go_float(text: str) -> float | None:
-    """strconv.ParseFloat for the decimal forms (Go rejects the underscores Python allows)."""
-    if "_" in text:
+def parse_sample_value(text: str) -> float | None:
+    """A sample's value as Prometheus' text format has it, read as Go's strconv.ParseFloat reads
+    it (plinth's GPU scrape, Prometheus itself): a decimal or `NaN`, `+Inf`, `-Inf`; else None.
+    Python's float() also takes underscores (`1_000`) and other scripts' digits, which neither does."""
+    if "_" in text or not text.isascii():
         return None
     try:
         return float(text)
@@ -282,11 +284,8 @@ def parse_vllm_load(body: bytes) -> VllmLoad:
     kv_cache_usage = None
     for match in _LOAD_SAMPLE.finditer(b"\n" + body):
         name, text = match.groups()
-        try:
-            value = float(text)
-        except ValueError:
-            continue
-        if not (math.isfinite(value) and value >= 0):
+        value = parse_sample_value(text.decode("latin-1"))
+        if value is None or not (math.isfinite(value) and value >= 0):
             continue
         if name in _KV_CACHE_USAGE:
             kv_cache_usage = value if kv_cache_usage is None else max(kv_cache_usage, value)
