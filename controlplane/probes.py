@@ -24,12 +24,26 @@ import trio
 
 from events.config import NodeConfig
 from events.state import GpuSample
-from events.types import GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
+from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
 from transport.http11 import BodyTooLarge, HttpClient, HttpError, PreparedRequest, request_steps
 from transport.readiness import Exchange, TimedOut, drive
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""
+
+MAX_LISTED_MODELS = 4096
+"""The most ids a node's model listing may hold; a longer listing is a listing error. A vLLM
+node lists its model and its LoRA adapters (hundreds for a many-tenant node); every listing
+goes whole into the event log, /health and the node's state, so a node that lists without
+limit would grow each of them (each id is at most MAX_MODEL_NAME_LENGTH characters)."""
+
+MAX_GPUS_PER_SCRAPE = 256
+"""The most GPUs a node's GPU exporter may report (a node has eight or sixteen); a scrape that
+reports more is a scrape error, as every scrape goes whole into the event log and /health."""
+
+MAX_LOAD_LABEL_SETS = 256
+"""The most samples a node's vLLM `/metrics` may give one load gauge or histogram (one per
+engine and model: a handful); a scrape with more is a scrape error, read no further."""
 
 KEEPALIVE_SECONDS = 60.0
 """How long an idle connection to a node is kept for the next probe (longer than a health interval)."""
@@ -149,7 +163,11 @@ def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: C
         return GpuScraped(at=now(), node=node.ip, error=str(exc))
     if response.status != 200:
         return GpuScraped(at=now(), node=node.ip, error=f"metrics endpoint returned status {response.status}")
-    return GpuScraped(at=now(), node=node.ip, gpus=parse_gpu_metrics(response.body))
+    try:
+        gpus = parse_gpu_metrics(response.body)
+    except ProbeError as exc:
+        return GpuScraped(at=now(), node=node.ip, error=str(exc))
+    return GpuScraped(at=now(), node=node.ip, gpus=gpus)
 
 
 _GPU_FIELDS = {
@@ -163,7 +181,8 @@ _INT64_MAX = 2**63 - 1
 
 def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
     """plinth's scrape parser (§2.2): `name{…gpu="UUID"…} value` lines, by GPU in order of
-    first appearance. A line with an unknown metric name still creates its GPU's entry."""
+    first appearance. A line with an unknown metric name still creates its GPU's entry.
+    Raises ProbeError once more than MAX_GPUS_PER_SCRAPE GPUs appear."""
     gpus: dict[str, dict[str, int]] = {}
     for line in body.decode("utf-8", "replace").split("\n"):
         if line.startswith("#"):
@@ -176,7 +195,11 @@ def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
         uuid = _gpu_label(token)
         if value is None or not uuid:
             continue
-        sample = gpus.setdefault(uuid, {})
+        sample = gpus.get(uuid)
+        if sample is None:
+            if len(gpus) == MAX_GPUS_PER_SCRAPE:
+                raise ProbeError(f"gpu scrape: more than {MAX_GPUS_PER_SCRAPE} GPUs")
+            sample = gpus[uuid] = {}
         field = _GPU_FIELDS.get(token.partition("{")[0])
         if field is not None and math.isfinite(value):
             sample[field] = max(-_INT64_MAX - 1, min(_INT64_MAX, int(value)))  # Go's int64(f) truncates
@@ -278,12 +301,17 @@ def parse_vllm_load(body: bytes) -> VllmLoad:
     KV-cache usage, and the token histogram's sum and count (each summed over its label sets),
     from vLLM's `/metrics`. A sample that is not a finite non-negative number (`NaN`, `+Inf`,
     junk) is skipped. A gauge with no sample counts 0 if the other has one; neither is
-    ProbeError(LOAD_METRICS_MISSING). Only these lines are looked at (a regular expression over
-    the whole body), since vLLM's exposition is mostly histograms."""
+    ProbeError(LOAD_METRICS_MISSING), and more than MAX_LOAD_LABEL_SETS samples of one name a
+    ProbeError naming it. Only these lines are looked at (a regular expression over the whole
+    body), since vLLM's exposition is mostly histograms."""
     sums: dict[bytes, float] = {}
+    samples: dict[bytes, int] = {}
     kv_cache_usage = None
     for match in _LOAD_SAMPLE.finditer(b"\n" + body):
         name, text = match.groups()
+        samples[name] = count = samples.get(name, 0) + 1
+        if count > MAX_LOAD_LABEL_SETS:
+            raise ProbeError(f"{name.decode()}: more than {MAX_LOAD_LABEL_SETS} label sets")
         value = parse_sample_value(text.decode("latin-1"))
         if value is None or not (math.isfinite(value) and value >= 0):
             continue
@@ -344,7 +372,8 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
     Only the first JSON value counts (trailing bytes are ignored); a body without `data` (or
     with `data: null`) is an error, so an error object on HTTP 200 is never an empty list;
     an item without `id` gives "". Keys match case-insensitively, the last match winning, as
-    in Go. Raises ProbeError("parse model list: …").
+    in Go. Raises ProbeError("parse model list: …"), also for a list of more than
+    MAX_LISTED_MODELS ids or an id longer than MAX_MODEL_NAME_LENGTH characters.
     """
     text = body.decode("utf-8", "replace")
     start = len(text) - len(text.lstrip(_JSON_WHITESPACE))
@@ -361,6 +390,8 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
         raise ProbeError(MISSING_DATA)
     if not isinstance(data, list):
         raise ProbeError(f"parse model list: data is {_json_kind(data)}, not an array")
+    if len(data) > MAX_LISTED_MODELS:
+        raise ProbeError(f"parse model list: {len(data)} models, more than the {MAX_LISTED_MODELS} a node may list")
     ids = []
     for index, item in enumerate(data):
         if item is not None and not isinstance(item, dict):
@@ -368,6 +399,11 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
         model_id = _field(item, "id") if item is not None else None
         if model_id is not None and not isinstance(model_id, str):
             raise ProbeError(f"parse model list: data[{index}].id is {_json_kind(model_id)}, not a string")
+        if model_id is not None and len(model_id) > MAX_MODEL_NAME_LENGTH:
+            raise ProbeError(
+                f"parse model list: data[{index}].id is {len(model_id)} characters, longer than"
+                f" the {MAX_MODEL_NAME_LENGTH} a model name may have"
+            )
         ids.append(_without_lone_surrogates(model_id or ""))
     return tuple(ids)
 
