@@ -26,7 +26,7 @@ from events.config import NodeConfig
 from events.state import GpuSample
 from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
 from transport.http11 import BodyTooLarge, HttpClient, HttpError, PreparedRequest, request_steps
-from transport.readiness import Exchange, TimedOut, drive
+from transport.readiness import Exchange, InThread, TimedOut, drive
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""
@@ -40,6 +40,11 @@ limit would grow each of them (each id is at most MAX_MODEL_NAME_LENGTH characte
 MAX_GPUS_PER_SCRAPE = 256
 """The most GPUs a node's GPU exporter may report (a node has eight or sixteen); a scrape that
 reports more is a scrape error, as every scrape goes whole into the event log and /health."""
+
+PARSE_ON_LOOP_BYTES = 64 * 1024
+"""The largest answer parsed on the event loop: a larger one is parsed in a worker thread, so
+that a node's big answer (up to MAX_BODY_BYTES) never holds up the API or the other probes.
+A vLLM `/metrics` is tens of KB; the trip to a thread costs more than parsing a small answer."""
 
 MAX_LOAD_LABEL_SETS = 256
 """The most samples a node's vLLM `/metrics` may give one load gauge or histogram (one per
@@ -116,6 +121,13 @@ class ProbeClient:
         return ProbeResponse(status, body)
 
 
+def parsed(parse: Callable[[bytes], Any], body: bytes) -> Exchange:
+    """`parse(body)`, in a worker thread when the body is over PARSE_ON_LOOP_BYTES."""
+    if len(body) > PARSE_ON_LOOP_BYTES:
+        return (yield InThread(parse, body))
+    return parse(body)
+
+
 def node_url(ip: str, port: int, path: bytes) -> str:
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}{path.decode()}"
@@ -164,7 +176,7 @@ def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: C
     if response.status != 200:
         return GpuScraped(at=now(), node=node.ip, error=f"metrics endpoint returned status {response.status}")
     try:
-        gpus = parse_gpu_metrics(response.body)
+        gpus = yield from parsed(parse_gpu_metrics, response.body)
     except ProbeError as exc:
         return GpuScraped(at=now(), node=node.ip, error=str(exc))
     return GpuScraped(at=now(), node=node.ip, gpus=gpus)
@@ -243,7 +255,7 @@ def scrape_load(
         response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"vLLM metrics endpoint returned status {response.status}")
-        load = parse_vllm_load(response.body)
+        load = yield from parsed(parse_vllm_load, response.body)
     except ProbeError as exc:
         return LoadScraped(at=now(), node=node.ip, error=_capped(str(exc)))
     except Exception as exc:  # a bug must cost one scrape, never the scrape loop
@@ -346,7 +358,7 @@ def list_models(
         response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
-        models = parse_model_list(response.body)
+        models = yield from parsed(parse_model_list, response.body)
     except ProbeError as exc:
         return ModelsListed(at=now(), node=node.ip, error=str(exc))
     except Exception as exc:  # a bug must cost one listing, never the discovery loop
