@@ -33,15 +33,21 @@ def metric_models(state: ClusterState) -> frozenset[str]:
     labelled = {entry.name for entry in state.config.models.available} if state.config is not None else set()
     room = MAX_DISCOVERED_MODEL_LABELS
     for node in state.nodes.values():
-        if node.models.state == Discovery.EXPIRED or node.models.listed <= labelled:
+        names = labelled_list(node.models)
+        if not names or node.models.listed <= labelled:
             continue  # a set operation: most nodes list what others (or the config) named already
-        for name in node.models.names or ():
+        for name in names:
             if name not in labelled:
                 if not room:
                     return frozenset(labelled)
                 labelled.add(name)
                 room -= 1
     return frozenset(labelled)
+
+def labelled_list(models: ModelDiscovery) -> tuple[str, ...] | None:
+    """What `metric_models` reads of a node's discovery: its list, unless expired."""
+    return None if models.state == Discovery.EXPIRED else models.names
+
 
 _RECOUNT_KINDS = frozenset((RUN, RELOAD, HEALTH))
 """Transitions after which the node-status counts may differ; every status change logs one."""

@@ -32,7 +32,7 @@ import trio
 
 from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.metrics import OTHER_MODELS, metric_models
+from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import filter_by_model, is_unknown_model, model_ring, ring_members, unavailable_reason
 from controlplane.policies import PREFIX_AFFINITY, Choice
 from dataplane.balancer import Balancer
@@ -237,7 +237,9 @@ def _same_lists(before: ClusterState, after: ClusterState) -> bool:
     if len(before.nodes) != len(after.nodes):
         return False
     for old, new in zip(before.nodes.values(), after.nodes.values()):
-        if old.ip != new.ip or old.models is not new.models and old.models.names != new.models.names:
+        if old.ip != new.ip:
+            return False
+        if old.models is not new.models and labelled_list(old.models) != labelled_list(new.models):
             return False
     return True
 

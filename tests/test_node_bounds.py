@@ -164,11 +164,18 @@ async def test_a_models_series_go_when_no_node_lists_it_any_more(tmp_path):
     ):
         await gateway.discovered()
         assert model_node_series(await gateway.metrics()) == {MODEL, "kept", "dropped"}
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat("kept"))).status_code == 200
+        assert await gateway.metric('gateway_requests_total{model="kept",status="200"}') == 1
         node.models = [MODEL, "kept"]
         await gateway.wait_for(lambda: gateway.node(node.host).models.names == (MODEL, "kept"))
         assert model_node_series(await gateway.metrics()) == {MODEL, "kept"}
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat("kept"))).status_code == 200
         node.behaviour.models = "error"  # until the list expires: it lists nothing any more
         await gateway.wait_for(lambda: gateway.node(node.host).models.state == Discovery.EXPIRED)
         page = await gateway.metrics()
         assert model_node_series(page) == {MODEL}  # configured: it keeps its series
         assert 'interlock_model_nodes{model="%s",status="healthy"} 0.0' % MODEL in page
+        # Requests name it no more either (the data plane's labels follow the same lists).
+        status = (await gateway.http.post(gateway.url + CHAT, json=chat("kept"))).status_code
+        assert await gateway.metric(f'gateway_requests_total{{model="{OTHER_MODELS}",status="{status}"}}') == 1
+        assert await gateway.metric('gateway_requests_total{model="kept",status="200"}') == 2
