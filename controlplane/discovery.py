@@ -73,11 +73,12 @@ def configured_models_missing(ring: str, names: tuple[str, ...], config: Config)
     standalone node) should serve but does not (`names`)."""
     missing = []
     available_names = set()
+    listed = frozenset(names)
     for entry in config.models.available:
         available_names.add(entry.name)
-        if entry.ring == ring and entry.name and entry.name not in names:
+        if entry.ring == ring and entry.name and entry.name not in listed:
             missing.append(entry.name)
     default = config.models.default
-    if default and default not in available_names and default not in names:
+    if default and default not in available_names and default not in listed:
         missing.append(default)
     return missing

@@ -8,19 +8,73 @@ process can hold many control planes); the data plane adds its request metrics t
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controlplane.routing import filter_by_model, ring_pool
+from controlplane.routing import model_ring
 from controlplane.transitions import HEALTH, MODELS, RELOAD, RUN, Step, StopProbing
-from events.state import ClusterState, Discovery, Health, NodeLoad
+from events.state import ClusterState, Discovery, Health, ModelDiscovery, NodeLoad, NodeState
 from events.types import Event, LoadScraped, ModelsListed, ProbeCrashed
+
+MAX_DISCOVERED_MODEL_LABELS = 100
+"""Models that get a `model` label without being configured: the first ones the nodes list (in
+node and list order). Every other model a request or a node names is counted as OTHER_MODELS,
+so the series stay bounded by the config, whatever the nodes list."""
+
+OTHER_MODELS = "(other)"
+"""The `model` label of a request for a model that has no label of its own (`metric_models`)."""
+
+
+def metric_models(state: ClusterState) -> frozenset[str]:
+    """The models with a `model` label of their own: the configured ones and the first
+    MAX_DISCOVERED_MODEL_LABELS others that the nodes list (an expired list lists nothing)."""
+    labelled = {entry.name for entry in state.config.models.available} if state.config is not None else set()
+    room = MAX_DISCOVERED_MODEL_LABELS
+    for node in state.nodes.values():
+        names = labelled_list(node.models)
+        if not names or node.models.listed <= labelled:
+            continue  # a set operation: most nodes list what others (or the config) named already
+        for name in names:
+            if name not in labelled:
+                if not room:
+                    return frozenset(labelled)
+                labelled.add(name)
+                room -= 1
+    return frozenset(labelled)
+
+def labelled_list(models: ModelDiscovery) -> tuple[str, ...] | None:
+    """What `metric_models` reads of a node's discovery: its list, unless expired."""
+    return None if models.state == Discovery.EXPIRED else models.names
+
 
 _RECOUNT_KINDS = frozenset((RUN, RELOAD, HEALTH))
 """Transitions after which the node-status counts may differ; every status change logs one."""
 
 _NODE_STATE_KINDS = _RECOUNT_KINDS | {MODELS}
 """Transitions after which a node's discovery state, or the nodes that may serve a model, may differ."""
+
+_LISTING_KINDS = frozenset((RUN, RELOAD, MODELS))
+"""Transitions after which the models configured or listed may differ."""
+
+_STATUS_INDEX = {status: index for index, status in enumerate(Health)}
+
+
+class _Counted(NamedTuple):
+    """A node as `interlock_model_nodes` last counted it."""
+
+    ring: str
+    status: Health
+    models: ModelDiscovery
+
+    @classmethod
+    def of(cls, node: NodeState) -> _Counted:
+        return cls(node.ring, node.status, node.models)
+
+    def same_as(self, other: _Counted) -> bool:
+        """Counted the same (the model lists compared by identity: a list is never changed in place)."""
+        return self.models is other.models and self.status == other.status and self.ring == other.ring
 
 
 class ControlPlaneMetrics:
@@ -78,7 +132,7 @@ class ControlPlaneMetrics:
         self.model_nodes = Gauge(
             "interlock_model_nodes",
             "Nodes that may serve a model (its ring pool, past the model filter) by health status; "
-            "models configured or listed by a node",
+            "configured models, and the first models the nodes list",
             ["model", "status"],
             registry=registry,
         )
@@ -122,7 +176,13 @@ class ControlPlaneMetrics:
         self._discovery_results: dict[tuple[str, str], Counter] = {}
         self._models_ok: dict[str, int] = {}
         self._node_states: dict[str, tuple[Health, Discovery]] = {}
-        self._model_counts: dict[str, tuple[int, int, int]] = {}
+        # interlock_model_nodes, kept up to date one node at a time (see `_count_model_nodes`).
+        self._labelled: frozenset[str] = frozenset()
+        self._counted_config: object = None
+        self._model_rings: dict[str, str] = {}
+        self._model_counts: dict[str, list[int]] = {}
+        self._counted: dict[str, _Counted] = {}
+        self._published_counts: dict[str, tuple[int, ...]] = {}
         self._loads: dict[str, NodeLoad] = {}
 
     def record(self, event: Event, state: ClusterState, step: Step) -> None:
@@ -155,7 +215,7 @@ class ControlPlaneMetrics:
             self._count_statuses(state)
         if kinds & _NODE_STATE_KINDS:
             self._publish_node_states(state)
-            self._count_model_nodes(state)
+            self._count_model_nodes(state, event, listings_changed=bool(kinds & _LISTING_KINDS))
         for effect in step.effects:
             if isinstance(effect, StopProbing):
                 self._forget_node(effect.node)
@@ -199,22 +259,63 @@ class ControlPlaneMetrics:
                 with contextlib.suppress(KeyError):
                     gauge.remove(ip)  # the node stopped exporting it
 
-    def _count_model_nodes(self, state: ClusterState) -> None:
-        """For every model configured or listed by a node, its possible nodes by health status."""
-        models = {entry.name for entry in state.config.models.available} if state.config is not None else set()
-        for node in state.nodes.values():
-            models.update(node.models.names or ())
-        for model in models:
-            candidates, _ = filter_by_model(ring_pool(state, model), model)
-            counts = tuple(sum(1 for node in candidates if node.status == status) for status in Health)
-            if self._model_counts.get(model) != counts:
-                self._model_counts[model] = counts
-                for status, count in zip(Health, counts):
-                    self.model_nodes.labels(model=model, status=status).set(count)
-        for model in self._model_counts.keys() - models:
-            del self._model_counts[model]
+    def _count_model_nodes(self, state: ClusterState, event: Event, *, listings_changed: bool) -> None:
+        """For every labelled model (`metric_models`), the nodes that may serve it (its ring
+        pool, past the model filter) by health status. An event about one node changes that
+        node's counts only: what it counted for before is taken off, what it counts for now is
+        added, each a set operation over the labelled models (a node may list thousands of
+        ids). The rest (a new config, new labelled models, a checkpoint) is counted anew."""
+        labelled = metric_models(state) if listings_changed else self._labelled
+        ip = getattr(event, "node", None)
+        if ip is None or labelled != self._labelled or state.config is not self._counted_config:
+            self._recount_model_nodes(state, labelled)
+            return
+        node = state.nodes.get(ip)
+        counted = self._counted.get(ip)
+        if node is None or counted is None:
+            return
+        now = _Counted.of(node)
+        if now.same_as(counted):
+            return
+        self._counted[ip] = now
+        touched = self._add_to_counts(counted, -1) | self._add_to_counts(now, 1)
+        self._publish_model_counts(touched)
+
+    def _recount_model_nodes(self, state: ClusterState, labelled: frozenset[str]) -> None:
+        self._labelled = labelled
+        self._counted_config = state.config
+        self._model_rings = {model: model_ring(state, model) for model in labelled}
+        self._model_counts = {model: [0] * len(Health) for model in labelled}
+        self._counted = {node.ip: _Counted.of(node) for node in state.nodes.values()}
+        for counted in self._counted.values():
+            self._add_to_counts(counted, 1)
+        self._publish_model_counts(labelled)
+        for model in self._published_counts.keys() - labelled:
+            del self._published_counts[model]
             for status in Health:
                 self.model_nodes.remove(model, status)
+
+    def _add_to_counts(self, counted: _Counted, sign: int) -> set[str]:
+        """Add (or with sign -1 take off) the node to the count of every labelled model it may
+        serve; those models."""
+        index = _STATUS_INDEX[counted.status]
+        touched = set()
+        for model in counted.models.allowed_among(self._labelled):
+            if self._model_rings[model] == counted.ring:
+                self._model_counts[model][index] += sign
+                touched.add(model)
+        return touched
+
+    def _publish_model_counts(self, models: Iterable[str]) -> None:
+        for model in models:
+            counts = tuple(self._model_counts[model])
+            published = self._published_counts.get(model)
+            if published == counts:
+                continue
+            self._published_counts[model] = counts
+            for index, status in enumerate(Health):
+                if published is None or published[index] != counts[index]:
+                    self.model_nodes.labels(model=model, status=status).set(counts[index])
 
     def _forget_node(self, ip: str) -> None:
         """A node removed by a reload no longer reports its states."""

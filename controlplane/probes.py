@@ -24,12 +24,31 @@ import trio
 
 from events.config import NodeConfig
 from events.state import GpuSample
-from events.types import GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
+from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
 from transport.http11 import BodyTooLarge, HttpClient, HttpError, PreparedRequest, request_steps
-from transport.readiness import Exchange, TimedOut, drive
+from transport.readiness import Exchange, InThread, TimedOut, drive
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""
+
+MAX_LISTED_MODELS = 4096
+"""The most ids a node's model listing may hold; a longer listing is a listing error. A vLLM
+node lists its model and its LoRA adapters (hundreds for a many-tenant node); every listing
+goes whole into the event log, /health and the node's state, so a node that lists without
+limit would grow each of them (each id is at most MAX_MODEL_NAME_LENGTH characters)."""
+
+MAX_GPUS_PER_SCRAPE = 256
+"""The most GPUs a node's GPU exporter may report (a node has eight or sixteen); a scrape that
+reports more is a scrape error, as every scrape goes whole into the event log and /health."""
+
+PARSE_ON_LOOP_BYTES = 64 * 1024
+"""The largest answer parsed on the event loop: a larger one is parsed in a worker thread, so
+that a node's big answer (up to MAX_BODY_BYTES) never holds up the API or the other probes.
+A vLLM `/metrics` is tens of KB; the trip to a thread costs more than parsing a small answer."""
+
+MAX_LOAD_LABEL_SETS = 256
+"""The most samples a node's vLLM `/metrics` may give one load gauge or histogram (one per
+engine and model: a handful); a scrape with more is a scrape error, read no further."""
 
 KEEPALIVE_SECONDS = 60.0
 """How long an idle connection to a node is kept for the next probe (longer than a health interval)."""
@@ -102,6 +121,13 @@ class ProbeClient:
         return ProbeResponse(status, body)
 
 
+def parsed(parse: Callable[[bytes], Any], body: bytes) -> Exchange:
+    """`parse(body)`, in a worker thread when the body is over PARSE_ON_LOOP_BYTES."""
+    if len(body) > PARSE_ON_LOOP_BYTES:
+        return (yield InThread(parse, body))
+    return parse(body)
+
+
 def node_url(ip: str, port: int, path: bytes) -> str:
     host = f"[{ip}]" if ":" in ip else ip
     return f"http://{host}:{port}{path.decode()}"
@@ -149,7 +175,11 @@ def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: C
         return GpuScraped(at=now(), node=node.ip, error=str(exc))
     if response.status != 200:
         return GpuScraped(at=now(), node=node.ip, error=f"metrics endpoint returned status {response.status}")
-    return GpuScraped(at=now(), node=node.ip, gpus=parse_gpu_metrics(response.body))
+    try:
+        gpus = yield from parsed(parse_gpu_metrics, response.body)
+    except ProbeError as exc:
+        return GpuScraped(at=now(), node=node.ip, error=str(exc))
+    return GpuScraped(at=now(), node=node.ip, gpus=gpus)
 
 
 _GPU_FIELDS = {
@@ -163,7 +193,8 @@ _INT64_MAX = 2**63 - 1
 
 def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
     """plinth's scrape parser (§2.2): `name{…gpu="UUID"…} value` lines, by GPU in order of
-    first appearance. A line with an unknown metric name still creates its GPU's entry."""
+    first appearance. A line with an unknown metric name still creates its GPU's entry.
+    Raises ProbeError once more than MAX_GPUS_PER_SCRAPE GPUs appear."""
     gpus: dict[str, dict[str, int]] = {}
     for line in body.decode("utf-8", "replace").split("\n"):
         if line.startswith("#"):
@@ -172,20 +203,26 @@ def parse_gpu_metrics(body: bytes) -> tuple[GpuSample, ...]:
         if len(fields) != 2 or fields[0].startswith("#"):
             continue
         token, text = fields
-        value = _parse_go_float(text)
+        value = parse_sample_value(text)
         uuid = _gpu_label(token)
         if value is None or not uuid:
             continue
-        sample = gpus.setdefault(uuid, {})
+        sample = gpus.get(uuid)
+        if sample is None:
+            if len(gpus) == MAX_GPUS_PER_SCRAPE:
+                raise ProbeError(f"gpu scrape: more than {MAX_GPUS_PER_SCRAPE} GPUs")
+            sample = gpus[uuid] = {}
         field = _GPU_FIELDS.get(token.partition("{")[0])
         if field is not None and math.isfinite(value):
             sample[field] = max(-_INT64_MAX - 1, min(_INT64_MAX, int(value)))  # Go's int64(f) truncates
     return tuple(GpuSample(uuid=uuid, **values) for uuid, values in gpus.items())
 
 
-def _parse_go_float(text: str) -> float | None:
-    """strconv.ParseFloat for the decimal forms (Go rejects the underscores Python allows)."""
-    if "_" in text:
+def parse_sample_value(text: str) -> float | None:
+    """A sample's value as Prometheus' text format has it, read as Go's strconv.ParseFloat reads
+    it (plinth's GPU scrape, Prometheus itself): a decimal or `NaN`, `+Inf`, `-Inf`; else None.
+    Python's float() also takes underscores (`1_000`) and other scripts' digits, which neither does."""
+    if "_" in text or not text.isascii():
         return None
     try:
         return float(text)
@@ -218,7 +255,7 @@ def scrape_load(
         response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"vLLM metrics endpoint returned status {response.status}")
-        load = parse_vllm_load(response.body)
+        load = yield from parsed(parse_vllm_load, response.body)
     except ProbeError as exc:
         return LoadScraped(at=now(), node=node.ip, error=_capped(str(exc)))
     except Exception as exc:  # a bug must cost one scrape, never the scrape loop
@@ -276,17 +313,19 @@ def parse_vllm_load(body: bytes) -> VllmLoad:
     KV-cache usage, and the token histogram's sum and count (each summed over its label sets),
     from vLLM's `/metrics`. A sample that is not a finite non-negative number (`NaN`, `+Inf`,
     junk) is skipped. A gauge with no sample counts 0 if the other has one; neither is
-    ProbeError(LOAD_METRICS_MISSING). Only these lines are looked at (a regular expression over
-    the whole body), since vLLM's exposition is mostly histograms."""
+    ProbeError(LOAD_METRICS_MISSING), and more than MAX_LOAD_LABEL_SETS samples of one name a
+    ProbeError naming it. Only these lines are looked at (a regular expression over the whole
+    body), since vLLM's exposition is mostly histograms."""
     sums: dict[bytes, float] = {}
+    samples: dict[bytes, int] = {}
     kv_cache_usage = None
     for match in _LOAD_SAMPLE.finditer(b"\n" + body):
         name, text = match.groups()
-        try:
-            value = float(text)
-        except ValueError:
-            continue
-        if not (math.isfinite(value) and value >= 0):
+        samples[name] = count = samples.get(name, 0) + 1
+        if count > MAX_LOAD_LABEL_SETS:
+            raise ProbeError(f"{name.decode()}: more than {MAX_LOAD_LABEL_SETS} label sets")
+        value = parse_sample_value(text.decode("latin-1"))
+        if value is None or not (math.isfinite(value) and value >= 0):
             continue
         if name in _KV_CACHE_USAGE:
             kv_cache_usage = value if kv_cache_usage is None else max(kv_cache_usage, value)
@@ -319,7 +358,7 @@ def list_models(
         response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
-        models = parse_model_list(response.body)
+        models = yield from parsed(parse_model_list, response.body)
     except ProbeError as exc:
         return ModelsListed(at=now(), node=node.ip, error=str(exc))
     except Exception as exc:  # a bug must cost one listing, never the discovery loop
@@ -345,7 +384,8 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
     Only the first JSON value counts (trailing bytes are ignored); a body without `data` (or
     with `data: null`) is an error, so an error object on HTTP 200 is never an empty list;
     an item without `id` gives "". Keys match case-insensitively, the last match winning, as
-    in Go. Raises ProbeError("parse model list: …").
+    in Go. Raises ProbeError("parse model list: …"), also for a list of more than
+    MAX_LISTED_MODELS ids or an id longer than MAX_MODEL_NAME_LENGTH characters.
     """
     text = body.decode("utf-8", "replace")
     start = len(text) - len(text.lstrip(_JSON_WHITESPACE))
@@ -362,6 +402,8 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
         raise ProbeError(MISSING_DATA)
     if not isinstance(data, list):
         raise ProbeError(f"parse model list: data is {_json_kind(data)}, not an array")
+    if len(data) > MAX_LISTED_MODELS:
+        raise ProbeError(f"parse model list: {len(data)} models, more than the {MAX_LISTED_MODELS} a node may list")
     ids = []
     for index, item in enumerate(data):
         if item is not None and not isinstance(item, dict):
@@ -369,6 +411,11 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
         model_id = _field(item, "id") if item is not None else None
         if model_id is not None and not isinstance(model_id, str):
             raise ProbeError(f"parse model list: data[{index}].id is {_json_kind(model_id)}, not a string")
+        if model_id is not None and len(model_id) > MAX_MODEL_NAME_LENGTH:
+            raise ProbeError(
+                f"parse model list: data[{index}].id is {len(model_id)} characters, longer than"
+                f" the {MAX_MODEL_NAME_LENGTH} a model name may have"
+            )
         ids.append(_without_lone_surrogates(model_id or ""))
     return tuple(ids)
 

@@ -54,7 +54,7 @@ def is_unknown_model(state: ClusterState, pool: list[NodeState], model: str) -> 
     gave (last lists included), and no node of the pool untried (which could still list it)."""
     if state.config is not None and any(entry.name == model for entry in state.config.models.available):
         return False
-    return not any(node.models.state == Discovery.UNTRIED or model in (node.models.names or ()) for node in pool)
+    return not any(node.models.state == Discovery.UNTRIED or model in node.models.listed for node in pool)
 
 
 def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:

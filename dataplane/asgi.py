@@ -36,7 +36,6 @@ from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import (
     INVALID_BODY,
-    MAX_MODEL_NAME_LENGTH,
     MODEL_NAME_TOO_LONG,
     NO_MODEL,
     NOT_FOUND,
@@ -56,6 +55,7 @@ from dataplane.proxy import (
     forward_headers,
     request_id_header,
 )
+from events.types import MAX_MODEL_NAME_LENGTH
 
 
 class CompletionFields(msgspec.Struct):

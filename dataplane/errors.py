@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator
 import msgspec
 
 from controlplane import routing
+from events.types import MAX_MODEL_NAME_LENGTH
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -55,8 +56,6 @@ METHOD_NOT_ALLOWED = ApiError(405, "Method Not Allowed", "method_not_allowed")
 REQUEST_TOO_LARGE = ApiError(413, "request body too large", "request_too_large")
 REQUEST_TIMEOUT = ApiError(408, "request body not received in time", "request_timeout")
 INVALID_BODY = ApiError(400, "invalid request body", "invalid_request_body")
-MAX_MODEL_NAME_LENGTH = 512
-"""The longest model name a request may give (vLLM's ids are paths: a few hundred characters at most)."""
 MODEL_NAME_TOO_LONG = ApiError(
     400, f"model name longer than {MAX_MODEL_NAME_LENGTH} characters", "model_name_too_long"
 )

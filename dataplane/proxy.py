@@ -33,6 +33,7 @@ import trio
 
 from controlplane.config import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
+from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import (
     filter_by_model,
     is_unknown_model,
@@ -184,11 +185,6 @@ class Route:
         self.exclusion_counts = tuple(counts.items())
 
 
-OTHER_MODELS = "(other)"
-"""The `model` label of every request for a model neither configured nor listed by a node: the
-labels stay bounded by the config and the nodes, whatever names clients send."""
-
-
 class SnapshotView:
     """One snapshot and what is derived from it, computed once and shared by its requests."""
 
@@ -239,14 +235,13 @@ class SnapshotView:
         return tuple(sorted({name for node in self.snapshot.node_list() for name in node.models.names or ()}))
 
     def metric_model(self, model: str) -> str:
-        """`model` as the metrics' `model` label: itself when configured or listed by a node."""
-        return model if model in self._known_models else OTHER_MODELS
+        """`model` as the metrics' `model` label: itself when it has a label of its own
+        (`controlplane.metrics.metric_models`), else OTHER_MODELS."""
+        return model if model in self.metric_models else OTHER_MODELS
 
     @functools.cached_property
-    def _known_models(self) -> frozenset[str]:
-        configured = (model.name for model in self.snapshot.config.models.available)
-        listed = (name for node in self.snapshot.node_list() for name in node.models.names or ())
-        return frozenset((*configured, *listed))
+    def metric_models(self) -> frozenset[str]:
+        return metric_models(self.snapshot)
 
     @functools.cached_property
     def state_digest(self) -> str:
@@ -267,8 +262,24 @@ class SnapshotViews:
         view = self._view
         if view is None or view.snapshot is not snapshot:
             same_config = view is not None and view.config.config is snapshot.config
-            view = self._view = SnapshotView(snapshot, view.config if same_config else ConfigView(snapshot.config))
+            previous, view = view, SnapshotView(snapshot, view.config if same_config else ConfigView(snapshot.config))
+            if same_config and "metric_models" in vars(previous) and _same_lists(previous.snapshot, snapshot):
+                view.metric_models = previous.metric_models
+            self._view = view
         return view
+
+
+def _same_lists(before: ClusterState, after: ClusterState) -> bool:
+    """Whether every node lists what it listed before (most events change no list, and the
+    labelled models cost a pass over every list)."""
+    if len(before.nodes) != len(after.nodes):
+        return False
+    for old, new in zip(before.nodes.values(), after.nodes.values()):
+        if old.ip != new.ip:
+            return False
+        if old.models is not new.models and labelled_list(old.models) != labelled_list(new.models):
+            return False
+    return True
 
 
 # --- one proxied request -------------------------------------------------------------------------

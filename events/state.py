@@ -9,6 +9,7 @@ routing asks of them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from enum import StrEnum
 
@@ -44,8 +45,10 @@ class Discovery(StrEnum):
     EXPIRED = "expired"
 
 
-class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A node's model discovery record (plinth §8.1)."""
+class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
+    """A node's model discovery record (plinth §8.1). Whether it lists a model is a set lookup:
+    a node may list thousands of ids, and routing and the metrics ask of each (`dict=True`
+    lets the set be built once per record, beside its fields, and never encoded)."""
 
     state: Discovery = Discovery.UNTRIED
     names: tuple[str, ...] | None = None
@@ -56,12 +59,25 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     empties: int = 0
     last_error: str = ""
 
+    @functools.cached_property
+    def listed(self) -> frozenset[str]:
+        """The names of the last list, as a set."""
+        return frozenset(self.names or ())
+
     def allows(self, model: str) -> bool:
         if self.state == Discovery.UNTRIED:
             return True
         if self.state in (Discovery.KNOWN, Discovery.DEGRADED):
-            return self.names is not None and model in self.names
+            return model in self.listed
         return False
+
+    def allowed_among(self, models: frozenset[str]) -> frozenset[str]:
+        """Those of `models` this record allows (`allows`), at the cost of the smaller set."""
+        if self.state == Discovery.UNTRIED:
+            return models
+        if self.state in (Discovery.KNOWN, Discovery.DEGRADED):
+            return models & self.listed
+        return frozenset()
 
     def exclusion_reason(self, model: str) -> str:
         """`missing`, `empty` or `expired` when the node may not serve `model`, else ""."""

@@ -82,6 +82,12 @@ class LoadScraped(EventBase, frozen=True, tag="load_scrape"):
     error: str = ""
 
 
+MAX_MODEL_NAME_LENGTH = 512
+"""The longest model name: one a request gives (else a 400) or a node lists (else its listing is
+an error). vLLM's ids are paths, a few hundred characters at most; every name ends up in log
+lines, the event log and /health, and some in metric labels."""
+
+
 class ModelsListed(EventBase, frozen=True, tag="model_listing"):
     """One `GET /v1/models` of a node: the ids in order, or None with the error text."""
 

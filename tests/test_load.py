@@ -137,10 +137,18 @@ def load_lines(json_log, ip: str) -> list[str]:
             (1.0, 0.0, None, 5.0, 50.0),
         ),
         (b"vllm:num_requests_running 1\nvllm:inter_token_latency_seconds_sum 4\n", (1.0, 0.0, None)),
+        # Numbers the text format does not allow, though Python's float() takes them: underscores,
+        # digits other than ASCII's (as the GPU scrape reads them).
+        (
+            b"vllm:num_requests_running 1_000\nvllm:num_requests_waiting 2\n"
+            b"vllm:num_requests_waiting \xd9\xa1\xd9\xa2\nvllm:kv_cache_usage_perc 0_1\n",
+            (0.0, 2.0, None),
+        ),
     ],
     ids=[
         *("older-vllm", "v1-engines", "both-cache-names", "exposition-details", "junk", "one-gauge", "not-utf8"),
         *("token-histogram", "both-histogram-names", "older-histogram-name", "sum-without-count"),
+        "not-prometheus-numbers",
     ],
 )
 def test_parse_vllm_load(body, expected):

@@ -6,6 +6,7 @@ test_http11.py and the simulated node. A prepared request must read every respon
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 import trio
@@ -23,7 +24,7 @@ from test_http11 import (
 from controlplane.probes import MAX_BODY_BYTES
 from fixtures.node import serve_node
 from transport.http11 import BodyTooLarge, ConnectFailed, HttpClient, HttpError, request_steps
-from transport.readiness import GATHER_FROM, GATHER_SECONDS, READ, Readiness, TimedOut, Wait, drive
+from transport.readiness import GATHER_FROM, GATHER_SECONDS, READ, InThread, Readiness, TimedOut, Wait, drive
 
 
 async def steps_get(client: HttpClient, host: str, port: int, target: bytes = b"/", limit: int | None = None):
@@ -187,6 +188,32 @@ async def test_a_host_name_is_looked_up_in_a_task_and_the_request_runs_with_the_
         readiness.close()
         nursery.cancel_scope.cancel()
     assert sorted(reported) == [("by address", (200, b"hello"), None), ("by name", (200, b"hello"), None)]
+
+
+def _in_worker_thread(text: str) -> tuple[str, bool]:
+    if text == "bad":
+        raise ValueError("bad input")
+    return text.upper(), threading.current_thread() is not threading.main_thread()
+
+
+def _in_thread_then_return(text: str):
+    try:
+        return (yield InThread(_in_worker_thread, text))
+    except ValueError as error:
+        return f"thrown in: {error}"
+
+
+async def test_work_handed_to_a_thread_is_sent_back_or_its_exception_thrown_in():
+    assert await drive(_in_thread_then_return("abc")) == ("ABC", True)
+    async with trio.open_nursery() as nursery:
+        readiness = Readiness(nursery)
+        readiness.start("ok", _in_thread_then_return("abc"))
+        readiness.start("raises", _in_thread_then_return("bad"))
+        reported = []
+        while len(reported) < 2:
+            reported.extend(await readiness.finished())
+        readiness.close()
+    assert sorted(reported) == [("ok", ("ABC", True), None), ("raises", "thrown in: bad input", None)]
 
 
 async def test_closing_a_readiness_ends_its_exchanges_and_drops_their_connections():

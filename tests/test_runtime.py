@@ -460,6 +460,8 @@ gpu_utilization_percent{gpu="GPU-c"} not-a-number
 gpu_utilization_percent{gpu=""} 5
 gpu_utilization_percent{card="GPU-d"} 5
 gpu_utilization_percent{gpu="GPU-e"} 5 1700000000
+gpu_utilization_percent{gpu="GPU-f"} 1_000
+gpu_utilization_percent{gpu="GPU-g"} \xd9\xa1\xd9\xa2
 
 """
     assert parse_gpu_metrics(body) == (

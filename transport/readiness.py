@@ -12,8 +12,9 @@ sockets and one timer, where a trio task per probe costs a task, a cancel scope 
   exchanges make progress only while a task waits in `finished()`.
 - `drive` runs one exchange in the calling task (a one-off request).
 
-An exchange may also yield a `Lookup` (a host name to resolve); `Readiness` resolves it in a
-task of the nursery it was given.
+An exchange may also yield a `Lookup` (a host name to resolve) or an `InThread` (work too long
+for the event loop, such as parsing a large answer); `Readiness` does either in a task of the
+nursery it was given.
 
 With many exchanges waiting (GATHER_FROM or more), `finished()` looks at the sockets at most
 once every GATHER_SECONDS: a thousand probes against nodes that answer one at a time would
@@ -28,7 +29,7 @@ import heapq
 import math
 import select
 import socket
-from collections.abc import Generator, Hashable
+from collections.abc import Callable, Generator, Hashable
 from typing import Any, NamedTuple
 
 import trio
@@ -61,11 +62,19 @@ class Lookup(NamedTuple):
     port: int
 
 
+class InThread(NamedTuple):
+    """What an exchange waits for: `function(argument)`, run in a worker thread; it is sent the
+    result, or has the exception thrown in."""
+
+    function: Callable[[Any], Any]
+    argument: Any
+
+
 class TimedOut(Exception):
     """Thrown into an exchange whose deadline passed while it waited."""
 
 
-Exchange = Generator[Wait | Lookup, Any, Any]
+Exchange = Generator[Wait | Lookup | InThread, Any, Any]
 
 
 async def drive(exchange: Exchange) -> Any:
@@ -78,8 +87,8 @@ async def drive(exchange: Exchange) -> Any:
         except StopIteration as done:
             return done.value
         sent, thrown = None, None
-        if isinstance(want, Lookup):
-            sent, thrown = await _look_up(want)
+        if isinstance(want, Lookup | InThread):
+            sent, thrown = await _in_task(want)
             continue
         with trio.move_on_at(want.deadline):
             if want.events & WRITE:
@@ -91,10 +100,16 @@ async def drive(exchange: Exchange) -> Any:
         thrown = TimedOut()
 
 
-async def _look_up(lookup: Lookup) -> tuple[list | None, OSError | None]:
+async def _in_task(want: Lookup | InThread) -> tuple[Any, Exception | None]:
+    """What to send or throw into an exchange that yielded `want`."""
+    if isinstance(want, Lookup):
+        try:
+            return await trio.socket.getaddrinfo(want.host, want.port, type=trio.socket.SOCK_STREAM), None
+        except OSError as error:
+            return None, error
     try:
-        return await trio.socket.getaddrinfo(lookup.host, lookup.port, type=trio.socket.SOCK_STREAM), None
-    except OSError as error:
+        return await trio.to_thread.run_sync(want.function, want.argument), None
+    except Exception as error:
         return None, error
 
 
@@ -116,10 +131,10 @@ class Readiness:
     and the task that calls `finished()` makes one trio wait on that set, bounded by the earliest
     deadline. Not thread-safe; one trio run. `close()` ends every exchange still running."""
 
-    def __init__(self, lookups: trio.Nursery) -> None:
-        """`lookups` runs the tasks that resolve host names."""
-        self._lookups = lookups
-        self._looking_up: set[_Running] = set()
+    def __init__(self, tasks: trio.Nursery) -> None:
+        """`tasks` runs the tasks that resolve host names and wait for threads."""
+        self._tasks = tasks
+        self._in_tasks: set[_Running] = set()
         self._epoll = select.epoll()
         self._waiting: dict[int, _Running] = {}
         self._deadlines: list[tuple[float, int, _Running]] = []
@@ -177,10 +192,10 @@ class Readiness:
     def close(self) -> None:
         """End every exchange still running (their connections close); call it once no task
         waits in `finished()` any more."""
-        for running in [*self._waiting.values(), *self._looking_up]:
+        for running in [*self._waiting.values(), *self._in_tasks]:
             running.exchange.close()
         self._waiting.clear()
-        self._looking_up.clear()
+        self._in_tasks.clear()
         self._deadlines.clear()
         self._epoll.close()
 
@@ -213,9 +228,9 @@ class Readiness:
         except Exception as error:
             self._finished.append((running.key, None, error))
             return
-        if isinstance(want, Lookup):
-            self._looking_up.add(running)
-            self._lookups.start_soon(self._resolve, running, want)
+        if isinstance(want, Lookup | InThread):
+            self._in_tasks.add(running)
+            self._tasks.start_soon(self._run_task, running, want)
             return
         fd = want.socket.fileno()
         self._watch(fd, want.events)
@@ -228,11 +243,11 @@ class Readiness:
             if self._wait_scope is not None and want.deadline < self._wait_scope.deadline:
                 self._wait_scope.deadline = want.deadline
 
-    async def _resolve(self, running: _Running, lookup: Lookup) -> None:
-        addresses, error = await _look_up(lookup)
-        if running in self._looking_up:  # not closed meanwhile
-            self._looking_up.discard(running)
-            self._step(running, addresses, error)
+    async def _run_task(self, running: _Running, want: Lookup | InThread) -> None:
+        sent, error = await _in_task(want)
+        if running in self._in_tasks:  # not closed meanwhile
+            self._in_tasks.discard(running)
+            self._step(running, sent, error)
             self._wake_if_finished()
 
     def _watch(self, fd: int, events: int) -> None:
