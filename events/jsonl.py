@@ -7,7 +7,8 @@ in order, and a writer only ever appends whole lines. A log written before it wa
 
 The torn-last-line rule, the same for every log: the last line of a segment that does not
 decode and is not even a JSON value is a write cut short (a crash), skipped with a warning;
-any other line that does not decode is an error naming the file and line.
+any other line that does not decode is an error naming the file and line. A line nested deeper
+than msgspec decodes (its RecursionError) is such a line: the gateway never writes one.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def read_records(
         last = len(lines)
         for number, line in enumerate(lines, start=1):
             try:
-                record = decoder.decode(line)
+                record = decode_line(decoder, line)
             except msgspec.DecodeError as err:
                 if number == last and _is_torn(line):
                     if warn is not None:
@@ -95,6 +96,17 @@ def read_records(
             yield path, record
 
 
+NESTED_TOO_DEEP = "JSON is nested too deep"
+
+
+def decode_line(decoder: msgspec.json.Decoder[Record], line: bytes) -> Record:
+    """`decoder.decode(line)`, with a line nested too deep to decode a DecodeError like any other."""
+    try:
+        return decoder.decode(line)
+    except RecursionError:
+        raise msgspec.DecodeError(NESTED_TOO_DEEP) from None
+
+
 def segment_lines(path: Path) -> list[bytes]:
     """The lines of one segment, newlines removed."""
     with open(path, "rb") as segment:
@@ -105,9 +117,12 @@ def segment_lines(path: Path) -> list[bytes]:
 
 
 def _is_torn(line: bytes) -> bool:
-    """A line cut short is never a whole JSON value (every record is an object)."""
+    """A line cut short is never a whole JSON value (every record is an object); nor is it
+    nested too deep to decode, which no record is."""
     try:
         msgspec.json.decode(line)
     except msgspec.DecodeError:
         return True
+    except RecursionError:
+        return False  # too deep to tell whether it is whole
     return False

@@ -1,0 +1,135 @@
+"""Logs nobody should trust: a line nested too deep to decode, and a log larger than memory
+should be, read by the real `interlock` command (a subprocess) and by `serve` at start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from events.jsonl import list_segments
+from events.log import decode_event
+from fixtures import scenarios
+
+from harness import PROJECT_ROOT, nodes_and_gateway, node_specs
+
+SCENARIO = scenarios.SCENARIO_PATH
+DECISIONS = scenarios.DECISIONS_PATH
+DEEP_ARRAY = b"[" * 100_000
+"""Not an event (an array), and not a torn line either: the gateway never writes one this deep."""
+DEEP_MEMBER = b'{"type":"run_stopped","at":1,"seq":1,"x":' + DEEP_ARRAY
+"""An event with a member nested deeper than msgspec's recursion limit: not even skipped."""
+NESTED_TOO_DEEP = "JSON is nested too deep"
+
+
+def interlock(*argv: object, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "interlock.cli", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=PROJECT_ROOT,
+    )
+
+
+def with_line(folder: Path, source: Path, number: int | None, line: bytes | None) -> Path:
+    """A copy of `source` in `folder` with line `number` replaced by `line` (number None: `line`
+    appended last; line None: the line left out)."""
+    lines = source.read_bytes().splitlines(keepends=True)
+    if number is None:
+        lines.append(line + b"\n" if line is not None else b"")
+    else:
+        lines[number - 1] = line + b"\n" if line is not None else b""
+    folder.mkdir(exist_ok=True)
+    copy = folder / source.name
+    copy.write_bytes(b"".join(lines))
+    return copy
+
+
+def commands(events: Path, decisions: Path, folder: Path) -> dict[str, list[object]]:
+    """Every command that reads an event log, by name."""
+    return {
+        "replay": ["replay", events],
+        "audit": ["audit", events],
+        "explain": ["explain", events, "--model", scenarios.MODEL_7B],
+        "explain --request-id": ["explain", events, "--request-id", "req-00001", "--decisions", decisions],
+        "whatif": ["whatif", events, "--decisions", decisions],
+        "timeline": ["timeline", events, "--decisions", decisions, "-o", folder / "timeline.html"],
+    }
+
+
+COMMANDS = list(commands(SCENARIO, DECISIONS, Path()))
+READING_THE_WHOLE_LOG = ["replay", "audit", "explain", "timeline"]
+"""The others stop at the last seq a decision record names."""
+
+
+def one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr
+    [line] = stderr.splitlines()
+    return line
+
+
+# --- a line nested too deep ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "where", "line", "error"),
+    [
+        *[(command, 10, DEEP_MEMBER, NESTED_TOO_DEEP) for command in COMMANDS],
+        *[(command, None, DEEP_MEMBER, NESTED_TOO_DEEP) for command in READING_THE_WHOLE_LOG],
+        *[(command, None, DEEP_ARRAY, "Expected `object`, got `array`") for command in READING_THE_WHOLE_LOG],
+    ],
+)
+def test_a_deeply_nested_event_line_is_an_error_naming_file_and_line(tmp_path, command, where, line, error):
+    """In the middle, or last: not a torn last line either."""
+    events = with_line(tmp_path, SCENARIO, where, line)
+    number = where or 275
+    finished = interlock(*commands(events, DECISIONS, tmp_path)[command])
+    assert (finished.returncode, finished.stdout) == (2, "")
+    prog = command.split()[0]
+    assert one_error_line(finished.stderr) == f"interlock {prog}: error: {events}:{number}: {error}"
+
+
+@pytest.mark.parametrize("command", ["explain --request-id", "whatif", "timeline"])
+@pytest.mark.parametrize("where", [2, None], ids=["in the middle", "last"])
+def test_a_deeply_nested_decision_line_is_an_error_naming_file_and_line(tmp_path, command, where):
+    decisions = with_line(tmp_path, DECISIONS, where, DEEP_MEMBER)
+    number = where or 433
+    finished = interlock(*commands(SCENARIO, decisions, tmp_path)[command])
+    assert (finished.returncode, finished.stdout) == (2, "")
+    prog = command.split()[0]
+    assert one_error_line(finished.stderr) == f"interlock {prog}: error: {decisions}:{number}: {NESTED_TOO_DEEP}"
+
+
+@pytest.mark.parametrize(
+    ("command", "where"),
+    [
+        *[(command, 10) for command in COMMANDS if command != "timeline"],  # line 10: a gpu_scrape
+        *[(command, None) for command in READING_THE_WHOLE_LOG if command != "timeline"],
+    ],
+)
+def test_skip_invalid_skips_a_deeply_nested_line_and_says_where(tmp_path, command, where):
+    """The output is the log's without that line."""
+    events = with_line(tmp_path / "damaged", SCENARIO, where, DEEP_MEMBER)
+    finished = interlock(*commands(events, DECISIONS, tmp_path)[command], "--skip-invalid")
+    without = with_line(tmp_path / "without", SCENARIO, where, None)
+    intact = interlock(*commands(without, DECISIONS, tmp_path)[command])
+    assert "Traceback" not in finished.stderr
+    assert (finished.returncode, finished.stdout) == (intact.returncode, intact.stdout)
+    prog = command.split()[0]
+    skipped = f"interlock {prog}: warning: {events}:{where or 275}: skipping invalid line ({NESTED_TOO_DEEP})"
+    assert skipped in finished.stderr.splitlines()
+
+
+async def test_serve_starts_after_a_deeply_nested_last_line_and_numbers_on_from_the_last_good_one(tmp_path):
+    log = tmp_path / "var" / "events.jsonl"
+    log.parent.mkdir()
+    with_line(log.parent, SCENARIO, None, DEEP_MEMBER).rename(log.with_name("events.000001.jsonl"))
+    async with nodes_and_gateway(tmp_path, node_specs(1), event_log=str(log)) as (_, gateway):
+        await gateway.discovered()
+        assert gateway.control_plane.snapshot.seq > 274
+    newest = list_segments(log)[-1]
+    assert newest.name == "events.000002.jsonl"
+    assert decode_event(newest.read_bytes().split(b"\n")[0]).seq == 275
