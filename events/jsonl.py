@@ -79,13 +79,11 @@ def read_records(
     torn-last-line rule of the module docstring applies (the warning goes to `warn`). Given
     `skip_invalid` (for a damaged log), any other bad line is skipped and reported to it."""
     for path in expand_log_paths(paths, what):
-        lines = segment_lines(path)
-        last = len(lines)
-        for number, line in enumerate(lines, start=1):
+        for number, (line, last) in enumerate(_with_last(segment_lines(path)), start=1):
             try:
                 record = decode_line(decoder, line)
             except msgspec.DecodeError as err:
-                if number == last and _is_torn(line):
+                if last and _is_torn(line):
                     if warn is not None:
                         warn(f"{path}:{number}: skipping torn last line ({err})")
                     continue
@@ -107,13 +105,44 @@ def decode_line(decoder: msgspec.json.Decoder[Record], line: bytes) -> Record:
         raise msgspec.DecodeError(NESTED_TOO_DEEP) from None
 
 
-def segment_lines(path: Path) -> list[bytes]:
-    """The lines of one segment, newlines removed."""
+def segment_lines(path: Path) -> Iterator[bytes]:
+    """The lines of one segment, newlines removed, read one at a time: a log may be larger than
+    the memory a reader should take."""
     with open(path, "rb") as segment:
-        lines = segment.read().split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    return lines
+        for line in segment:
+            yield line.removesuffix(b"\n")
+
+
+def segment_lines_backwards(path: Path, block_size: int = 1 << 16) -> Iterator[bytes]:
+    """The lines of one segment, last first, newlines removed, read from the end a block at a
+    time (a start-up that needs only the last lines reads only those)."""
+    with open(path, "rb") as segment:
+        position = size = segment.seek(0, os.SEEK_END)
+        line_end: list[bytes] = []  # what is read of the line being read, its blocks last first
+        while position > 0:
+            step = min(block_size, position)
+            position -= step
+            segment.seek(position)
+            block = segment.read(step)
+            if position + step == size:
+                block = block.removesuffix(b"\n")  # the file's last newline ends its last line
+            *line_starts, rest = block.split(b"\n")
+            line_end.append(rest)
+            for start in reversed(line_starts):
+                yield b"".join(reversed(line_end))
+                line_end = [start]
+        if size:
+            yield b"".join(reversed(line_end))
+
+
+def _with_last(items: Iterator[bytes]) -> Iterator[tuple[bytes, bool]]:
+    """Each item, and whether it is the last."""
+    previous = next(items, None)
+    for item in items:
+        yield previous, False
+        previous = item
+    if previous is not None:
+        yield previous, True
 
 
 def _is_torn(line: bytes) -> bool:

@@ -3,6 +3,7 @@ should be, read by the real `interlock` command (a subprocess) and by `serve` at
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,60 @@ async def test_serve_starts_after_a_deeply_nested_last_line_and_numbers_on_from_
     newest = list_segments(log)[-1]
     assert newest.name == "events.000002.jsonl"
     assert decode_event(newest.read_bytes().split(b"\n")[0]).seq == 275
+
+
+# --- a large log, in bounded memory ----------------------------------------------------------
+
+
+def gpu_scrapes(run_started: bytes, count: int) -> bytes:
+    """A log: `run_started`, then `count` GPU scrapes of eight GPUs (about 1 KB a line; they
+    change no transition, so what replay keeps does not grow with them)."""
+    gpus = ",".join(
+        f'{{"uuid":"GPU-001-{index}","memory_used":22000000000,"memory_total":25757220864,'
+        f'"utilization":20,"temperature":57}}'
+        for index in range(8)
+    )
+    at = scenarios.START
+    lines = [run_started]
+    lines += [
+        f'{{"type":"gpu_scrape","node":"10.0.0.1","gpus":[{gpus}],"error":"","at":{at + seq / 1000},"seq":{seq}}}\n'.encode()
+        for seq in range(2, count + 2)
+    ]
+    return b"".join(lines)
+
+
+MEASURED = """
+import resource, subprocess, sys
+code = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)
+print(code, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+"""Runs its arguments and prints their exit code and peak resident memory in bytes. A child's
+peak starts at its parent's (fork copies the parent's memory, and exec keeps the peak), so the
+command runs under this small process rather than straight under the test's."""
+
+
+def peak_rss(argv: list[object]) -> tuple[int, int]:
+    """The exit code of `interlock *argv` and the peak resident memory of its process, in bytes."""
+    command = [sys.executable, "-m", "interlock.cli", *map(str, argv)]
+    measured = subprocess.run(
+        [sys.executable, "-c", MEASURED, *command], capture_output=True, text=True, timeout=300, cwd=PROJECT_ROOT
+    )
+    assert "Traceback" not in measured.stderr
+    code, peak = measured.stdout.split()
+    return int(code), int(peak)
+
+
+@pytest.mark.parametrize("command", ["replay", "audit"])
+def test_a_large_log_is_read_in_memory_that_does_not_grow_with_its_size(tmp_path, command):
+    """What the command holds beyond a small log's run is a small share of the file's size
+    (reading the file whole held it twice over: its bytes and its lines)."""
+    run_started = SCENARIO.read_bytes().split(b"\n")[0] + b"\n"
+    small, large = tmp_path / "small.jsonl", tmp_path / "large.jsonl"
+    small.write_bytes(gpu_scrapes(run_started, 10))
+    large.write_bytes(gpu_scrapes(run_started, 32_000))
+    size = large.stat().st_size
+    assert size > 30_000_000
+    small_code, small_peak = peak_rss([command, small])
+    large_code, large_peak = peak_rss([command, large])
+    assert (small_code, large_code) == (0, 0)
+    assert large_peak - small_peak < size / 8, f"{(large_peak - small_peak) / size:.2f} of the file's size"
