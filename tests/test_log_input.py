@@ -8,10 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
+from controlplane.replay import replay
 from events.jsonl import list_segments
-from events.log import decode_event
+from events.log import decode_event, encode_event
+from events.types import Checkpoint
 from fixtures import scenarios
 
 from harness import PROJECT_ROOT, nodes_and_gateway, node_specs
@@ -191,3 +194,36 @@ def test_a_large_log_is_read_in_memory_that_does_not_grow_with_its_size(tmp_path
     large_code, large_peak = peak_rss([command, large])
     assert (small_code, large_code) == (0, 0)
     assert large_peak - small_peak < size / 8, f"{(large_peak - small_peak) / size:.2f} of the file's size"
+
+
+# --- a forged checkpoint of many nodes -------------------------------------------------------
+
+
+def forged_checkpoint(folder: Path, count: int) -> Path:
+    """The scenario from seq 13 on, after a checkpoint of seq 12 with `count` more nodes (copies
+    of 10.0.0.1, not configured: the state holds them, as a forged log may)."""
+    state = replay([SCENARIO], until_seq=12).state
+    template = state.nodes["10.0.0.1"]
+    forged = [msgspec.structs.replace(template, ip=f"10.1.{i >> 8}.{i & 255}", name=f"forged-{i}") for i in range(count)]
+    checkpoint = msgspec.structs.replace(Checkpoint.of(state), nodes=(*state.nodes.values(), *forged))
+    lines = SCENARIO.read_bytes().splitlines(keepends=True)
+    log = folder / "forged.jsonl"
+    log.write_bytes(encode_event(checkpoint) + b"".join(lines[12:]))
+    return log
+
+
+def test_whatif_says_how_far_it_has_come(tmp_path):
+    """Each request walks every node of its pool: a checkpoint of many nodes takes long, and the
+    command says where it is (here at every step: --progress 0; by default every 5 s once it has
+    run 5 s)."""
+    log = forged_checkpoint(tmp_path, 2000)
+    quiet = interlock("whatif", log, "--decisions", DECISIONS, "--progress", "1000")
+    told = interlock("whatif", log, "--decisions", DECISIONS, "--progress", "0")
+    assert (told.returncode, told.stdout) == (quiet.returncode, quiet.stdout) == (0, quiet.stdout)
+    checkpoint_warning = "interlock whatif: warning: the log starts at the checkpoint of seq 12 (its older segments are gone)"
+    assert quiet.stderr.splitlines() == [checkpoint_warning]
+    progress = [line for line in told.stderr.splitlines() if line != checkpoint_warning]
+    assert progress[0] == "interlock whatif: request 1 of 432, event log read to seq 0 (a state of 0 nodes)"
+    assert "interlock whatif: request 1 of 432, event log read to seq 12 (a state of 2004 nodes)" in progress
+    assert progress[-1].startswith("interlock whatif: request 432 of 432, event log read to seq ")
+    assert all(line.startswith("interlock whatif: request ") for line in progress)
