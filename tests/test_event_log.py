@@ -286,7 +286,10 @@ def test_last_seq_skips_a_torn_line_and_empty_segments(tmp_path):
 
 
 @settings(max_examples=300, deadline=None)
-@given(content=st.lists(st.sampled_from([b"a", b"bc", b"\n", b"\n\n", b"defgh"])).map(b"".join), block=st.integers(1, 8))
+@given(
+    content=st.lists(st.sampled_from([b"a", b"bc", b"\n", b"\n\n", b"defgh"])).map(b"".join),
+    block=st.integers(1, 8),
+)
 def test_a_segment_read_backwards_in_blocks_gives_its_lines_last_first(tmp_path_factory, content, block):
     path = tmp_path_factory.mktemp("segment") / "events.000001.jsonl"
     path.write_bytes(content)

@@ -69,10 +69,12 @@ READING_THE_WHOLE_LOG = ["replay", "audit", "explain", "timeline"]
 """The others stop at the last seq a decision record names."""
 
 
-def one_error_line(stderr: str) -> str:
-    assert "Traceback" not in stderr
-    [line] = stderr.splitlines()
-    return line
+def assert_stopped_at(finished: subprocess.CompletedProcess, command: str, path: Path, number: int, error: str) -> None:
+    """`interlock COMMAND` exited 2 with nothing on stdout and one line on stderr: path:number: error."""
+    assert (finished.returncode, finished.stdout) == (2, "")
+    assert "Traceback" not in finished.stderr
+    prog = command.split()[0]
+    assert finished.stderr.splitlines() == [f"interlock {prog}: error: {path}:{number}: {error}"]
 
 
 # --- a line nested too deep ------------------------------------------------------------------
@@ -89,22 +91,16 @@ def one_error_line(stderr: str) -> str:
 def test_a_deeply_nested_event_line_is_an_error_naming_file_and_line(tmp_path, command, where, line, error):
     """In the middle, or last: not a torn last line either."""
     events = with_line(tmp_path, SCENARIO, where, line)
-    number = where or 275
     finished = interlock(*commands(events, DECISIONS, tmp_path)[command])
-    assert (finished.returncode, finished.stdout) == (2, "")
-    prog = command.split()[0]
-    assert one_error_line(finished.stderr) == f"interlock {prog}: error: {events}:{number}: {error}"
+    assert_stopped_at(finished, command, events, where or 275, error)
 
 
 @pytest.mark.parametrize("command", ["explain --request-id", "whatif", "timeline"])
 @pytest.mark.parametrize("where", [2, None], ids=["in the middle", "last"])
 def test_a_deeply_nested_decision_line_is_an_error_naming_file_and_line(tmp_path, command, where):
     decisions = with_line(tmp_path, DECISIONS, where, DEEP_MEMBER)
-    number = where or 433
     finished = interlock(*commands(SCENARIO, decisions, tmp_path)[command])
-    assert (finished.returncode, finished.stdout) == (2, "")
-    prog = command.split()[0]
-    assert one_error_line(finished.stderr) == f"interlock {prog}: error: {decisions}:{number}: {NESTED_TOO_DEEP}"
+    assert_stopped_at(finished, command, decisions, where or 433, NESTED_TOO_DEEP)
 
 
 @pytest.mark.parametrize(
@@ -152,10 +148,8 @@ def gpu_scrapes(run_started: bytes, count: int) -> bytes:
     )
     at = scenarios.START
     lines = [run_started]
-    lines += [
-        f'{{"type":"gpu_scrape","node":"10.0.0.1","gpus":[{gpus}],"error":"","at":{at + seq / 1000},"seq":{seq}}}\n'.encode()
-        for seq in range(2, count + 2)
-    ]
+    scrape = '{{"type":"gpu_scrape","node":"10.0.0.1","gpus":[{gpus}],"error":"","at":{at},"seq":{seq}}}\n'
+    lines += [scrape.format(gpus=gpus, at=at + seq / 1000, seq=seq).encode() for seq in range(2, count + 2)]
     return b"".join(lines)
 
 
@@ -204,7 +198,9 @@ def forged_checkpoint(folder: Path, count: int) -> Path:
     of 10.0.0.1, not configured: the state holds them, as a forged log may)."""
     state = replay([SCENARIO], until_seq=12).state
     template = state.nodes["10.0.0.1"]
-    forged = [msgspec.structs.replace(template, ip=f"10.1.{i >> 8}.{i & 255}", name=f"forged-{i}") for i in range(count)]
+    forged = [
+        msgspec.structs.replace(template, ip=f"10.1.{i >> 8}.{i & 255}", name=f"forged-{i}") for i in range(count)
+    ]
     checkpoint = msgspec.structs.replace(Checkpoint.of(state), nodes=(*state.nodes.values(), *forged))
     lines = SCENARIO.read_bytes().splitlines(keepends=True)
     log = folder / "forged.jsonl"
@@ -220,7 +216,9 @@ def test_whatif_says_how_far_it_has_come(tmp_path):
     quiet = interlock("whatif", log, "--decisions", DECISIONS, "--progress", "1000")
     told = interlock("whatif", log, "--decisions", DECISIONS, "--progress", "0")
     assert (told.returncode, told.stdout) == (quiet.returncode, quiet.stdout) == (0, quiet.stdout)
-    checkpoint_warning = "interlock whatif: warning: the log starts at the checkpoint of seq 12 (its older segments are gone)"
+    checkpoint_warning = (
+        "interlock whatif: warning: the log starts at the checkpoint of seq 12 (its older segments are gone)"
+    )
     assert quiet.stderr.splitlines() == [checkpoint_warning]
     progress = [line for line in told.stderr.splitlines() if line != checkpoint_warning]
     assert progress[0] == "interlock whatif: request 1 of 432, event log read to seq 0 (a state of 0 nodes)"
