@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from events.jsonl import list_segments, read_records, segment_lines
+from events.jsonl import decode_line, list_segments, read_records, segment_lines_backwards
 from events.types import Event
 
 _encoder = msgspec.json.Encoder()
@@ -49,9 +49,9 @@ def last_seq(log_path: str | os.PathLike) -> int:
     passed over: a damaged segment's good lines still count, so a new run never reuses them.
     """
     for segment in reversed(list_segments(log_path)):
-        for line in reversed(segment_lines(segment)):
+        for line in segment_lines_backwards(segment):
             try:
-                return _decoder.decode(line).seq
+                return decode_line(_decoder, line).seq
             except msgspec.DecodeError:
                 continue
     return 0

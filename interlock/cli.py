@@ -10,6 +10,7 @@
     interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
     interlock whatif LOG… --decisions FILE [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
+                    [--progress SECONDS]
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
@@ -45,7 +46,14 @@ from interlock.render import (
     state_to_builtins,
 )
 from interlock.timeline import TimelineError, build_timeline, render_html
-from interlock.whatif import DEFAULT_CACHE_ENTRIES, RECORDED, WHAT_IF_POLICIES, render_report, what_if
+from interlock.whatif import (
+    DEFAULT_CACHE_ENTRIES,
+    PROGRESS_SECONDS,
+    RECORDED,
+    WHAT_IF_POLICIES,
+    render_report,
+    what_if,
+)
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -313,6 +321,14 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
         help=f"prompt prefixes a node remembers, for the prefix-seen share (default: {DEFAULT_CACHE_ENTRIES})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--progress",
+        type=float,
+        default=PROGRESS_SECONDS,
+        metavar="SECONDS",
+        help="once it has run this long, say how far it has come on stderr, and again every SECONDS "
+        f"(default: {PROGRESS_SECONDS:g}; 0: at every request and event)",
+    )
     _add_skip_invalid(parser)
     parser.set_defaults(run=run_whatif)
 
@@ -320,6 +336,8 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
 def run_whatif(args: argparse.Namespace) -> int:
     if args.cache_entries < 1:
         return _error(args, "argument --cache-entries: must be at least 1")
+    if not args.progress >= 0:
+        return _error(args, "argument --progress: must be 0 or more seconds")
     if args.since is not None and args.until is not None and args.since > args.until:
         return _error(args, "argument --since: must not be after --until")
     warn = _warner(args)
@@ -332,6 +350,8 @@ def run_whatif(args: argparse.Namespace) -> int:
         cache_entries=args.cache_entries,
         warn=warn,
         skip_invalid=warn if args.skip_invalid else None,
+        progress=lambda message: print(f"{args.prog}: {message}", file=sys.stderr),
+        progress_every=args.progress,
     )
     if args.json:
         _print_json(msgspec.to_builtins(report))

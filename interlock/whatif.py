@@ -24,12 +24,18 @@ what-if that relieves a crowded node still over-estimates the load it moves.
 
 For every request with a prompt prefix the report also says whether the node it went to had seen
 that prefix among its last `cache_entries` prefixes: a stand-in for a prefix-cache hit.
+
+Each request routed again walks its ring's nodes, so the work grows with requests times nodes:
+a long run of a large cluster (or a forged checkpoint of many nodes) takes minutes. Rather than
+refuse such a log, `what_if` says how far it has come (`progress`), every `progress_every`
+seconds once it has run that long.
 """
 
 from __future__ import annotations
 
 import heapq
 import os
+import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 
@@ -48,6 +54,8 @@ RECORDED = "recorded"
 """Route each request under the policy its record names, with the record's own inputs."""
 WHAT_IF_POLICIES = (RECORDED, *POLICIES)
 DEFAULT_CACHE_ENTRIES = 256
+PROGRESS_SECONDS = 5.0
+"""How often a long what-if says how far it has come (the first time after this long)."""
 IN_FLIGHT_SLACK_SECONDS = 10.0
 """How long a routed request is remembered after it ended, for the load scraped before a later
 request arrived (a scrape's moment lies at most a scrape interval back)."""
@@ -92,14 +100,18 @@ def what_if(
     cache_entries: int = DEFAULT_CACHE_ENTRIES,
     warn: Callable[[str], None] | None = None,
     skip_invalid: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    progress_every: float = PROGRESS_SECONDS,
 ) -> WhatIfReport:
     """Route the recorded requests arriving in [since, until] again under `policy` (a name of
-    POLICIES, or RECORDED) on the states of `event_logs`; never contacts a node."""
+    POLICIES, or RECORDED) on the states of `event_logs`; never contacts a node. How far it has
+    come goes to `progress` every `progress_every` seconds (module docstring)."""
     chosen = sorted(
         (d for d in decisions if (since is None or d.at >= since) and (until is None or d.at <= until)),
         key=lambda decision: (decision.seq, decision.at),
     )
-    states = _States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
+    steps = replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid)
+    states = _States(steps, _Progress(progress, progress_every, len(chosen)) if progress is not None else None)
     in_flight, recorded_in_flight = _InFlight(), _InFlight()
     load_changes: dict[tuple[str, float], int] = {}
     prefixes: defaultdict[int, PrefixMemory] = defaultdict(PrefixMemory)
@@ -209,19 +221,26 @@ class _States:
     """The states of an event log, folded once, in order: `at(seq)` is the state after the last
     event numbered `seq` or below (None when the log ends before `seq`)."""
 
-    def __init__(self, steps: Iterator) -> None:
+    def __init__(self, steps: Iterator, progress: _Progress | None = None) -> None:
         self._steps = steps
-        self._state: ClusterState = INITIAL_STATE
+        self._progress = progress
+        self.state: ClusterState = INITIAL_STATE
+        """The state after the last event folded so far."""
         self._next: ClusterState | None = None
         self._ended = False
+        self.asked = 0
+        """How many times `at` was asked (once per request)."""
 
     def at(self, seq: int) -> ClusterState | None:
+        self.asked += 1
         while True:
+            if self._progress is not None:
+                self._progress.tick(self)
             upcoming = self._peek()
             if upcoming is None or upcoming.seq > seq:
                 break
-            self._state, self._next = upcoming, None
-        return self._state if self._state.seq >= seq else None
+            self.state, self._next = upcoming, None
+        return self.state if self.state.seq >= seq else None
 
     def _peek(self) -> ClusterState | None:
         if self._next is None and not self._ended:
@@ -231,6 +250,26 @@ class _States:
             else:
                 self._next = step[1]
         return self._next
+
+
+class _Progress:
+    """Says how far a what-if has come, at most once every `every` seconds (0: at every tick)."""
+
+    def __init__(self, say: Callable[[str], None], every: float, requests: int) -> None:
+        self._say, self._every, self._requests = say, every, requests
+        self._next = time.monotonic() + every
+
+    def tick(self, states: _States) -> None:
+        """Called at every event folded and every request."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self._every
+        state = states.state
+        self._say(
+            f"request {states.asked} of {self._requests}, event log read to seq {state.seq} "
+            f"(a state of {len(state.nodes)} nodes)"
+        )
 
 
 class _InFlight:

@@ -3,7 +3,8 @@
 It serves the API on the listening socket it inherits, routing on the state it follows from the
 leader's events (`controlplane.follower`), and reports its observations and decision records to
 the leader. It stops when told to (SIGTERM: drain, then exit) or when its leader is gone (the
-leader's socket ends: drain, then exit). SIGINT and SIGHUP are the leader's to act on: a Ctrl-C
+leader's socket ends, or breaks as the worker writes to it: drain, then exit, dropping the
+reports from then on). SIGINT and SIGHUP are the leader's to act on: a Ctrl-C
 in a terminal reaches every process of the group, and the leader then stops its workers in order.
 
     python -m interlock.worker --index N --api-fd FD --leader-fd FD
@@ -48,12 +49,16 @@ class _Reports:
             self._send.send_nowait(item)
         except trio.WouldBlock:
             self.dropped += 1
+        except trio.BrokenResourceError:
+            pass  # the leader is gone (`send_to` returned): nobody to report to
 
     def record(self, decision: Decision) -> None:
         """The data plane's decision log, as far as this worker is concerned."""
         self.report(DecisionMade(msgspec.structs.replace(decision, worker=self._worker)))
 
     async def send_to(self, leader: trio.SocketStream) -> None:
+        """Send the reports as they come; returns when the leader is gone, after which the
+        reports are dropped as they are made."""
         async for first in self._receive:
             batch = [first]
             while True:
@@ -61,7 +66,11 @@ class _Reports:
                     batch.append(self._receive.receive_nowait())
                 except trio.WouldBlock:
                     break
-            await leader.send_all(b"".join(encode_report(item) + b"\n" for item in batch))
+            try:
+                await leader.send_all(b"".join(encode_report(item) + b"\n" for item in batch))
+            except trio.BrokenResourceError:
+                self._receive.close()
+                return
             if self.dropped:
                 self._log.warn("reports to the leader dropped", dropped=self.dropped)
                 self.dropped = 0
@@ -98,6 +107,12 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
     stop = trio.Event()
     exit_code = 0
 
+    def leader_gone() -> None:
+        """Its socket ended (a read saw the end, or a write found it broken): drain and exit."""
+        if not stop.is_set():
+            log.warn("leader gone: finishing the requests in flight, then exiting")
+        stop.set()
+
     async def follow() -> None:
         """Apply the leader's events; the log follows the config in force, as the leader's does."""
         nonlocal exit_code
@@ -112,7 +127,13 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
             log.error("worker out of step with the leader", error=str(error))
             follower.mark_stale("out of step with the leader")
             exit_code = EXIT_OUT_OF_STEP
-        stop.set()  # the leader is gone (or we cannot follow it): drain and exit
+            stop.set()  # we cannot follow it: drain and exit
+            return
+        leader_gone()
+
+    async def report() -> None:
+        await reports.send_to(leader)
+        leader_gone()
 
     async def stop_on_sigterm() -> None:
         with trio.open_signal_receiver(signal.SIGTERM) as signals:
@@ -122,7 +143,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
 
     async with api_application(follower, log, reports, worker=index) as api_app, trio.open_nursery() as nursery:
         nursery.start_soon(follow)
-        nursery.start_soon(reports.send_to, leader)
+        nursery.start_soon(report)
         nursery.start_soon(stop_on_sigterm)
         await serve_on_socket(api_app, api_socket, stop, http2=follower.snapshot.config.gateway.http2)
         nursery.cancel_scope.cancel()

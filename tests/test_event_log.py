@@ -17,7 +17,7 @@ from events.config import (
     NodeConfig,
     RoutingConfig,
 )
-from events.jsonl import LogFileError, expand_log_paths, list_segments
+from events.jsonl import LogFileError, expand_log_paths, list_segments, segment_lines, segment_lines_backwards
 from events.log import decode_event, encode_event, last_seq, read_events
 from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeLoad, NodeState
 from events.types import (
@@ -283,6 +283,18 @@ def test_last_seq_skips_a_torn_line_and_empty_segments(tmp_path):
     (tmp_path / "events.000002.jsonl").write_bytes(encode_event(probes(6)[4]) + b'{"type":"health_probe","at":1')
     (tmp_path / "events.000003.jsonl").write_bytes(b"")
     assert last_seq(log) == 5
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    content=st.lists(st.sampled_from([b"a", b"bc", b"\n", b"\n\n", b"defgh"])).map(b"".join),
+    block=st.integers(1, 8),
+)
+def test_a_segment_read_backwards_in_blocks_gives_its_lines_last_first(tmp_path_factory, content, block):
+    path = tmp_path_factory.mktemp("segment") / "events.000001.jsonl"
+    path.write_bytes(content)
+    assert list(segment_lines_backwards(path, block_size=block)) == list(reversed(list(segment_lines(path))))
+    assert list(segment_lines(path)) == content.split(b"\n")[: -1 if content.endswith(b"\n") or not content else None]
 
 
 def test_last_seq_of_a_damaged_segment_still_counts_its_good_lines(tmp_path):

@@ -224,7 +224,7 @@ async def test_a_segment_deleted_or_moved_away_is_noticed_and_the_logs_go_on_in_
         assert [record.request_id for record in read_decisions(rotated)] == ["before"]
         # The new event-log segment is self-contained: it opens with the whole state.
         [second_events] = list_segments(event_log)
-        assert isinstance(decode_event(segment_lines(second_events)[0]), Checkpoint)
+        assert isinstance(decode_event(next(segment_lines(second_events))), Checkpoint)
         seq = gateway.control_plane.snapshot.seq
         await gateway.wait_for(lambda: gateway.control_plane.snapshot.seq > seq + 5)
     live = gateway.control_plane.snapshot
@@ -269,7 +269,7 @@ async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audi
     segments = list_segments(event_log)
     assert removed and not removed & {str(segment) for segment in segments}
     assert sum(segment.stat().st_size for segment in segments[:-1]) <= 16384
-    first_event = decode_event(segment_lines(segments[0])[0])
+    first_event = decode_event(next(segment_lines(segments[0])))
     assert isinstance(first_event, Checkpoint)
     start = first_event.seq
 

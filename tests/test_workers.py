@@ -8,6 +8,7 @@ each event, so "every worker holds the leader's state at the same seq" is checke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -277,6 +278,12 @@ def test_workers_exit_when_their_leader_is_killed(tmp_path):
         node.wait()
 
 
+def _ended(stream: str) -> bool:
+    """Whether an event stream ended as a stream may: with [DONE], or with the error event."""
+    last = sse_events(stream)[-1]
+    return last == "[DONE]" or json.loads(last).get("error", {}).get("message") == "stream terminated by upstream failure"
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -295,3 +302,76 @@ def _exits(pid: int, within: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+async def test_workers_whose_leader_is_killed_finish_their_streams_and_exit_without_a_traceback(tmp_path):
+    """Streams of different lengths in flight on two workers (eight: one worker has at least
+    four), then SIGKILL to the leader: each stream's first decision record meets a broken
+    socket. Each stream still ends with [DONE] or the error event, and the workers exit."""
+    vllm_port, metrics_port, api_port = _free_port(), _free_port(), _free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "fixtures.node", "--host", "127.0.0.78", "--base-port", str(vllm_port),
+         "--metrics-base-port", str(metrics_port), "--models", "test-model", "--tokens", "40", "--tpot", "0.1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    config, out, err = tmp_path / "gateway.toml", tmp_path / "out", tmp_path / "err"
+    config.write_text(
+        f'[gateway]\nlisten = "127.0.0.1:{api_port}"\nmetrics_listen = "127.0.0.1:0"\nworkers = 2\n'
+        f'decision_log = "{tmp_path / "decisions.jsonl"}"\n'
+        f'[[nodes]]\nip = "127.0.0.78"\nvllm_port = {vllm_port}\nmetrics_port = {metrics_port}\n'
+    )
+    url = f"http://127.0.0.1:{api_port}"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        leader = subprocess.Popen(
+            [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)], stdout=stdout, stderr=stderr
+        )
+    pids: list[int] = []
+    try:
+        with trio.fail_after(30):
+            while '"msg":"metrics server listening"' not in out.read_text():
+                await trio.sleep(0.05)
+        pids = [int(json.loads(line)["pid"]) for line in out.read_text().splitlines() if '"worker started"' in line]
+        await health_by_worker(url, (1, 2))
+        texts: dict[int, str] = {}
+        started = trio.Semaphore(0)
+
+        async def stream(tokens: int) -> None:
+            body = {**chat("test-model", stream=True), "max_tokens": tokens}
+            async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+                async with http.stream("POST", url + CHAT, json=body, headers={"Connection": "close"}) as response:
+                    assert response.status_code == 200
+                    chunks = response.aiter_text()
+                    texts[tokens] = await chunks.__anext__()
+                    started.release()
+                    try:
+                        async for chunk in chunks:
+                            texts[tokens] += chunk
+                    except httpx.RemoteProtocolError:
+                        pass  # cut short: its last event says so
+
+        async with trio.open_nursery() as nursery:
+            lengths = [10 + 4 * number for number in range(8)]  # 1 to 4 seconds
+            for tokens in lengths:
+                nursery.start_soon(stream, tokens)
+            with trio.fail_after(30):
+                for _ in lengths:
+                    await started.acquire()
+            leader.kill()
+        cut = [tokens for tokens in lengths if not _ended(texts[tokens])]
+        assert not cut, f"streams of {cut} tokens cut short, of {lengths}"
+        for pid in pids:
+            assert _exits(pid, within=SHUTDOWN_GRACE_SECONDS + 5), f"worker {pid} outlived its leader"
+    finally:
+        leader.kill()
+        leader.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        node.terminate()
+        node.wait()
+    assert len(pids) == 2
+    assert "Traceback" not in err.read_text()
+    records = [json.loads(line) for line in out.read_text().splitlines()]  # JSON lines only
+    gone = [record["worker"] for record in records if record["msg"].startswith("leader gone")]
+    assert sorted(gone) == ["1", "2"]
