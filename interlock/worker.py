@@ -109,6 +109,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
 
     def leader_gone() -> None:
         """Its socket ended (a read saw the end, or a write found it broken): drain and exit."""
+        follower.mark_stale("the leader is gone")
         if not stop.is_set():
             log.warn("leader gone: finishing the requests in flight, then exiting")
         stop.set()
@@ -122,7 +123,6 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
                 follower.apply(event)
                 if follower.snapshot.config is not config:
                     _follow_log_settings(log, follower)
-            follower.mark_stale("the leader's event stream ended")
         except OutOfStep as error:
             log.error("worker out of step with the leader", error=str(error))
             follower.mark_stale("out of step with the leader")
