@@ -35,12 +35,14 @@ from functools import partial
 import h2.errors
 import h2.events
 import hypercorn.protocol
+import hypercorn.trio.run
 import prometheus_client
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.events import Closed
+from hypercorn.events import Closed, Event
 from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
@@ -293,6 +295,26 @@ class _H2WithResetBudget(H2Protocol):
 
 # hypercorn picks its HTTP/2 protocol class by this name, and offers no other way to choose one.
 hypercorn.protocol.H2Protocol = _H2WithResetBudget
+
+
+class _TCPServerClosingOnce(TCPServer):
+    """hypercorn's connection (trio), whose sends give way to its close.
+
+    hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
+    by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) can meet
+    the other task's `send_eof`: trio raises BusyResourceError, which hypercorn lets out of the
+    connection (a traceback per connection, or the end of `serve_listeners` and the process). A
+    send that meets the close is dropped, as one to a client that has gone."""
+
+    async def protocol_send(self, event: Event) -> None:
+        try:
+            await super().protocol_send(event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+
+# hypercorn's trio worker serves each connection with this class, and offers no way to choose one.
+hypercorn.trio.run.TCPServer = _TCPServerClosingOnce
 
 
 def _hypercorn_config(http2: bool) -> HypercornConfig:

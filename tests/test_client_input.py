@@ -16,7 +16,18 @@ import trio
 from bench.client_input import rapid_reset
 from dataplane.asgi import MAX_REQUEST_ID_LENGTH
 
-from harness import MODEL, chat, completions_to, decision_records, node_specs, nodes_and_gateway
+from harness import (
+    MODEL,
+    chat,
+    completions_to,
+    decision_records,
+    free_port,
+    node_specs,
+    nodes_and_gateway,
+    serve_process,
+    write_config,
+)
+from fixtures.node import serve_nodes
 
 CHAT = "/v1/chat/completions"
 
@@ -201,6 +212,51 @@ async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_clo
             )
         assert completions_to(nodes[0]) == []
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+
+
+async def test_clients_that_close_as_their_408_or_413_is_sent_neither_stop_the_gateway_nor_print_tracebacks(tmp_path):
+    """hypercorn ends a connection (`send_eof`) outside its send lock: a client whose FIN arrives
+    as its 408 goes out made hypercorn's own 400 meet that close, and the BusyResourceError
+    ended the process; one that FINs right after a head too large for the limit met the 413."""
+    idle_timeout = 0.3
+    port = free_port()
+    async with serve_nodes(node_specs(1)) as nodes:
+        config = write_config(tmp_path, nodes, request_body_idle_timeout=f"{idle_timeout}s")
+        config.write_text(config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{port}"', 1))
+        async with serve_process(config) as gateway:
+            await gateway.wait_for_log("api server listening")
+            answers: list[bytes] = []
+
+            async def client(declared_length: int, close_after: float) -> None:
+                """A body that stalls after its first byte, and a FIN `close_after` seconds on."""
+                with contextlib.suppress(OSError):  # refused, or reset: the gateway is gone or done
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    async with stream:
+                        head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Length: {declared_length}\r\n\r\n{{"
+                        await stream.send_all(head.encode())
+                        await trio.sleep(close_after)
+                        await stream.send_eof()
+                        answer = b""
+                        with trio.fail_after(10):
+                            while chunk := await stream.receive_some():
+                                answer += chunk
+                        answers.append(answer)
+
+            # FINs spread over 20 ms around the 408; and FINs right after a 413's head.
+            clients = [(100, idle_timeout - 0.01 + 0.0005 * index) for index in range(40)]
+            clients += [(10**9, 0.0)] * 40
+            async with trio.open_nursery() as nursery:
+                for declared_length, close_after in clients:
+                    nursery.start_soon(client, declared_length, close_after)
+                    await trio.sleep(0.01)
+            assert gateway.process.returncode is None, "the gateway stopped"
+            async with httpx.AsyncClient(trust_env=False) as http:
+                assert (await http.post(f"http://127.0.0.1:{port}{CHAT}", json=chat())).status_code == 200
+            assert len(answers) == len(clients)
+            assert {answer[:12] for answer in answers} <= {b"", b"HTTP/1.1 400", b"HTTP/1.1 408", b"HTTP/1.1 413"}
+            gateway.process.terminate()
+            code, _, errors = await gateway.exit()
+    assert (code, errors) == (0, "")
 
 
 async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_path):
