@@ -326,7 +326,6 @@ def _hypercorn_config(http2: bool) -> HypercornConfig:
     config = HypercornConfig()
     config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
-    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
@@ -357,11 +356,14 @@ async def serve_on_socket(
     stopped: trio.Event,
     *,
     http2: bool = False,
+    keep_alive_timeout: float = KEEP_ALIVE_SECONDS,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on a listening socket until `stopped` is set, then drain; HTTP/1.1 only
-    unless `http2`."""
+    unless `http2`. A connection idle for `keep_alive_timeout` seconds (no request yet, or
+    none since the last answer) is closed."""
     config = _hypercorn_config(http2)
+    config.keep_alive_timeout = keep_alive_timeout
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,

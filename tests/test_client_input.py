@@ -1,20 +1,26 @@
 """What a client sends must not grow the gateway's memory, logs or metrics, nor get a traceback:
 model names as metric labels, over-long names, deeply nested JSON, odd request targets, slow
-request bodies, HTTP/2. Real gateway, real sockets, simulated nodes."""
+request bodies, connections closed mid-answer or left open, HTTP/2. Real gateway, real sockets,
+simulated nodes."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+from functools import partial
 
 import h2.events
 import httpx
 import pytest
 import trio
+from prometheus_client import CollectorRegistry
 
 from bench.client_input import rapid_reset
 from dataplane.asgi import MAX_REQUEST_ID_LENGTH
+from dataplane.metrics import RequestMetrics, metrics_app
+from fixtures.node import serve_nodes
+from interlock.serve import listening_socket, serve_on_socket
 
 from harness import (
     MODEL,
@@ -27,7 +33,6 @@ from harness import (
     serve_process,
     write_config,
 )
-from fixtures.node import serve_nodes
 
 CHAT = "/v1/chat/completions"
 
@@ -257,6 +262,45 @@ async def test_clients_that_close_as_their_408_or_413_is_sent_neither_stop_the_g
             gateway.process.terminate()
             code, _, errors = await gateway.exit()
     assert (code, errors) == (0, "")
+
+
+async def exchange_until_closed(port: int, request: bytes) -> bytes:
+    """Send `request` on a new connection and read until the server closes it (10 s at most)."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        received = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some():
+                received += chunk
+        return received
+
+
+async def test_the_metrics_listener_closes_connection_close_and_http_1_0_exchanges(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        port = int(gateway.metrics_url.rpartition(":")[2])
+        for request in (
+            b"GET /metrics HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+            b"GET /metrics HTTP/1.0\r\n\r\n",
+            b"GET /other HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+        ):
+            answer = await exchange_until_closed(port, request)
+            assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 404 ")), answer
+            assert b"gateway_requests_total" in answer or b"/other" in request
+
+
+async def test_the_metrics_listener_closes_idle_connections():
+    registry = CollectorRegistry()
+    RequestMetrics(registry)
+    listening = listening_socket("127.0.0.1:0", "metrics_listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, metrics_app(registry), listening, stopped, keep_alive_timeout=0.2))
+        # Kept alive for the next scrape, then closed once idle; a connection with no request too.
+        answer = await exchange_until_closed(port, b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"gateway_requests_total" in answer
+        assert await exchange_until_closed(port, b"") == b""
+        stopped.set()
 
 
 async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_path):
