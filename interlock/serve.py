@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import h2.errors
+import h11
 import h2.events
 import hypercorn.protocol
 import hypercorn.trio.run
@@ -42,6 +43,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
 from hypercorn.events import Closed, Event
 from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
@@ -293,8 +295,21 @@ class _H2WithResetBudget(H2Protocol):
         await super()._handle_events([event for event in events if getattr(event, "stream_id", None) not in stillborn])
 
 
-# hypercorn picks its HTTP/2 protocol class by this name, and offers no other way to choose one.
+class _H11UpgradingOnlyWithHttp2(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, which ignores `Upgrade: h2c` (answers the request in
+    HTTP/1.1, as RFC 9110 lets a server) when HTTP/2 is off: hypercorn would switch to HTTP/2
+    and answer the upgraded request whatever the stream limit."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if _http2_on(self.config) or not any(
+            name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers
+        ):
+            await super()._check_protocol(event)
+
+
+# hypercorn picks its protocol classes by these names, and offers no other way to choose them.
 hypercorn.protocol.H2Protocol = _H2WithResetBudget
+hypercorn.protocol.H11Protocol = _H11UpgradingOnlyWithHttp2
 
 
 class _TCPServerClosingOnce(TCPServer):
@@ -324,12 +339,17 @@ def _hypercorn_config(http2: bool) -> HypercornConfig:
     it may open no stream at all (SETTINGS_MAX_CONCURRENT_STREAMS 0), and the connection ends
     with GOAWAY at its first request."""
     config = HypercornConfig()
-    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0
+    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0  # see `_http2_on`
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
     return config
+
+
+def _http2_on(config: HypercornConfig) -> bool:
+    """Whether a listener's hypercorn config serves HTTP/2: off, it allows no stream at all."""
+    return config.h2_max_concurrent_streams > 0
 
 
 def listening_socket(address: str, key: str) -> socket.socket:

@@ -314,6 +314,22 @@ async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_pat
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
 
 
+@pytest.mark.parametrize("http2", [False, True])
+async def test_an_upgrade_to_h2c_is_ignored_unless_http2_is_on(tmp_path, http2):
+    upgrade = (
+        b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+    )
+    async with nodes_and_gateway(tmp_path, node_specs(1), http2=http2) as (nodes, gateway):
+        async with await trio.open_tcp_stream("127.0.0.1", int(gateway.url.rpartition(":")[2])) as stream:
+            await stream.send_all(upgrade)
+            answer = b""
+            with trio.fail_after(10):
+                while b"\r\n\r\n" not in answer:
+                    answer += await stream.receive_some()
+    assert answer.startswith(b"HTTP/1.1 101 " if http2 else b"HTTP/1.1 200 "), answer
+
+
 async def test_with_http2_on_the_rapid_reset_attack_ends_in_goaway_having_started_a_handful_of_requests(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(1), http2=True) as (nodes, gateway):
         received = await rapid_reset(gateway.url.removeprefix("http://"), 5000)
