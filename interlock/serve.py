@@ -32,8 +32,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
-import h2.errors
 import h11
+import h2.errors
 import h2.events
 import hypercorn.protocol
 import hypercorn.trio.run
@@ -44,8 +44,8 @@ from hypercorn.config import Sockets
 from hypercorn.events import Closed, Event
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
