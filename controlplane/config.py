@@ -141,6 +141,7 @@ _DURATION_KEYS = {
         "decision_log_retain_age",
         "request_body_timeout",
         "request_body_idle_timeout",
+        "response_body_timeout",
     ),
     "routing": ("load_scrape_interval",),
 }
@@ -331,7 +332,7 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
-    for key in ("request_body_timeout", "request_body_idle_timeout"):
+    for key in ("request_body_timeout", "request_body_idle_timeout", "response_body_timeout"):
         if getattr(gateway, key) <= 0:
             raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
     if gateway.decision_log and gateway.decision_log == gateway.event_log:

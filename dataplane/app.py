@@ -12,16 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import trio
 from quart import Response, request
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
 from dataplane.proxy import COMPLETION_PATHS, ConfigView, SnapshotView, SnapshotViews
+from dataplane.quart_apps import new_quart_app
 from events.state import Health, NodeState
 
 _encode = msgspec.json.Encoder()
@@ -30,35 +29,13 @@ NOTHING_ROUTABLE = "no model has a routable node"
 """`/ready`'s reason when no model it counts (`SnapshotView.routable_models`) has a node to route to."""
 
 
-class _HttpConnection(TrioASGIHTTPConnection):
-    """quart-trio's connection handler, sending the end of each response shielded from cancellation.
-
-    hypercorn finishes the exchange inside that last send: it tells the app the stream is closed,
-    which makes quart-trio cancel the request's tasks, and then closes (or recycles) the
-    connection, which a cancellation would interrupt, leaving a `Connection: close` socket open.
-    """
-
-    async def __call__(self, receive, send) -> None:
-        async def send_end_shielded(message) -> None:
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                with trio.CancelScope(shield=True):
-                    await send(message)
-            else:
-                await send(message)
-
-        await super().__call__(receive, send_end_shielded)
-
-
 def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: int = 0) -> QuartTrio:
-    app = QuartTrio("interlock")
-    app.asgi_http_class = _HttpConnection
+    app = new_quart_app("interlock")
     # `/v1//models` is not a route (werkzeug would redirect to `/v1/models`, in HTML).
     app.url_map = app.url_map_class(merge_slashes=False)
     app.config.update(
         # No request body is read here (the 404 and 405 answers leave it unread): no limit.
         MAX_CONTENT_LENGTH=None,
-        # Like plinth's mux: OPTIONS is a method like any other (405).
-        PROVIDE_AUTOMATIC_OPTIONS=False,
     )
 
     @app.get("/health")

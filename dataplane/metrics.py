@@ -16,6 +16,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from quart import Response
 from quart_trio import QuartTrio
 
+from dataplane.quart_apps import new_quart_app
+
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -158,8 +160,7 @@ def metrics_app(registry: CollectorRegistry) -> QuartTrio:
 
     The page is rendered in a worker thread (the client library is thread-safe): a big page
     must not hold up the API on the event loop."""
-    app = QuartTrio(__name__)
-    app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
+    app = new_quart_app(__name__)
 
     @app.get("/metrics")
     async def metrics() -> Response:

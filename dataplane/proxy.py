@@ -132,6 +132,7 @@ class ConfigView:
         self.body_limit = gateway.request_body_limit
         self.body_timeout = gateway.request_body_timeout
         self.body_idle_timeout = gateway.request_body_idle_timeout
+        self.response_body_timeout = gateway.response_body_timeout
         self.buffer_limit = gateway.response_buffer_limit
         self.decision_log = bool(gateway.decision_log)
         routing = config.routing
@@ -364,6 +365,11 @@ class UpstreamTimeout(Exception):
     """A deadline of the attempt passed: retried on the next node, like a dial error."""
 
 
+class ResponseBodyTimeout(Exception):
+    """A non-streaming answer's body did not end by its deadline (`gateway.response_body_timeout`):
+    not retried, as a body cut short is not (the node has answered)."""
+
+
 COMMITTED = "committed"
 """An attempt whose answer is flowing to the client: the relay settles it when the body ends."""
 
@@ -527,18 +533,23 @@ class Proxy:
         self._metrics.node_attempt_started(node.ip)
         self._balancer.attempt_started(node.ip)
         try:
-            try:
-                with trio.fail_after(self._response_header_timeout):
+            with trio.move_on_after(self._response_header_timeout) as waiting:
+                try:
                     upstream = await self._pool.request(
                         b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
                     )
-            except trio.TooSlowError:
+                except Exception as error:
+                    return self._failed(exchange, error)
+                if exchange.stream:
+                    waiting.deadline = math.inf  # a stream's next deadline is its first chunk's
+                    return await self._stream(exchange, node, upstream)
+                # The same scope bounds the body: a second one would cost every request.
+                waiting.deadline = trio.current_time() + exchange.view.config.response_body_timeout
+                return await self._buffer(exchange, node, upstream, waiting.deadline)
+            if upstream is None:
                 return self._failed(exchange, UpstreamTimeout("timeout awaiting response headers"))
-            except Exception as error:
-                return self._failed(exchange, error)
-            if exchange.stream:
-                return await self._stream(exchange, node, upstream)
-            return await self._buffer(exchange, node, upstream)
+            upstream.close()
+            return self._failed(exchange, ResponseBodyTimeout("timeout awaiting response body"))
         except BaseException as error:
             if upstream is not None:
                 upstream.close()
@@ -576,12 +587,15 @@ class Proxy:
             return self._complete(exchange, node, upstream, b"")
         return self._commit(exchange, node, upstream, [first])
 
-    async def _buffer(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse) -> Outcome:
-        """Buffering commit gate: the whole response, unless it outgrows the buffer limit."""
+    async def _buffer(
+        self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, deadline: float
+    ) -> Outcome:
+        """Buffering commit gate: the whole response, unless it outgrows the buffer limit (then
+        the rest is relayed by the same `deadline`)."""
         limit = exchange.view.config.buffer_limit
         declared = upstream.content_length
         if limit and declared is not None and declared > limit:
-            return self._pass_through(exchange, node, upstream, [], "content_length", limit)
+            return self._pass_through(exchange, node, upstream, [], "content_length", limit, deadline)
         buffered: list[bytes] = []
         size = 0
         try:
@@ -589,7 +603,7 @@ class Proxy:
                 buffered.append(chunk)
                 size += len(chunk)
                 if limit and size > limit:
-                    return self._pass_through(exchange, node, upstream, buffered, "size_limit", limit)
+                    return self._pass_through(exchange, node, upstream, buffered, "size_limit", limit, deadline)
         except Exception as error:
             return self._failed(exchange, error)
         body = buffered[0] if len(buffered) == 1 else b"".join(buffered)
@@ -607,31 +621,50 @@ class Proxy:
         buffered: list[bytes],
         reason: str,
         limit: int,
+        deadline: float,
     ) -> Outcome:
         self._log.info("response exceeded buffer limit; passing through", node=node.ip, reason=reason, limit=limit)
         self._metrics.passthrough(exchange.metric_model, reason)
-        return self._commit(exchange, node, upstream, buffered)
+        return self._commit(exchange, node, upstream, buffered, deadline)
 
-    def _commit(self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes]) -> Outcome:
-        """Send the status and headers now; the body flows chunk by chunk as the node sends it."""
+    def _commit(
+        self,
+        exchange: Exchange,
+        node: NodeState,
+        upstream: UpstreamResponse,
+        first: list[bytes],
+        deadline: float = math.inf,
+    ) -> Outcome:
+        """Send the status and headers now; the body flows chunk by chunk as the node sends it
+        (until `deadline`, for a non-streaming answer)."""
         reply = Reply(upstream.status, _client_headers(upstream, exchange, node, with_length=True), b"")
-        reply.body = self._relay(exchange, node, upstream, first, reply)
+        reply.body = self._relay(exchange, node, upstream, first, reply, deadline)
         return Outcome(COMMITTED, status=upstream.status, reply=reply)
 
     async def _relay(
-        self, exchange: Exchange, node: NodeState, upstream: UpstreamResponse, first: list[bytes], reply: Reply
+        self,
+        exchange: Exchange,
+        node: NodeState,
+        upstream: UpstreamResponse,
+        first: list[bytes],
+        reply: Reply,
+        deadline: float,
     ) -> AsyncIterator[bytes]:
         """The committed body: `first`, then the rest as the node sends it. The client going
         away ends it early (the upstream connection is then closed at once, which cancels the
         generation on the node). So does a node failure, visibly: an event stream gets an error
-        event last, and the reply is marked truncated, to be ended without its terminating chunk."""
+        event last, and the reply is marked truncated, to be ended without its terminating chunk.
+        A body not ended by `deadline` is such a failure."""
         outcome = Outcome(COMPLETED, status=upstream.status, committed=True)
         chunk = b""
+        next_chunk = upstream.next_chunk
+        if deadline != math.inf:
+            next_chunk = functools.partial(_next_chunk_by, upstream, deadline)
         try:
             for chunk in first:
                 yield chunk
             try:
-                while chunk := await upstream.next_chunk():
+                while chunk := await next_chunk():
                     yield chunk
             except Exception as error:
                 outcome = Outcome(TRUNCATED, status=upstream.status, error=error, committed=True)
@@ -735,6 +768,13 @@ class Proxy:
         node = self._control_plane.snapshot.nodes.get(ip)
         if node is not None and node.is_offline(now):
             self._control_plane.observe(UpstreamRecovered(node=ip, at=now))
+
+
+async def _next_chunk_by(upstream: UpstreamResponse, deadline: float) -> bytes:
+    """The answer's next piece; ResponseBodyTimeout once `deadline` has passed."""
+    with trio.move_on_at(deadline):
+        return await upstream.next_chunk()
+    raise ResponseBodyTimeout("timeout awaiting response body")
 
 
 def _client_headers(upstream: UpstreamResponse, exchange: Exchange, node: NodeState, *, with_length: bool) -> Headers:

@@ -21,6 +21,7 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_PROBE_TIMEOUT = 5.0
 DEFAULT_REQUEST_BODY_TIMEOUT = 60.0
 DEFAULT_REQUEST_BODY_IDLE_TIMEOUT = 10.0
+DEFAULT_RESPONSE_BODY_TIMEOUT = 60.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_DECISION_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_RETAIN_BYTES = 1024 * 1024 * 1024
@@ -83,6 +84,9 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """Seconds a client may take to send a request body (a Go duration string in the file)."""
     request_body_idle_timeout: float = DEFAULT_REQUEST_BODY_IDLE_TIMEOUT
     """Seconds a request body may go without a byte arriving (a Go duration string in the file)."""
+    response_body_timeout: float = DEFAULT_RESPONSE_BODY_TIMEOUT
+    """Seconds a node may take to send the body of a non-streaming answer, from its head to its
+    end (a Go duration string in the file); plinth has no such limit."""
     http2: bool = False
     """Serve HTTP/2 (cleartext, prior knowledge or `Upgrade: h2c`) on the API listener too."""
     retry_unanswered: bool = False

@@ -32,16 +32,20 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
+import h11
 import h2.errors
 import h2.events
 import hypercorn.protocol
+import hypercorn.trio.run
 import prometheus_client
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.config import Sockets
-from hypercorn.events import Closed
+from hypercorn.events import Closed, Event
 from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.run import worker_serve
+from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
@@ -291,8 +295,41 @@ class _H2WithResetBudget(H2Protocol):
         await super()._handle_events([event for event in events if getattr(event, "stream_id", None) not in stillborn])
 
 
-# hypercorn picks its HTTP/2 protocol class by this name, and offers no other way to choose one.
+class _H11UpgradingOnlyWithHttp2(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, which ignores `Upgrade: h2c` (answers the request in
+    HTTP/1.1, as RFC 9110 lets a server) when HTTP/2 is off: hypercorn would switch to HTTP/2
+    and answer the upgraded request whatever the stream limit."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if _http2_on(self.config) or not any(
+            name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers
+        ):
+            await super()._check_protocol(event)
+
+
+# hypercorn picks its protocol classes by these names, and offers no other way to choose them.
 hypercorn.protocol.H2Protocol = _H2WithResetBudget
+hypercorn.protocol.H11Protocol = _H11UpgradingOnlyWithHttp2
+
+
+class _TCPServerClosingOnce(TCPServer):
+    """hypercorn's connection (trio), whose sends give way to its close.
+
+    hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
+    by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) can meet
+    the other task's `send_eof`: trio raises BusyResourceError, which hypercorn lets out of the
+    connection (a traceback per connection, or the end of `serve_listeners` and the process). A
+    send that meets the close is dropped, as one to a client that has gone."""
+
+    async def protocol_send(self, event: Event) -> None:
+        try:
+            await super().protocol_send(event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+
+# hypercorn's trio worker serves each connection with this class, and offers no way to choose one.
+hypercorn.trio.run.TCPServer = _TCPServerClosingOnce
 
 
 def _hypercorn_config(http2: bool) -> HypercornConfig:
@@ -302,13 +339,17 @@ def _hypercorn_config(http2: bool) -> HypercornConfig:
     it may open no stream at all (SETTINGS_MAX_CONCURRENT_STREAMS 0), and the connection ends
     with GOAWAY at its first request."""
     config = HypercornConfig()
-    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0
+    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0  # see `_http2_on`
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
-    config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
     return config
+
+
+def _http2_on(config: HypercornConfig) -> bool:
+    """Whether a listener's hypercorn config serves HTTP/2: off, it allows no stream at all."""
+    return config.h2_max_concurrent_streams > 0
 
 
 def listening_socket(address: str, key: str) -> socket.socket:
@@ -335,11 +376,14 @@ async def serve_on_socket(
     stopped: trio.Event,
     *,
     http2: bool = False,
+    keep_alive_timeout: float = KEEP_ALIVE_SECONDS,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on a listening socket until `stopped` is set, then drain; HTTP/1.1 only
-    unless `http2`."""
+    unless `http2`. A connection idle for `keep_alive_timeout` seconds (no request yet, or
+    none since the last answer) is closed."""
     config = _hypercorn_config(http2)
+    config.keep_alive_timeout = keep_alive_timeout
     await worker_serve(
         wrap_app(app, config.wsgi_max_body_size, None),
         config,

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -46,6 +47,13 @@ def required_program(name: str, install: str) -> str:
             pytest.fail(f"{name} is not installed (.ci/run installs it: {install})")
         pytest.skip(f"{name} is not installed ({install})")
     return path
+
+
+def free_port() -> int:
+    """A port of 127.0.0.1 free at the moment (for a listen address a subprocess must be given)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) -> list[NodeSpec]:

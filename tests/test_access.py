@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from harness import (
     chat,
     completions_to,
     config_text,
+    free_port,
     node_processes,
     node_specs,
     nodes_and_gateway,
@@ -362,12 +362,6 @@ async def answered_by_every_worker(http: httpx.AsyncClient, url: str, decisions:
                     answered.add(found[0].worker)
                     break
                 await trio.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_a_log_recorded_before_the_access_keys_existed_replays_the_same(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -23,16 +22,10 @@ from controlplane.config import ConfigError, Overrides, load_config
 from events.log import read_events
 from fixtures.node import serve_nodes
 
-from harness import MODEL, chat, config_text, node_specs
+from harness import MODEL, chat, config_text, free_port, node_specs
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (INFO |WARN |ERROR) \S.*")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Gateway:

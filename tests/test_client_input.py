@@ -1,22 +1,38 @@
 """What a client sends must not grow the gateway's memory, logs or metrics, nor get a traceback:
 model names as metric labels, over-long names, deeply nested JSON, odd request targets, slow
-request bodies, HTTP/2. Real gateway, real sockets, simulated nodes."""
+request bodies, connections closed mid-answer or left open, HTTP/2. Real gateway, real sockets,
+simulated nodes."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import threading
+from functools import partial
 
 import h2.events
 import httpx
 import pytest
 import trio
+from prometheus_client import CollectorRegistry
 
 from bench.client_input import rapid_reset
 from dataplane.asgi import MAX_REQUEST_ID_LENGTH
+from dataplane.metrics import RequestMetrics, metrics_app
+from fixtures.node import serve_nodes
+from interlock.serve import listening_socket, serve_on_socket
 
-from harness import MODEL, chat, completions_to, decision_records, node_specs, nodes_and_gateway
+from harness import (
+    MODEL,
+    chat,
+    completions_to,
+    decision_records,
+    free_port,
+    node_specs,
+    nodes_and_gateway,
+    serve_process,
+    write_config,
+)
 
 CHAT = "/v1/chat/completions"
 
@@ -203,6 +219,90 @@ async def test_a_request_body_sent_too_slowly_gets_408_and_the_connection_is_clo
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
 
 
+async def test_clients_that_close_as_their_408_or_413_is_sent_neither_stop_the_gateway_nor_print_tracebacks(tmp_path):
+    """hypercorn ends a connection (`send_eof`) outside its send lock: a client whose FIN arrives
+    as its 408 goes out made hypercorn's own 400 meet that close, and the BusyResourceError
+    ended the process; one that FINs right after a head too large for the limit met the 413."""
+    idle_timeout = 0.3
+    port = free_port()
+    async with serve_nodes(node_specs(1)) as nodes:
+        config = write_config(tmp_path, nodes, request_body_idle_timeout=f"{idle_timeout}s")
+        config.write_text(config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{port}"', 1))
+        async with serve_process(config) as gateway:
+            await gateway.wait_for_log("api server listening")
+            answers: list[bytes] = []
+
+            async def client(declared_length: int, close_after: float) -> None:
+                """A body that stalls after its first byte, and a FIN `close_after` seconds on."""
+                with contextlib.suppress(OSError):  # refused, or reset: the gateway is gone or done
+                    stream = await trio.open_tcp_stream("127.0.0.1", port)
+                    async with stream:
+                        head = f"POST {CHAT} HTTP/1.1\r\nHost: gw\r\nContent-Length: {declared_length}\r\n\r\n{{"
+                        await stream.send_all(head.encode())
+                        await trio.sleep(close_after)
+                        await stream.send_eof()
+                        answer = b""
+                        with trio.fail_after(10):
+                            while chunk := await stream.receive_some():
+                                answer += chunk
+                        answers.append(answer)
+
+            # FINs spread over 20 ms around the 408; and FINs right after a 413's head.
+            clients = [(100, idle_timeout - 0.01 + 0.0005 * index) for index in range(40)]
+            clients += [(10**9, 0.0)] * 40
+            async with trio.open_nursery() as nursery:
+                for declared_length, close_after in clients:
+                    nursery.start_soon(client, declared_length, close_after)
+                    await trio.sleep(0.01)
+            assert gateway.process.returncode is None, "the gateway stopped"
+            async with httpx.AsyncClient(trust_env=False) as http:
+                assert (await http.post(f"http://127.0.0.1:{port}{CHAT}", json=chat())).status_code == 200
+            assert len(answers) == len(clients)
+            assert {answer[:12] for answer in answers} <= {b"", b"HTTP/1.1 400", b"HTTP/1.1 408", b"HTTP/1.1 413"}
+            gateway.process.terminate()
+            code, _, errors = await gateway.exit()
+    assert (code, errors) == (0, "")
+
+
+async def exchange_until_closed(port: int, request: bytes) -> bytes:
+    """Send `request` on a new connection and read until the server closes it (10 s at most)."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        received = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some():
+                received += chunk
+        return received
+
+
+async def test_the_metrics_listener_closes_connection_close_and_http_1_0_exchanges(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
+        port = int(gateway.metrics_url.rpartition(":")[2])
+        for request in (
+            b"GET /metrics HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+            b"GET /metrics HTTP/1.0\r\n\r\n",
+            b"GET /other HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+        ):
+            answer = await exchange_until_closed(port, request)
+            assert answer.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 404 ")), answer
+            assert b"gateway_requests_total" in answer or b"/other" in request
+
+
+async def test_the_metrics_listener_closes_idle_connections():
+    registry = CollectorRegistry()
+    RequestMetrics(registry)
+    listening = listening_socket("127.0.0.1:0", "metrics_listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, metrics_app(registry), listening, stopped, keep_alive_timeout=0.2))
+        # Kept alive for the next scrape, then closed once idle; a connection with no request too.
+        answer = await exchange_until_closed(port, b"GET /metrics HTTP/1.1\r\nHost: gw\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 200 ") and b"gateway_requests_total" in answer
+        assert await exchange_until_closed(port, b"") == b""
+        stopped.set()
+
+
 async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
         received = await rapid_reset(gateway.url.removeprefix("http://"), 500)
@@ -212,6 +312,22 @@ async def test_http2_is_off_by_default_an_http2_client_starts_no_request(tmp_pat
         assert not any(isinstance(event, h2.events.ResponseReceived) for event in received)
         # HTTP/1.1 is served as ever.
         assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+
+
+@pytest.mark.parametrize("http2", [False, True])
+async def test_an_upgrade_to_h2c_is_ignored_unless_http2_is_on(tmp_path, http2):
+    upgrade = (
+        b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+        b"HTTP2-Settings: AAMAAABkAAQAAP__\r\n\r\n"
+    )
+    async with nodes_and_gateway(tmp_path, node_specs(1), http2=http2) as (nodes, gateway):
+        async with await trio.open_tcp_stream("127.0.0.1", int(gateway.url.rpartition(":")[2])) as stream:
+            await stream.send_all(upgrade)
+            answer = b""
+            with trio.fail_after(10):
+                while b"\r\n\r\n" not in answer:
+                    answer += await stream.receive_some()
+    assert answer.startswith(b"HTTP/1.1 101 " if http2 else b"HTTP/1.1 200 "), answer
 
 
 async def test_with_http2_on_the_rapid_reset_attack_ends_in_goaway_having_started_a_handful_of_requests(tmp_path):

@@ -87,6 +87,7 @@ def gateway_with(line: str) -> str:
         ('request_body_timeout = "0s"', "request_body_timeout must be greater than zero"),
         ('request_body_idle_timeout = "-1s"', "request_body_idle_timeout must be greater than zero"),
         ('request_body_idle_timeout = "10"', 'parsing request_body_idle_timeout: time: missing unit in duration "10"'),
+        ('response_body_timeout = "0s"', "response_body_timeout must be greater than zero"),
         ("event_log_retain_bytes = -1", "event_log_retain_bytes must be non-negative (0: no bound)"),
         ('event_log_retain_age = "-1h"', "event_log_retain_age must be non-negative (0: no bound)"),
         ("decision_log_max_bytes = -1", "decision_log_max_bytes must be greater than zero"),
@@ -550,6 +551,7 @@ def test_defaults_when_absent(tmp_path: Path) -> None:
         decision_log="",
         request_body_timeout=60.0,
         request_body_idle_timeout=10.0,
+        response_body_timeout=60.0,
         http2=False,
         retry_unanswered=False,
     )

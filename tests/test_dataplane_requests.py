@@ -384,6 +384,31 @@ async def test_a_failure_after_an_early_commit_cuts_the_body_short_and_is_never_
         assert await gateway.metric(f'gateway_response_truncated_total{{node="{nodes[0].host}"}}') == 1
 
 
+@pytest.mark.parametrize("passed_through", [False, True])
+async def test_a_non_streaming_answer_that_stalls_after_its_head_ends_at_the_response_body_timeout(
+    tmp_path, passed_through
+):
+    """Buffered, nothing has reached the client: a 502, as for a body cut short. Passed through
+    (larger than the buffer): the body is cut short. Either way the node's connection is closed."""
+    specs = node_specs(1, tokens=200, completion="stall_mid_body")
+    config = {"response_body_timeout": "0.3s", "max_buffered_response_bytes": 100 if passed_through else 0}
+    async with nodes_and_gateway(tmp_path, specs, **config) as (nodes, gateway):
+        if passed_through:
+            response, content = await post_cut_short(gateway.http, gateway.url + CHAT, chat())
+            assert response.status_code == 200 and len(content) > 100
+            [failure] = gateway.logged("response truncated after commit")
+        else:
+            response = await gateway.http.post(gateway.url + CHAT, json=chat())
+            assert response.status_code == 502 and error_message(response) == "upstream node error"
+            [failure] = gateway.logged("node response truncated or connection lost")
+        assert failure["node"] == nodes[0].host and failure["error"] == "timeout awaiting response body"
+        [completion] = completions_to(nodes[0])
+        with trio.fail_after(5):
+            await completion.ended.wait()
+        assert completion.disconnected
+        assert await gateway.metric(f'gateway_requests_total{{model="test-model",status="{response.status_code}"}}') == 1
+
+
 # --- request ids and forwarding --------------------------------------------------------------------
 
 
