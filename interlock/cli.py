@@ -3,6 +3,7 @@
     interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr]
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
+                    [--fleet URL[,URL…]]
     interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json] [--skip-invalid]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json] [--skip-invalid]
@@ -453,6 +454,12 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="N|auto",
         help="processes serving the API; auto: one per usable core (gateway.workers: 1)",
     )
+    parser.add_argument(
+        "--fleet",
+        type=_argument_type(parse_nats_urls),
+        metavar="URL[,URL…]",
+        help="join a fleet through these NATS servers (fleet.nats; the rest of [fleet] from the file)",
+    )
     parser.set_defaults(run=run_serve)
 
 
@@ -475,6 +482,13 @@ def parse_workers(text: str) -> int | str:
     raise ValueError(f"invalid worker count {text!r}: a whole number from 1, or auto")
 
 
+def parse_nats_urls(text: str) -> tuple[str, ...]:
+    urls = tuple(url.strip() for url in text.split(","))
+    if not all(urls):
+        raise ValueError(f"invalid NATS server list {text!r}: comma-separated URLs (nats://host:4222)")
+    return urls
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
@@ -487,6 +501,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         log_format=args.log_format,
+        fleet_nats=args.fleet,
     )
     return serve_gateway(args.config, package_version(), workers=args.workers, overrides=overrides)
 
