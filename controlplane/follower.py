@@ -37,6 +37,10 @@ class Follower:
     def now(self) -> float:
         return self._clock()
 
+    def fleet_headers(self) -> dict[str, str]:
+        """None: a worker names its process in `X-Interlock-Worker`; its replica's leader does the rest."""
+        return {}
+
     def observe(self, event: Event) -> None:
         """Report a data-plane observation to the leader; never blocks."""
         self._report(event)

@@ -85,6 +85,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
             "X-Interlock-Worker": str(worker),
             "X-Interlock-Seq": str(snapshot.seq),
             "X-Interlock-State-Digest": view.state_digest,
+            **control_plane.fleet_headers(),
         }
         return Response(_encode.encode(body), content_type="application/json", headers=headers)
 

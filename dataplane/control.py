@@ -23,3 +23,6 @@ class ControlPlaneView(Protocol):
 
     def observe(self, event: Event) -> None:
         """Report a data-plane observation (an upstream failed or recovered); never blocks."""
+
+    def fleet_headers(self) -> dict[str, str]:
+        """`/health`'s headers naming this replica and the fleet's leader (none off a fleet)."""
