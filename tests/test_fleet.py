@@ -2,8 +2,8 @@
 times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulated nodes.
 
 Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
-is replaced and the seqs go on without gap or duplicate; a leader paused past its lease finds
-its appends refused and follows.
+is replaced and the seqs go on without gap or duplicate; an append after a stale seq is refused;
+a leader paused past its lease steps down and follows.
 """
 
 from __future__ import annotations
@@ -19,11 +19,15 @@ from pathlib import Path
 import httpx
 import msgspec
 import nats
+import pytest
 import trio
 
+from events.config import FleetConfig
 from events.log import decode_event
 from events.types import ConfigReloaded, HealthProbed
 from fixtures.node import SimulatedNode, serve_nodes
+from fleet.bridge import open_asyncio_thread
+from fleet.jetstream import AppendRefused, FleetLink
 from harness import MODEL, PROJECT_ROOT, chat, config_text, node_specs
 from nats_cluster import NatsServer, free_port, nats_servers
 
@@ -217,7 +221,30 @@ async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
         assert any(isinstance(decode_event(data), ConfigReloaded) for _, data in messages)  # the new term
 
 
-async def test_a_leader_paused_past_its_lease_is_refused_and_follows(tmp_path):
+async def test_an_append_against_a_stale_last_seq_is_refused(tmp_path):
+    """The fence itself: of two replicas appending after the same seq, the second is refused."""
+    fleet = FleetConfig(nats=(), name="fence", replica="r", lease=2.0, lease_renewal=0.5)
+
+    def unexpected(error: BaseException) -> None:
+        raise AssertionError(error)
+
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        fleet = msgspec.structs.replace(fleet, nats=(server.url,))
+        first, second = FleetLink(bridge, fleet), FleetLink(bridge, fleet)
+        await first.connect()
+        await second.connect()
+        assert await first.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0) == 1
+        with pytest.raises(AppendRefused):
+            await second.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0)
+        assert await second.append(b'{"type":"run_stopped","at":2.0,"seq":2}', 1) == 2
+        assert await first.last_event_seq() == 2
+        await first.close()
+        await second.close()
+
+
+async def test_a_leader_paused_past_its_lease_steps_down_and_follows(tmp_path):
+    """Its lease ran out while it was stopped: on SIGCONT it ends its term before it appends
+    (were it to append, the fence above refuses it), and follows the new leader."""
     async with (
         nats_servers(tmp_path, 3) as servers,
         serve_nodes(node_specs(2)) as nodes,
