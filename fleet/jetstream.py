@@ -92,9 +92,10 @@ class FleetLink:
     def is_connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
 
-    async def connect(self) -> None:
+    async def connect(self, *, create: bool = True) -> None:
         """Connect (nats-py reconnects by itself after that) and create the streams and the
-        lease bucket, or find them. Raises on failure; the caller retries."""
+        lease bucket, or find them (not with `create` false: a reader). Raises on failure; the
+        caller retries."""
         mark_connected = self._bridge.to_trio(self._connection_changed)
 
         async def changed() -> None:
@@ -111,6 +112,8 @@ class FleetLink:
             reconnected_cb=changed,
         )
         self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
+        if not create:
+            return
         replicas = min(MAX_REPLICAS, len(self._fleet.nats))
         names = self.names
         for config in (

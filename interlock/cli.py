@@ -11,6 +11,7 @@
     interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
     interlock whatif LOG… --decisions FILE [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
+    interlock fleet export DIR --fleet URL[,URL…] [--name N]
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
@@ -33,7 +34,7 @@ from controlplane.config import ConfigError, Overrides, UnknownKey, describe_con
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from dataplane.decisions import find_decisions, read_decisions
-from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
+from events.config import DEFAULT_FLEET_NAME, DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS, FleetConfig
 from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
@@ -541,7 +542,35 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # --- the program -----------------------------------------------------------------------------
 
-SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif]
+def add_fleet(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("fleet", help="the fleet's streams in NATS JetStream")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    export = actions.add_parser("export", help="write the fleet's event stream as an event log (DIR/events.jsonl)")
+    export.add_argument("dir", type=Path, metavar="DIR", help="where events.jsonl goes")
+    export.add_argument(
+        "--fleet", required=True, type=_argument_type(parse_nats_urls), metavar="URL[,URL…]", help="the NATS servers"
+    )
+    export.add_argument("--name", default=DEFAULT_FLEET_NAME, help=f"the fleet's name (default: {DEFAULT_FLEET_NAME})")
+    export.set_defaults(run=run_fleet_export)
+
+
+def run_fleet_export(args: argparse.Namespace) -> int:
+    from fleet.export import ExportError, run_export  # NATS, imported only for the fleet
+
+    fleet = FleetConfig(nats=args.fleet, name=args.name, replica="export", lease=1.0, lease_renewal=0.5)
+    try:
+        path, count = run_export(fleet, args.dir)
+    except ExportError as error:
+        return _error(args, str(error))
+    except Exception as error:  # NATS unreachable, a stream missing: one line, no traceback
+        return _error(args, f"cannot read the fleet {args.name!r} from {','.join(args.fleet)}: {error or repr(error)}")
+    print(f"wrote {count} events to {path}")
+    return 0
+
+
+SUBCOMMANDS = [
+    add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif, add_fleet,
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

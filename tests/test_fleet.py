@@ -195,9 +195,22 @@ async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
         for replica in replicas:  # a request through each replica reaches a node
             response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
             assert response.status_code == 200, response.text
-        await agreed(http, replicas, observed)
+        state = await agreed(http, replicas, observed)
         assert observed.disagreements() == {}
         assert_gapless(await fleet_events(servers[0].url))
+        # the stream, exported, is an event log the tools read
+        export = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "fleet", "export", str(tmp_path / "export"), "--fleet", servers[1].url],
+            capture_stdout=True,
+            cwd=PROJECT_ROOT,
+        )
+        assert export.stdout.decode().startswith("wrote ")
+        replay = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "replay", str(tmp_path / "export" / "events.jsonl"), "--json"],
+            capture_stdout=True,
+            cwd=PROJECT_ROOT,
+        )
+        assert msgspec.json.decode(replay.stdout)["seq"] >= state.seq
 
 
 async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
