@@ -8,7 +8,6 @@ names all start with the fleet's `name` (N below):
   `Nats-Expected-Last-Sequence` header), so a message's stream sequence is its event's seq;
 - stream `N-checkpoints` (subject `N.checkpoints`): the leader's `Checkpoint`s, each naming the
   seq its state includes; a replica starts from the newest;
-- stream `N-decisions` (subject `N.decisions`): every replica's decision records;
 - key-value bucket `N-leader`, key `leader`: the lease. Its TTL is the lease, so a leader that
   stops renewing loses it; the value is the leader's replica name;
 - subject `N.observations` (core NATS, no stream): what replicas' data planes observe, for the
@@ -24,7 +23,7 @@ import nats
 import nats.errors
 import nats.js.errors
 import trio
-from nats.js.api import DiscardPolicy, StreamConfig
+from nats.js.api import StreamConfig
 
 from events.config import FleetConfig
 from fleet.bridge import AsyncioThread
@@ -35,8 +34,6 @@ OPERATION_SECONDS = 5.0
 EVENT_RETENTION_SECONDS = 7 * 24 * 3600.0
 EVENT_RETENTION_BYTES = 4 * 1024**3
 CHECKPOINTS_KEPT = 16
-DECISION_RETENTION_SECONDS = 7 * 24 * 3600.0
-DECISION_RETENTION_BYTES = 4 * 1024**3
 MAX_REPLICAS = 3
 """Copies JetStream keeps of each stream: one per configured server, up to three."""
 
@@ -62,10 +59,6 @@ class Names:
     @property
     def checkpoints(self) -> str:
         return f"{self.fleet}-checkpoints"
-
-    @property
-    def decisions(self) -> str:
-        return f"{self.fleet}-decisions"
 
     @property
     def lease(self) -> str:
@@ -128,14 +121,6 @@ class FleetLink:
                 name=names.checkpoints,
                 subjects=[names.subject("checkpoints")],
                 max_msgs=CHECKPOINTS_KEPT,
-                num_replicas=replicas,
-            ),
-            StreamConfig(
-                name=names.decisions,
-                subjects=[names.subject("decisions")],
-                max_age=DECISION_RETENTION_SECONDS,
-                max_bytes=DECISION_RETENTION_BYTES,
-                discard=DiscardPolicy.OLD,
                 num_replicas=replicas,
             ),
         ):
@@ -232,7 +217,7 @@ class FleetLink:
                 continue  # removed by retention
             yield seq, message.data
 
-    # --- checkpoints, observations, decisions ----------------------------------------------
+    # --- checkpoints and observations -----------------------------------------------------
 
     async def publish_checkpoint(self, line: bytes) -> None:
         await self._call(self._js.publish, self.names.subject("checkpoints"), line)
@@ -257,8 +242,3 @@ class FleetLink:
             to_trio(msg.data)
 
         return await self._call(self._nc.subscribe, self.names.subject("observations"), cb=on_message)
-
-    def publish_decision(self, line: bytes) -> None:
-        """Append a decision record to the fleet's decision stream; never blocks."""
-        if self._js is not None:
-            self._bridge.submit(self._js.publish, self.names.subject("decisions"), line)

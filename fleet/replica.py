@@ -112,11 +112,6 @@ class FleetControlPlane(ControlPlane):
         if self._link is not None:
             self._link.publish_observation(encode_event(event))
 
-    def publish_decision(self, line: bytes) -> None:
-        """A decision record (JSON), to the fleet's decision stream; never blocks."""
-        if self._link is not None:
-            self._link.publish_decision(line)
-
     # --- lifecycle --------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
