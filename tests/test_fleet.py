@@ -121,6 +121,24 @@ async def fleet_of(
                     await replica.process.wait()
 
 
+@asynccontextmanager
+async def running_fleet(
+    tmp_path: Path, nats_count: int
+) -> AsyncIterator[tuple[list[NatsServer], list[SimulatedNode], list[Replica], httpx.AsyncClient]]:
+    """`nats_count` NATS servers, two simulated nodes, three replicas and an HTTP client."""
+    async with (
+        nats_servers(tmp_path, nats_count) as servers,
+        serve_nodes(node_specs(2)) as nodes,
+        fleet_of(tmp_path, nodes, servers) as replicas,
+        httpx.AsyncClient() as http,
+    ):
+        yield servers, nodes, replicas, http
+
+
+def named(replicas: Sequence[Replica], name: str) -> Replica:
+    return next(replica for replica in replicas if replica.name == name)
+
+
 class Observed:
     """Every (seq, digest) any replica answered with: one seq must never have two digests."""
 
@@ -183,12 +201,7 @@ def assert_gapless(messages: list[tuple[int, bytes]]) -> None:
 
 
 async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
-    async with (
-        nats_servers(tmp_path, 3) as servers,
-        serve_nodes(node_specs(2)) as nodes,
-        fleet_of(tmp_path, nodes, servers) as replicas,
-        httpx.AsyncClient() as http,
-    ):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
         observed = Observed()
         state = await agreed(http, replicas, observed)
         assert state.leader in {"r1", "r2", "r3"}
@@ -214,15 +227,10 @@ async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
 
 
 async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
-    async with (
-        nats_servers(tmp_path, 3) as servers,
-        serve_nodes(node_specs(2)) as nodes,
-        fleet_of(tmp_path, nodes, servers) as replicas,
-        httpx.AsyncClient() as http,
-    ):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
         observed = Observed()
         before = await agreed(http, replicas, observed)
-        leader = next(replica for replica in replicas if replica.name == before.leader)
+        leader = named(replicas, before.leader)
         leader.signal(signal.SIGKILL)
         survivors = [replica for replica in replicas if replica is not leader]
         after = await agreed(http, survivors, observed, excluding=leader.name)
@@ -258,15 +266,10 @@ async def test_an_append_against_a_stale_last_seq_is_refused(tmp_path):
 async def test_a_leader_paused_past_its_lease_steps_down_and_follows(tmp_path):
     """Its lease ran out while it was stopped: on SIGCONT it ends its term before it appends
     (were it to append, the fence above refuses it), and follows the new leader."""
-    async with (
-        nats_servers(tmp_path, 3) as servers,
-        serve_nodes(node_specs(2)) as nodes,
-        fleet_of(tmp_path, nodes, servers) as replicas,
-        httpx.AsyncClient() as http,
-    ):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
         observed = Observed()
         before = await agreed(http, replicas, observed)
-        paused = next(replica for replica in replicas if replica.name == before.leader)
+        paused = named(replicas, before.leader)
         paused.signal(signal.SIGSTOP)
         others = [replica for replica in replicas if replica is not paused]
         await agreed(http, others, observed, excluding=paused.name)
@@ -283,12 +286,7 @@ async def test_a_leader_paused_past_its_lease_steps_down_and_follows(tmp_path):
 async def test_each_node_is_probed_by_the_leader_alone(tmp_path):
     """Every health check a node answered is one health_probe event on the fleet's stream: the
     followers send none (three replicas probing on their own would make three per event)."""
-    async with (
-        nats_servers(tmp_path) as servers,
-        serve_nodes(node_specs(2)) as nodes,
-        fleet_of(tmp_path, nodes, servers) as replicas,
-        httpx.AsyncClient() as http,
-    ):
+    async with running_fleet(tmp_path, 1) as (servers, nodes, replicas, http):
         await agreed(http, replicas, Observed())
 
         def probes_on_the_stream(messages, node: SimulatedNode) -> int:
