@@ -17,6 +17,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ from msgspec.structs import replace
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
+    DEFAULT_FLEET_LEASE,
+    DEFAULT_FLEET_LEASE_RENEWAL,
+    DEFAULT_FLEET_NAME,
     DEFAULT_HEALTH_FAIL_THRESHOLD,
     DEFAULT_LISTEN,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
@@ -40,6 +44,7 @@ from events.config import (
     LOG_LEVELS,
     POLICIES,
     Config,
+    FleetConfig,
     GatewayConfig,
 )
 
@@ -101,6 +106,8 @@ class Overrides:
     log_format: str | None = None
     event_log: str | None = None
     decision_log: str | None = None
+    fleet_nats: tuple[str, ...] | None = None
+    """`serve --fleet URL[,URL…]`: the fleet's NATS servers (a `[fleet]` table if the file has none)."""
 
     def apply(self, gateway: GatewayConfig) -> GatewayConfig:
         given = {
@@ -144,6 +151,7 @@ _DURATION_KEYS = {
         "response_body_timeout",
     ),
     "routing": ("load_scrape_interval",),
+    "fleet": ("lease", "lease_renewal"),
 }
 """The keys, by table, that hold Go duration strings in the file and float seconds in the schema."""
 
@@ -174,6 +182,8 @@ def load_config(
     except msgspec.ValidationError as exc:
         message, key = _split_validation_error(exc)
         raise ConfigError(path, key, f"parsing config: {message}") from None
+    if overrides.fleet_nats is not None:
+        config = replace(config, fleet=replace(config.fleet or FleetConfig(), nats=overrides.fleet_nats))
     config = _apply_loader_defaults(path, config, duration_texts)
     config = replace(config, gateway=overrides.apply(config.gateway))
     return _with_access_keys(path, _validate(path, config), inline_key_hashes)
@@ -212,8 +222,9 @@ def _match_field_names(
                 closest = difflib.get_close_matches(key.lower(), list(fields), n=1)
                 report(prefix + key, prefix + closest[0] if closest else "")
             continue
-        if isinstance(field.type, msgspec.inspect.StructType):
-            value = _match_field_names(value, field.type, f"{prefix}{field.name}.", report)
+        struct_type = _struct_type(field.type)
+        if struct_type is not None:
+            value = _match_field_names(value, struct_type, f"{prefix}{field.name}.", report)
         elif isinstance(field.type, msgspec.inspect.VarTupleType) and isinstance(value, list):
             item_schema = field.type.item_type
             if isinstance(item_schema, msgspec.inspect.StructType):
@@ -223,6 +234,14 @@ def _match_field_names(
                 ]
         renamed[field.name] = value
     return renamed
+
+
+def _struct_type(schema: msgspec.inspect.Type) -> msgspec.inspect.StructType | None:
+    """The table type of a field: a Struct, or the Struct of an optional one (`[fleet]`)."""
+    if isinstance(schema, msgspec.inspect.UnionType):
+        structs = [member for member in schema.types if isinstance(member, msgspec.inspect.StructType)]
+        return structs[0] if len(structs) == 1 else None
+    return schema if isinstance(schema, msgspec.inspect.StructType) else None
 
 
 def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -300,7 +319,13 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         )
         for node in config.nodes
     )
-    return replace(config, gateway=gateway, nodes=nodes, routing=routing)
+    fleet = config.fleet
+    if fleet is not None:
+        lease = {"lease": DEFAULT_FLEET_LEASE, "lease_renewal": DEFAULT_FLEET_LEASE_RENEWAL} | durations["fleet"]
+        fleet = replace(
+            fleet, name=fleet.name or DEFAULT_FLEET_NAME, replica=fleet.replica or socket.gethostname(), **lease
+        )
+    return replace(config, gateway=gateway, nodes=nodes, routing=routing, fleet=fleet)
 
 
 def _validate(path: str, config: Config) -> Config:
@@ -378,6 +403,7 @@ def _validate(path: str, config: Config) -> Config:
 
     _check_addresses_and_models(invalid, config)
     _check_routing(invalid, config)
+    _check_fleet(invalid, config.fleet)
     gateway = replace(
         gateway,
         max_buffered_response_bytes=gateway.max_buffered_response_bytes
@@ -525,6 +551,37 @@ def _check_routing(invalid: Callable[[str, str], ConfigError], config: Config) -
                 f"models.available[{index}].policy",
                 f'policy must be one of {policies}, or "" for routing.policy (got {go_quote(model.policy)})',
             )
+
+
+_FLEET_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+"""A fleet's name: it prefixes JetStream stream and bucket names, which allow no `.`, `*`, `>` or space."""
+
+_REPLICA_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def _check_fleet(invalid: Callable[[str, str], ConfigError], fleet: FleetConfig | None) -> None:
+    """The [fleet] table (defaults applied): servers, names, and a renewal well inside the lease."""
+    if fleet is None:
+        return
+    if not fleet.nats:
+        raise invalid("fleet.nats", "nats must list at least one NATS server URL (nats://host:4222)")
+    for index, url in enumerate(fleet.nats):
+        scheme, separator, address = url.partition("://")
+        if scheme not in ("nats", "tls") or not separator or not address or "/" in address:
+            raise invalid(f"fleet.nats[{index}]", f"not a NATS server URL (nats://host:port): {go_quote(url)}")
+    if not _FLEET_NAME.fullmatch(fleet.name):
+        raise invalid("fleet.name", f"name must be 1-64 letters, digits, - or _ (got {go_quote(fleet.name)})")
+    if not _REPLICA_NAME.fullmatch(fleet.replica):
+        raise invalid(
+            "fleet.replica", f"replica must be 1-128 letters, digits, ., - or _ (got {go_quote(fleet.replica)})"
+        )
+    if fleet.lease <= 0:
+        raise invalid("fleet.lease", "lease must be greater than zero")
+    if not 0 < fleet.lease_renewal <= fleet.lease / 2:
+        raise invalid(
+            "fleet.lease_renewal",
+            f"lease_renewal must be greater than zero and at most half the lease ({_seconds_text(fleet.lease / 2)})",
+        )
 
 
 def _hosts_overlap(first: str, second: str) -> bool:

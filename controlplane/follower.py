@@ -49,6 +49,10 @@ class Follower:
         (the leader's stream ended), "" when they do again."""
         self._stale = reason
 
+    def fleet_headers(self) -> dict[str, str]:
+        """None: a worker names its process in `X-Interlock-Worker`; its replica's leader does the rest."""
+        return {}
+
     def observe(self, event: Event) -> None:
         """Report a data-plane observation to the leader; never blocks."""
         self._report(event)

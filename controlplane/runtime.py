@@ -140,6 +140,10 @@ class ControlPlane:
         """The control plane numbers the events itself: its state is current once it has started."""
         return "" if self._snapshot.config is not None else "the control plane has not started"
 
+    def fleet_headers(self) -> dict[str, str]:
+        """None: a single-host gateway is in no fleet."""
+        return {}
+
     def add_listener(self, fn: Listener) -> None:
         """Call `fn(event, state, step)` in the reducer task after each publish, with the numbered
         event; it must not block."""
@@ -340,7 +344,13 @@ class ControlPlane:
 
     def _apply(self, event: Event) -> None:
         self._seq += 1
-        event = msgspec.structs.replace(event, seq=self._seq)
+        self.apply_numbered(msgspec.structs.replace(event, seq=self._seq))
+
+    def apply_numbered(self, event: Event) -> None:
+        """Apply an event that already has its number (this process's, or a fleet leader's):
+        reduce, publish the snapshot, then hand the step to the logs, metrics, listeners and
+        prober. Called by the reducer task only."""
+        self._seq = event.seq
         before = self._snapshot
         state, step = reduce(before, event)
         self._snapshot = state
@@ -386,11 +396,13 @@ def _last_seq_or_zero(path: str) -> int:
 
 
 @asynccontextmanager
-async def open_control_plane(config_path: str | os.PathLike[str], **kwargs) -> AsyncIterator[ControlPlane]:
-    """Run a ControlPlane in its own nursery until the block ends, then stop it cleanly (even
-    when the block is cancelled). A ConfigError at start, or an exception from the block, is
-    raised as it is (not wrapped in an ExceptionGroup)."""
-    control_plane = ControlPlane(config_path, **kwargs)
+async def open_control_plane(
+    config_path: str | os.PathLike[str], *, kind: type[ControlPlane] | None = None, **kwargs
+) -> AsyncIterator[ControlPlane]:
+    """Run a ControlPlane (or a subclass: `kind`) in its own nursery until the block ends, then
+    stop it cleanly (even when the block is cancelled). A ConfigError at start, or an exception
+    from the block, is raised as it is (not wrapped in an ExceptionGroup)."""
+    control_plane = (kind or ControlPlane)(config_path, **kwargs)
     failure: Exception | None = None
     async with trio.open_nursery() as nursery:
         try:

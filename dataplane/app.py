@@ -84,6 +84,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
             "X-Interlock-Worker": str(worker),
             "X-Interlock-Seq": str(view.snapshot.seq),
             "X-Interlock-State-Digest": view.state_digest,
+            **control_plane.fleet_headers(),
         }
 
     @app.get("/v1/models")

@@ -28,3 +28,6 @@ class ControlPlaneView(Protocol):
     def stale_reason(self) -> str:
         """Why this process may not be routing on the current state, "" when it is: the one
         place `/ready` asks (a load balancer then sends its requests to another replica)."""
+
+    def fleet_headers(self) -> dict[str, str]:
+        """`/health`'s headers naming this replica and the fleet's leader (none off a fleet)."""

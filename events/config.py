@@ -42,6 +42,10 @@ DEFAULT_LOAD_SCRAPE_INTERVAL = 2.0
 DEFAULT_PREFIX_BYTES = 512
 DEFAULT_LOAD_BOUND = 1.25
 
+DEFAULT_FLEET_NAME = "interlock"
+DEFAULT_FLEET_LEASE = 3.0
+DEFAULT_FLEET_LEASE_RENEWAL = 1.0
+
 Workers = int | Literal["auto"]
 """`gateway.workers`: a count of processes, or "auto"."""
 
@@ -178,12 +182,29 @@ class ModelsConfig(Struct, frozen=True, kw_only=True):
     available: tuple[ModelEntry, ...] = ()
 
 
+class FleetConfig(Struct, frozen=True, kw_only=True):
+    """`[fleet]`: replicas on several hosts that follow one leader through NATS JetStream."""
+
+    nats: tuple[str, ...] = ()
+    """The NATS servers' URLs (`nats://host:4222`); `interlock serve --fleet` sets them."""
+    name: str = ""
+    """The prefix of the fleet's streams and keys (the loader's default: DEFAULT_FLEET_NAME)."""
+    replica: str = ""
+    """This host's name in the fleet (the loader's default: the host name)."""
+    lease: float = 0.0
+    """Seconds the leader's lease lasts unless renewed (the loader's default: DEFAULT_FLEET_LEASE)."""
+    lease_renewal: float = 0.0
+    """Seconds between the leader's renewals, at most half the lease (DEFAULT_FLEET_LEASE_RENEWAL)."""
+
+
 class Config(Struct, frozen=True, kw_only=True):
     cluster: ClusterConfig = ClusterConfig()
     gateway: GatewayConfig = GatewayConfig()
     nodes: tuple[NodeConfig, ...] = ()
     models: ModelsConfig = ModelsConfig()
     routing: RoutingConfig = RoutingConfig()
+    fleet: FleetConfig | None = None
+    """None: one host, no NATS (no `[fleet]` table and no `serve --fleet`)."""
 
     def model_ring(self, name: str) -> str:
         """plinth's ModelRing: the ring of the first available model named `name`, else ""."""

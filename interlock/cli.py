@@ -3,6 +3,7 @@
     interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr]
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
+                    [--fleet URL[,URL…]]
     interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json] [--skip-invalid]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json] [--skip-invalid]
@@ -11,6 +12,7 @@
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
     interlock whatif LOG… --decisions FILE [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
                     [--progress SECONDS]
+    interlock fleet export DIR --fleet URL[,URL…] [--name N]
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
@@ -33,7 +35,7 @@ from controlplane.config import ConfigError, Overrides, UnknownKey, describe_con
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from dataplane.decisions import find_decisions, read_decisions
-from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
+from events.config import DEFAULT_FLEET_NAME, DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS, FleetConfig
 from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
@@ -473,6 +475,12 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="N|auto",
         help="processes serving the API; auto: one per usable core (gateway.workers: 1)",
     )
+    parser.add_argument(
+        "--fleet",
+        type=_argument_type(parse_nats_urls),
+        metavar="URL[,URL…]",
+        help="join a fleet through these NATS servers (fleet.nats; the rest of [fleet] from the file)",
+    )
     parser.set_defaults(run=run_serve)
 
 
@@ -495,6 +503,13 @@ def parse_workers(text: str) -> int | str:
     raise ValueError(f"invalid worker count {text!r}: a whole number from 1, or auto")
 
 
+def parse_nats_urls(text: str) -> tuple[str, ...]:
+    urls = tuple(url.strip() for url in text.split(","))
+    if not all(urls):
+        raise ValueError(f"invalid NATS server list {text!r}: comma-separated URLs (nats://host:4222)")
+    return urls
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from interlock.serve import run_serve as serve_gateway  # the server stack, imported only to serve
 
@@ -507,6 +522,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         log_format=args.log_format,
+        fleet_nats=args.fleet,
     )
     return serve_gateway(args.config, package_version(), workers=args.workers, overrides=overrides)
 
@@ -546,7 +562,35 @@ def run_demo(args: argparse.Namespace) -> int:
 
 # --- the program -----------------------------------------------------------------------------
 
-SUBCOMMANDS = [add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif]
+def add_fleet(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser("fleet", help="the fleet's streams in NATS JetStream")
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    export = actions.add_parser("export", help="write the fleet's event stream as an event log (DIR/events.jsonl)")
+    export.add_argument("dir", type=Path, metavar="DIR", help="where events.jsonl goes")
+    export.add_argument(
+        "--fleet", required=True, type=_argument_type(parse_nats_urls), metavar="URL[,URL…]", help="the NATS servers"
+    )
+    export.add_argument("--name", default=DEFAULT_FLEET_NAME, help=f"the fleet's name (default: {DEFAULT_FLEET_NAME})")
+    export.set_defaults(run=run_fleet_export)
+
+
+def run_fleet_export(args: argparse.Namespace) -> int:
+    from fleet.export import ExportError, run_export  # NATS, imported only for the fleet
+
+    fleet = FleetConfig(nats=args.fleet, name=args.name, replica="export", lease=1.0, lease_renewal=0.5)
+    try:
+        path, count = run_export(fleet, args.dir)
+    except ExportError as error:
+        return _error(args, str(error))
+    except Exception as error:  # NATS unreachable, a stream missing: one line, no traceback
+        return _error(args, f"cannot read the fleet {args.name!r} from {','.join(args.fleet)}: {error or repr(error)}")
+    print(f"wrote {count} events to {path}")
+    return 0
+
+
+SUBCOMMANDS = [
+    add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif, add_fleet,
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

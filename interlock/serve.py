@@ -59,6 +59,7 @@ from dataplane.decisions import Decision, DecisionLog, DecisionRecorder, open_de
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
+from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 
 EXIT_OK = 0
@@ -122,8 +123,9 @@ async def serve(
             count = worker_count(workers if workers is not None else config.gateway.workers)
             timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
             decisions = await trio.to_thread.run_sync(open_decision_log, config.gateway, log, registry)
+            kind = FleetControlPlane if config.fleet is not None else ControlPlane
             async with open_control_plane(
-                config_path, config=config, overrides=overrides, version=version, log=log, registry=registry
+                config_path, kind=kind, config=config, overrides=overrides, version=version, log=log, registry=registry
             ) as control_plane:
                 return await _run(control_plane, signals, sockets, registry, log, ready, count, timeouts, decisions)
         except LogInUse as error:

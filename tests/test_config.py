@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import msgspec
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from controlplane.config import (
     ConfigError,
+    Overrides,
     UnknownKey,
     describe_config,
     format_go_duration,
@@ -25,6 +27,7 @@ from events.config import (
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     Config,
+    FleetConfig,
     GatewayConfig,
     ModelEntry,
     ModelsConfig,
@@ -915,3 +918,65 @@ def test_parse_go_duration_accepts_or_raises_value_error(text: str) -> None:
 )
 def test_go_quote(text: str, quoted: str) -> None:
     assert go_quote(text) == quoted
+
+
+# --- [fleet] ---------------------------------------------------------------------------------
+
+
+def test_without_a_fleet_table_there_is_no_fleet(tmp_path: Path) -> None:
+    assert load_text(tmp_path, ONE_NODE).fleet is None
+
+
+def test_fleet_defaults(tmp_path: Path) -> None:
+    fleet = load_text(tmp_path, ONE_NODE + '[fleet]\nnats = ["nats://10.0.0.9:4222"]\n').fleet
+    assert fleet == FleetConfig(
+        nats=("nats://10.0.0.9:4222",), name="interlock", replica=socket.gethostname(), lease=3.0, lease_renewal=1.0
+    )
+
+
+def test_fleet_durations_and_names(tmp_path: Path) -> None:
+    text = ONE_NODE + (
+        '[fleet]\nnats = ["nats://a:4222", "tls://b:4222"]\nname = "prod-eu"\nreplica = "gw-2.example"\n'
+        'lease = "10s"\nlease_renewal = "2500ms"\n'
+    )
+    assert load_text(tmp_path, text).fleet == FleetConfig(
+        nats=("nats://a:4222", "tls://b:4222"), name="prod-eu", replica="gw-2.example", lease=10.0, lease_renewal=2.5
+    )
+
+
+def test_serve_fleet_sets_the_servers_with_or_without_a_table(tmp_path: Path) -> None:
+    urls = ("nats://a:4222", "nats://b:4222")
+    path = write_config(tmp_path, ONE_NODE)
+    assert load_config(path, overrides=Overrides(fleet_nats=urls)).fleet.nats == urls
+    assert load_config(path, overrides=Overrides(fleet_nats=urls)).fleet.name == "interlock"
+    path = write_config(tmp_path, ONE_NODE + '[fleet]\nnats = ["nats://c:4222"]\nname = "blue"\n')
+    assert load_config(path, overrides=Overrides(fleet_nats=urls)).fleet.name == "blue"
+    assert load_config(path, overrides=Overrides(fleet_nats=urls)).fleet.nats == urls
+
+
+@pytest.mark.parametrize(
+    ("lines", "key", "message"),
+    [
+        ("", "fleet.nats", "nats must list at least one NATS server URL"),
+        ('nats = ["10.0.0.9:4222"]', "fleet.nats[0]", 'not a NATS server URL (nats://host:port): "10.0.0.9:4222"'),
+        ('nats = ["nats://a:1"]\nname = "a.b"', "fleet.name", "name must be 1-64 letters, digits, - or _"),
+        ('nats = ["nats://a:1"]\nreplica = "a b"', "fleet.replica", "replica must be 1-128 letters"),
+        ('nats = ["nats://a:1"]\nlease = "fast"', "fleet.lease", "parsing lease"),
+        (
+            'nats = ["nats://a:1"]\nlease = "2s"\nlease_renewal = "1500ms"',
+            "fleet.lease_renewal",
+            "lease_renewal must be greater than zero and at most half the lease (1s)",
+        ),
+    ],
+)
+def test_fleet_errors_name_the_key(tmp_path: Path, lines: str, key: str, message: str) -> None:
+    error = load_error(tmp_path, ONE_NODE + "[fleet]\n" + lines + "\n")
+    assert error.key == key
+    assert message in error.message
+
+
+def test_an_unknown_fleet_key_is_reported(tmp_path: Path) -> None:
+    unknown: list[UnknownKey] = []
+    path = write_config(tmp_path, ONE_NODE + '[fleet]\nnats = ["nats://a:1"]\nleases = "3s"\n')
+    load_config(path, warn=unknown.append)
+    assert [(item.key, item.closest) for item in unknown] == [("fleet.leases", "fleet.lease")]

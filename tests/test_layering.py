@@ -15,7 +15,8 @@ MAY_IMPORT = {
     "transport": {"transport"},
     "controlplane": {"controlplane", "events", "transport"},
     "dataplane": {"dataplane", "controlplane", "events", "transport"},
-    "interlock": {"interlock", "dataplane", "controlplane", "events", "transport", "fixtures"},
+    "fleet": {"fleet", "controlplane", "events", "transport"},
+    "interlock": {"interlock", "fleet", "dataplane", "controlplane", "events", "transport", "fixtures"},
     "fixtures": {"fixtures"},
 }
 PROJECT_PACKAGES = set(MAY_IMPORT) | {"bench", "tests"}

@@ -1,0 +1,151 @@
+"""The one place trio meets asyncio: nats-py runs on an asyncio loop owned by a thread of its own.
+
+Interlock runs on trio; the NATS client (nats-py) is asyncio. Rather than run both on one thread
+(trio-asyncio), the client gets a private asyncio loop in a daemon thread, and trio code reaches
+it only through `AsyncioThread`:
+
+- `call(fn, ...)` runs the coroutine `fn(...)` on the loop and waits for its result in trio. The
+  wait is cancellable: a cancelled trio call cancels the asyncio task (it then sees
+  `CancelledError` wherever it waits) and waits a moment for it to end;
+- `submit(fn, ...)` starts a coroutine and returns at once (what never-blocking callers, the data
+  plane's observations, use); a failure goes to `on_error`;
+- `to_trio(fn)` is a thread-safe function that runs `fn(*args)` on the trio thread soon, for
+  asyncio callbacks (a subscription's messages) to hand their work to trio, never blocking the
+  loop;
+- closing it cancels every task left on the loop, waits for them, and joins the thread, so
+  nothing of NATS outlives the block.
+
+Why a thread: the asyncio side (the client's reader, pinger, reconnect loop) never competes with
+the gateway's trio tasks for a turn of one scheduler, a stuck asyncio call cannot stall the data
+plane, and each side keeps its own library's semantics (trio's cancel scopes, asyncio's tasks)
+with one crossing, this module, to get right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import trio
+
+T = TypeVar("T")
+
+CANCEL_WAIT_SECONDS = 5.0
+"""How long a cancelled call waits for its asyncio task to end."""
+
+CLOSE_WAIT_SECONDS = 10.0
+"""How long closing waits for the loop's tasks to end and its thread to exit."""
+
+
+class BridgeClosed(Exception):
+    """A call on an AsyncioThread that has been closed."""
+
+
+class AsyncioThread:
+    """An asyncio loop in a thread of its own, driven from trio (see the module docstring)."""
+
+    def __init__(self, on_error: Callable[[BaseException], None], name: str = "interlock-asyncio") -> None:
+        self._on_error = on_error
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
+        self._token = trio.lowlevel.current_trio_token()
+        self._closed = False
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.close()
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """`await fn(*args, **kwargs)` on the loop; its result or exception here."""
+        ended = trio.Event()
+        task = self._start(fn(*args, **kwargs), lambda _: self._wake(ended.set))
+        try:
+            await ended.wait()
+        except BaseException:
+            self._loop.call_soon_threadsafe(lambda: task[0].cancel())  # after _start's callback
+            with trio.CancelScope(shield=True), trio.move_on_after(CANCEL_WAIT_SECONDS):
+                await ended.wait()
+            raise
+        if task[0].cancelled():
+            raise BridgeClosed("the asyncio thread was closed during the call")
+        return task[0].result()
+
+    def submit(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> None:
+        """Start `fn(*args, **kwargs)` on the loop without waiting; never blocks. A failure (or
+        a closed bridge) goes to `on_error`, called on the trio thread."""
+
+        def report(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                self._wake(self._on_error, task.exception())
+
+        try:
+            self._start(fn(*args, **kwargs), report)
+        except BridgeClosed as error:
+            self._on_error(error)
+
+    def to_trio(self, fn: Callable[..., None]) -> Callable[..., None]:
+        """A function that any thread may call to have `fn(*args)` run on the trio thread soon
+        (dropped once trio has stopped)."""
+
+        def run_soon(*args: Any) -> None:
+            self._wake(fn, *args)
+
+        return run_soon
+
+    def _start(self, coroutine: Coroutine, when_done: Callable[[asyncio.Task], None]) -> list[asyncio.Task]:
+        """Make `coroutine` a task on the loop (soon), calling `when_done` (on the loop's thread)
+        once the task has ended, however; the list holds the task once it exists."""
+        if self._closed:
+            coroutine.close()
+            raise BridgeClosed("the asyncio thread is closed")
+        task: list[asyncio.Task] = []
+
+        def create() -> None:
+            task.append(self._loop.create_task(coroutine))
+            task[0].add_done_callback(when_done)
+
+        self._loop.call_soon_threadsafe(create)
+        return task
+
+    def _wake(self, fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(fn, *args)
+
+    async def aclose(self) -> None:
+        """Cancel every task on the loop, wait for them, stop the loop and join its thread."""
+        if self._closed:
+            return
+        with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_WAIT_SECONDS):
+            try:
+                await self.call(_cancel_other_tasks)
+            finally:
+                self._closed = True
+                self._loop.call_soon_threadsafe(self._loop.stop)
+                await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+
+
+async def _cancel_other_tasks() -> None:
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
+
+
+@asynccontextmanager
+async def open_asyncio_thread(on_error: Callable[[BaseException], None]) -> AsyncIterator[AsyncioThread]:
+    """An AsyncioThread for the block; closed (no task, no thread left) when the block ends."""
+    bridge = AsyncioThread(on_error)
+    bridge._thread.start()
+    try:
+        yield bridge
+    finally:
+        await bridge.aclose()

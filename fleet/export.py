@@ -1,0 +1,59 @@
+"""`interlock fleet export DIR`: the fleet's event stream as the JSON Lines event log that
+`replay`, `explain`, `audit`, `whatif` and `timeline` read (`DIR/events.jsonl`).
+
+The stream holds one event per message, its stream sequence being the event's seq, so the
+export is the messages in order. When retention has removed the stream's first events, the file
+starts with the newest checkpoint the remaining events follow, as a later log segment does.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import trio
+
+from events.config import FleetConfig
+from events.log import decode_event
+from fleet.bridge import open_asyncio_thread
+from fleet.jetstream import FleetLink
+
+
+class ExportError(Exception):
+    """The stream cannot be read as a log (nothing in it, or a gap no checkpoint bridges)."""
+
+
+async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
+    """Write the fleet's event stream to `directory/events.jsonl`; the path and the events written."""
+
+    def report(error: BaseException) -> None:
+        raise error
+
+    async with open_asyncio_thread(report) as bridge:
+        link = FleetLink(bridge, fleet)
+        try:
+            await link.connect(create=False)
+            first, last = await link.first_event_seq(), await link.last_event_seq()
+            if last == 0:
+                raise ExportError(f"the fleet's event stream {link.names.events} is empty")
+            lines: list[bytes] = []
+            if first > 1:
+                checkpoint = await link.newest_checkpoint()
+                if checkpoint is None or decode_event(checkpoint).seq < first - 1:
+                    raise ExportError(f"the stream starts at seq {first} and no checkpoint reaches back to it")
+                lines.append(checkpoint)
+                first = decode_event(checkpoint).seq + 1
+            async for _, data in link.read_events(first, last):
+                lines.append(data)
+        finally:
+            await link.close()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "events.jsonl"
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+    os.replace(temporary, path)
+    return path, len(lines)
+
+
+def run_export(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
+    return trio.run(export_events, fleet, directory)

@@ -1,0 +1,244 @@
+"""The fleet's JetStream: its streams, its lease key and its subjects, as trio calls.
+
+Every call crosses to nats-py through `fleet.bridge` and has a deadline (OPERATION_SECONDS). The
+names all start with the fleet's `name` (N below):
+
+- stream `N-events` (subject `N.events`): the fleet's event log, one event per message. Only the
+  leader appends, each append conditional on the stream's last sequence (the
+  `Nats-Expected-Last-Sequence` header), so a message's stream sequence is its event's seq;
+- stream `N-checkpoints` (subject `N.checkpoints`): the leader's `Checkpoint`s, each naming the
+  seq its state includes; a replica starts from the newest;
+- key-value bucket `N-leader`, key `leader`: the lease. Its TTL is the lease, so a leader that
+  stops renewing loses it; the value is the leader's replica name;
+- subject `N.observations` (core NATS, no stream): what replicas' data planes observe, for the
+  leader to number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import nats
+import nats.errors
+import nats.js.errors
+import trio
+from nats.js.api import StreamConfig
+
+from events.config import FleetConfig
+from fleet.bridge import AsyncioThread
+
+OPERATION_SECONDS = 5.0
+"""The deadline of one JetStream request (an append, a lease renewal, a lookup)."""
+
+EVENT_RETENTION_SECONDS = 7 * 24 * 3600.0
+EVENT_RETENTION_BYTES = 4 * 1024**3
+CHECKPOINTS_KEPT = 16
+MAX_REPLICAS = 3
+"""Copies JetStream keeps of each stream: one per configured server, up to three."""
+
+LEASE_KEY = "leader"
+WRONG_LAST_SEQUENCE = 10071
+"""JetStream's error code for an append whose expected last sequence is not the stream's."""
+
+
+class AppendRefused(Exception):
+    """The stream's last sequence was not the one expected: another leader has appended."""
+
+
+@dataclass(frozen=True)
+class Names:
+    """The fleet's stream, subject and bucket names."""
+
+    fleet: str
+
+    @property
+    def events(self) -> str:
+        return f"{self.fleet}-events"
+
+    @property
+    def checkpoints(self) -> str:
+        return f"{self.fleet}-checkpoints"
+
+    @property
+    def lease(self) -> str:
+        return f"{self.fleet}-leader"
+
+    def subject(self, what: str) -> str:
+        return f"{self.fleet}.{what}"
+
+
+class FleetLink:
+    """One replica's connection to the fleet's JetStream (trio side; see the module docstring)."""
+
+    def __init__(self, bridge: AsyncioThread, fleet: FleetConfig) -> None:
+        self._bridge = bridge
+        self._fleet = fleet
+        self.names = Names(fleet.name)
+        self._nc = None
+        self._js = None
+        self._kv = None
+        self.connected = trio.Event()
+        """Set once connected and the streams exist; a new Event after a disconnection."""
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def connect(self, *, create: bool = True) -> None:
+        """Connect (nats-py reconnects by itself after that) and create the streams and the
+        lease bucket, or find them (not with `create` false: a reader). Raises on failure; the
+        caller retries."""
+        mark_connected = self._bridge.to_trio(self._connection_changed)
+
+        async def changed() -> None:
+            mark_connected()
+
+        self._nc = await self._call(
+            nats.connect,
+            list(self._fleet.nats),
+            name=f"interlock {self._fleet.replica}",
+            connect_timeout=2,
+            reconnect_time_wait=0.5,
+            max_reconnect_attempts=-1,
+            disconnected_cb=changed,
+            reconnected_cb=changed,
+        )
+        self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
+        if not create:
+            return
+        replicas = min(MAX_REPLICAS, len(self._fleet.nats))
+        names = self.names
+        for config in (
+            StreamConfig(
+                name=names.events,
+                subjects=[names.subject("events")],
+                max_age=EVENT_RETENTION_SECONDS,
+                max_bytes=EVENT_RETENTION_BYTES,
+                num_replicas=replicas,
+            ),
+            StreamConfig(
+                name=names.checkpoints,
+                subjects=[names.subject("checkpoints")],
+                max_msgs=CHECKPOINTS_KEPT,
+                num_replicas=replicas,
+            ),
+        ):
+            await self._call(self._js.add_stream, config)
+        self._kv = await self._call(
+            self._js.create_key_value, bucket=names.lease, ttl=self._fleet.lease, history=1, replicas=replicas
+        )
+        self.connected.set()
+
+    def _connection_changed(self) -> None:
+        if self.is_connected:
+            self.connected.set()
+        elif self.connected.is_set():
+            self.connected = trio.Event()
+
+    async def close(self) -> None:
+        if self._nc is not None:
+            with trio.move_on_after(OPERATION_SECONDS):
+                await self._bridge.call(self._nc.close)
+
+    async def _call(self, fn, *args, **kwargs):
+        with trio.fail_after(OPERATION_SECONDS):
+            return await self._bridge.call(fn, *args, **kwargs)
+
+    # --- the lease ------------------------------------------------------------------------
+
+    async def take_lease(self, replica: str) -> int:
+        """Create the lease key (it must not exist); its revision. KeyWrongLastSequenceError
+        when another replica holds it."""
+        return await self._call(self._kv.create, LEASE_KEY, replica.encode())
+
+    async def renew_lease(self, replica: str, revision: int) -> int:
+        """Update the lease key against its last revision; the new one.
+        KeyWrongLastSequenceError when the lease has passed to another replica."""
+        return await self._call(self._kv.update, LEASE_KEY, replica.encode(), last=revision)
+
+    async def lease_holder(self) -> str:
+        """The replica holding the lease, or "" when none does."""
+        try:
+            entry = await self._call(self._kv.get, LEASE_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return ""
+        return (entry.value or b"").decode()
+
+    # --- the event stream -----------------------------------------------------------------
+
+    async def last_event_seq(self) -> int:
+        info = await self._call(self._js.stream_info, self.names.events)
+        return info.state.last_seq
+
+    async def first_event_seq(self) -> int:
+        info = await self._call(self._js.stream_info, self.names.events)
+        return info.state.first_seq
+
+    async def append(self, line: bytes, expected_last_seq: int) -> int:
+        """Append one encoded event if the stream's last sequence is `expected_last_seq`; its
+        sequence. AppendRefused otherwise."""
+        headers = {"Nats-Expected-Last-Sequence": str(expected_last_seq)}
+        try:
+            ack = await self._call(self._js.publish, self.names.subject("events"), line, headers=headers)
+        except nats.js.errors.APIError as error:
+            if error.err_code == WRONG_LAST_SEQUENCE:
+                raise AppendRefused(error.description) from None
+            raise
+        return ack.seq
+
+    async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes], None]):
+        """An ordered consumer of the event stream from `start_seq`: `deliver(seq, data)` is
+        called on the trio thread for each message, in order. Returns the subscription."""
+        to_trio = self._bridge.to_trio(deliver)
+
+        async def on_message(msg) -> None:
+            to_trio(msg.metadata.sequence.stream, msg.data)
+
+        return await self._call(
+            self._js.subscribe,
+            self.names.subject("events"),
+            cb=on_message,
+            ordered_consumer=True,
+            deliver_policy=nats.js.api.DeliverPolicy.BY_START_SEQUENCE,
+            config=nats.js.api.ConsumerConfig(opt_start_seq=start_seq),
+        )
+
+    async def unsubscribe(self, subscription) -> None:
+        with trio.move_on_after(OPERATION_SECONDS):
+            await self._bridge.call(subscription.unsubscribe)
+
+    async def read_events(self, start_seq: int, end_seq: int):
+        """The stream's messages from `start_seq` to `end_seq` in order, as (seq, data) (export)."""
+        for seq in range(start_seq, end_seq + 1):
+            try:
+                message = await self._call(self._js.get_msg, self.names.events, seq)
+            except nats.js.errors.NotFoundError:
+                continue  # removed by retention
+            yield seq, message.data
+
+    # --- checkpoints and observations -----------------------------------------------------
+
+    async def publish_checkpoint(self, line: bytes) -> None:
+        await self._call(self._js.publish, self.names.subject("checkpoints"), line)
+
+    async def newest_checkpoint(self) -> bytes | None:
+        try:
+            message = await self._call(self._js.get_last_msg, self.names.checkpoints, self.names.subject("checkpoints"))
+        except nats.js.errors.NotFoundError:
+            return None
+        return message.data
+
+    def publish_observation(self, line: bytes) -> None:
+        """Send a data-plane observation to the leader; never blocks (at most once)."""
+        if self._nc is not None:
+            self._bridge.submit(self._nc.publish, self.names.subject("observations"), line)
+
+    async def receive_observations(self, deliver: Callable[[bytes], None]):
+        """Subscribe to the replicas' observations; `deliver(data)` on the trio thread."""
+        to_trio = self._bridge.to_trio(deliver)
+
+        async def on_message(msg) -> None:
+            to_trio(msg.data)
+
+        return await self._call(self._nc.subscribe, self.names.subject("observations"), cb=on_message)

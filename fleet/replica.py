@@ -1,0 +1,344 @@
+"""A replica of the fleet: the control plane of one host, following the fleet's event stream.
+
+`FleetControlPlane` is a `ControlPlane` whose events are numbered by the fleet's leader, not by
+itself. Its tasks (children of `run`):
+
+- the follower applies the event stream in order through the runtime's own apply path
+  (`ControlPlane.apply_numbered`: the same `reduce`, logs, metrics and listeners, so the
+  replica's workers follow it as they follow a single-host gateway), starting from the newest
+  checkpoint. Until the first fleet event arrives the replica routes on its own config (the
+  state at seq 0), so the data plane never waits on NATS;
+- the campaign takes the lease when no one holds it (`kv.create`) and, once leader, renews it
+  against its last revision every `lease_renewal`. The term ends when a renewal is refused, an
+  append is refused, or the lease runs out without a renewal (a cancel scope whose deadline is
+  the lease's end, moved on by each renewal);
+- while leader, the term catches up to the stream's last seq, appends its config (`RunStarted`
+  on an empty stream, else `ConfigReloaded`: the config in force is the leader's, and this first
+  append fences off a deposed leader), publishes a checkpoint, then probes the nodes and appends
+  each event (the prober's, and the replicas' observations) conditional on the stream's last
+  sequence. A checkpoint follows every CHECKPOINT_SECONDS.
+
+A replica's data-plane observations go to the leader over NATS; the leader numbers them like
+any event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import msgspec
+import nats.errors
+import nats.js.errors
+import prometheus_client
+import trio
+
+from controlplane.probes import ProbeClient
+from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.runtime import ControlPlane, Prober, load_config_logging_unknown_keys
+from events.config import Config, FleetConfig
+from events.log import decode_event, encode_event
+from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
+from fleet.bridge import open_asyncio_thread
+from fleet.jetstream import AppendRefused, FleetLink
+
+CONNECT_RETRY_SECONDS = 1.0
+"""The pause between attempts to reach NATS (the replica serves on meanwhile)."""
+
+CHECKPOINT_SECONDS = 30.0
+"""How often the leader publishes a checkpoint (also at the start of each term)."""
+
+FOLLOW_BUFFER = 65_536
+"""Delivered events waiting to be applied; beyond that the follower resubscribes."""
+
+NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSError)
+
+
+class FleetMetrics:
+    def __init__(self, registry: prometheus_client.CollectorRegistry, replica: FleetControlPlane) -> None:
+        self.seconds_since_applied = prometheus_client.Gauge(
+            "interlock_fleet_seconds_since_applied",
+            "Seconds since this replica applied an event of the fleet's stream",
+            registry=registry,
+        )
+        self.seconds_since_applied.set_function(replica.seconds_since_applied)
+        self.leader = prometheus_client.Gauge(
+            "interlock_fleet_leader", "1 while this replica is the fleet's leader", registry=registry
+        )
+        self.leadership_changes = prometheus_client.Counter(
+            "interlock_fleet_leadership_changes_total", "Terms this replica began as the fleet's leader", registry=registry
+        )
+        self.appends_refused = prometheus_client.Counter(
+            "interlock_fleet_appends_refused_total",
+            "Appends refused because another leader had appended (this replica then stepped down)",
+            registry=registry,
+        )
+
+
+class FleetControlPlane(ControlPlane):
+    """A `ControlPlane` that follows, and when elected leads, the fleet (module docstring)."""
+
+    def __init__(self, config_path, *, config: Config, **kwargs) -> None:
+        super().__init__(config_path, config=config, **kwargs)
+        self.fleet: FleetConfig = config.fleet
+        self.replica = self.fleet.replica
+        self.leader = ""
+        """The lease holder's replica name as last seen ("" when unknown or none)."""
+        self.is_leader = False
+        self._own_config = config
+        self._link: FleetLink | None = None
+        self._applied_at: float | None = None
+        self._applied = trio.Event()
+        self._stopped = trio.Event()
+        self._revision = 0
+        self.fleet_metrics = FleetMetrics(self.registry, self)
+
+    # --- what serve and the data plane see --------------------------------------------------
+
+    def seconds_since_applied(self) -> float:
+        """Seconds since the last event of the fleet was applied (inf before the first)."""
+        return float("inf") if self._applied_at is None else time.monotonic() - self._applied_at
+
+    @property
+    def current(self) -> bool:
+        """Connected to NATS and applying the stream (what a readiness check asks)."""
+        return self._link is not None and self._link.is_connected and self.snapshot.seq > 0
+
+    def fleet_headers(self) -> dict[str, str]:
+        return {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
+
+    def observe(self, event: Event) -> None:
+        """A data-plane observation, sent to the leader to be numbered; never blocks."""
+        if self._link is not None:
+            self._link.publish_observation(encode_event(event))
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        if self._started or self._stopping:
+            raise RuntimeError("a ControlPlane runs only once")
+        self._started = True
+        try:
+            own = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=self._own_config)
+            self._snapshot, _ = reduce(INITIAL_STATE, own)  # seq 0: routes on its own config until the fleet's
+            self.log.configure(self._own_config.gateway)
+            async with open_asyncio_thread(self._asyncio_failed) as bridge, ProbeClient() as client:
+                self._link = FleetLink(bridge, self.fleet)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._connect)
+                        nursery.start_soon(self._follow)
+                        nursery.start_soon(self._campaign, client)
+                        task_status.started()
+                        await self._stopped.wait()
+                        nursery.cancel_scope.cancel()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._link.close()
+        finally:
+            self._queue_out.close()
+            self._finished.set()
+
+    async def stop(self) -> None:
+        """Leave the fleet (the lease lapses, another replica takes it); idempotent."""
+        self._stopping = True
+        self._stopped.set()
+        if not self._started:
+            self._finished.set()
+        await self._finished.wait()
+
+    async def reload(self) -> bool:
+        """SIGHUP: read the config file again; a leader appends it (ConfigReloaded), a follower
+        keeps it for when it leads."""
+        if self._shutting_down or self._stopping or not self._started:
+            return False
+        try:
+            config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
+        except Exception as error:
+            self.log.error("config reload failed; keeping current config", error=str(error))
+            return False
+        self._own_config = config
+        if self.is_leader:
+            await self.emit(ConfigReloaded(at=self.now(), config_path=self.config_path, config=config))
+        return True
+
+    def _asyncio_failed(self, error: BaseException) -> None:
+        self.log.warn("fleet: NATS call failed", error=f"{type(error).__name__}: {error}")
+
+    async def _connect(self) -> None:
+        while True:
+            try:
+                await self._link.connect()
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: cannot reach NATS; routing on the last state", error=str(error) or repr(error))
+                await self._link.close()
+                await trio.sleep(CONNECT_RETRY_SECONDS)
+                continue
+            self.log.info("fleet: connected", replica=self.replica, servers=",".join(self.fleet.nats))
+            return
+
+    # --- following --------------------------------------------------------------------------
+
+    async def _follow(self) -> None:
+        """Apply the stream in order, for good; resubscribe after a gap."""
+        while True:
+            await self._link.connected.wait()
+            try:
+                await self._follow_once()
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: following the event stream failed; again", error=str(error) or repr(error))
+                await trio.sleep(CONNECT_RETRY_SECONDS)
+
+    async def _follow_once(self) -> None:
+        start = await self._starting_seq()
+        send, receive = trio.open_memory_channel[tuple[int, bytes]](FOLLOW_BUFFER)
+
+        def deliver(seq: int, data: bytes) -> None:
+            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
+                send.send_nowait((seq, data))  # a dropped event shows as a gap: resubscribe
+
+        subscription = await self._link.follow_events(start, deliver)
+        try:
+            async for seq, data in receive:
+                expected = self._snapshot.seq + 1
+                if seq < expected:
+                    continue  # redelivered
+                if seq > expected:
+                    self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=seq)
+                    return
+                self._apply_fleet_event(decode_event(data))
+        finally:
+            send.close()
+            with trio.CancelScope(shield=True):
+                await self._link.unsubscribe(subscription)
+
+    async def _starting_seq(self) -> int:
+        """The seq to follow from: the next one, or the newest checkpoint's when this replica
+        has no fleet state yet or retention removed the events it needs."""
+        first = await self._link.first_event_seq()
+        if self._snapshot.seq > 0 and first <= self._snapshot.seq + 1:
+            return self._snapshot.seq + 1
+        line = await self._link.newest_checkpoint()
+        if line is not None:
+            checkpoint = decode_event(line)
+            if checkpoint.seq >= self._snapshot.seq:
+                self._apply_fleet_event(checkpoint)
+                self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq)
+        return self._snapshot.seq + 1
+
+    def _apply_fleet_event(self, event: Event) -> None:
+        self.apply_numbered(event)
+        self._applied_at = time.monotonic()
+        self._applied.set()
+        self._applied = trio.Event()
+
+    async def _applied_through(self, seq: int) -> None:
+        while self._snapshot.seq < seq:
+            await self._applied.wait()
+
+    # --- leading ----------------------------------------------------------------------------
+
+    async def _campaign(self, client: ProbeClient) -> None:
+        """Take the lease whenever it is free (or still ours), and lead until the term ends."""
+        renewal = self.fleet.lease_renewal
+        while True:
+            await self._link.connected.wait()
+            started = trio.current_time()
+            try:
+                if self._revision:
+                    self._revision = await self._link.renew_lease(self.replica, self._revision)
+                else:
+                    self._revision = await self._link.take_lease(self.replica)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                self._revision = 0
+                with contextlib.suppress(*NATS_ERRORS):
+                    self.leader = await self._link.lease_holder()
+                await trio.sleep(renewal)
+                continue
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: lease request failed", error=str(error) or repr(error))
+                await trio.sleep(renewal)
+                continue
+            await self._lead(client, lease_ends=started + self.fleet.lease)
+            await trio.sleep(renewal)
+
+    async def _lead(self, client: ProbeClient, lease_ends: float) -> None:
+        self.is_leader = True
+        self.leader = self.replica
+        self.fleet_metrics.leader.set(1)
+        self.fleet_metrics.leadership_changes.inc()
+        self.log.info("fleet: leading", replica=self.replica)
+        try:
+            with trio.CancelScope(deadline=lease_ends) as term:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._renew, term)
+                    nursery.start_soon(self._hold_office, client, term)
+        finally:
+            self._prober = None
+            self.is_leader = False
+            self.fleet_metrics.leader.set(0)
+            self.log.info("fleet: following", replica=self.replica)
+
+    async def _renew(self, term: trio.CancelScope) -> None:
+        while True:
+            await trio.sleep(self.fleet.lease_renewal)
+            sent = trio.current_time()
+            try:
+                self._revision = await self._link.renew_lease(self.replica, self._revision)
+            except nats.js.errors.KeyWrongLastSequenceError:
+                self._revision = 0
+                self.log.warn("fleet: lease lost to another replica", replica=self.replica)
+                term.cancel()
+                return
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: lease renewal failed", error=str(error) or repr(error))
+                continue  # the term ends when the lease runs out
+            term.deadline = sent + self.fleet.lease
+
+    async def _hold_office(self, client: ProbeClient, term: trio.CancelScope) -> None:
+        try:
+            last = await self._link.last_event_seq()
+            await self._applied_through(last)
+            config = self._own_config
+            if last == 0:
+                fence: Event = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=config)
+            else:
+                fence = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config)
+            expected = await self._append(fence, last)
+            await self._applied_through(expected)
+            await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+            async with trio.open_nursery() as nursery:
+                self._prober = Prober(client, self)
+                await nursery.start(self._prober.run)
+                observations = await self._link.receive_observations(self._observed)
+                try:
+                    nursery.start_soon(self._checkpoints)
+                    while True:
+                        event, applied = await self._queue_out.receive()
+                        expected = await self._append(event, expected)
+                        if applied is not None:
+                            applied.set()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._link.unsubscribe(observations)
+        except AppendRefused as refusal:
+            self.fleet_metrics.appends_refused.inc()
+            self.log.warn("fleet: append refused: another replica leads", error=str(refusal))
+            self._revision = 0
+        except NATS_ERRORS as error:
+            self.log.warn("fleet: append failed; standing for the lease again", error=str(error) or repr(error))
+        term.cancel()
+
+    def _observed(self, line: bytes) -> None:
+        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, msgspec.ValidationError, msgspec.DecodeError):
+            self._queue_in.send_nowait((decode_event(line), None))
+
+    async def _append(self, event: Event, expected: int) -> int:
+        """Append `event` numbered `expected + 1`; the stream's new last seq."""
+        numbered = msgspec.structs.replace(event, seq=expected + 1)
+        return await self._link.append(encode_event(numbered), expected)
+
+    async def _checkpoints(self) -> None:
+        while True:
+            await trio.sleep(CHECKPOINT_SECONDS)
+            await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))

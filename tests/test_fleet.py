@@ -1,0 +1,305 @@
+"""The fleet with real processes: three `nats-server`s clustered on loopback (streams kept three
+times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulated nodes.
+
+Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
+is replaced and the seqs go on without gap or duplicate; an append after a stale seq is refused;
+a leader paused past its lease steps down and follows.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import msgspec
+import nats
+import pytest
+import trio
+
+from events.config import FleetConfig
+from events.log import decode_event
+from events.types import ConfigReloaded, HealthProbed
+from fixtures.node import SimulatedNode, serve_nodes
+from fleet.bridge import open_asyncio_thread
+from fleet.jetstream import AppendRefused, FleetLink
+from harness import MODEL, PROJECT_ROOT, chat, config_text, node_specs
+from nats_cluster import NatsServer, free_port, nats_servers
+
+LEASE = "2s"
+LEASE_RENEWAL = "500ms"
+HEALTH_INTERVAL = "1s"
+WAIT = 60.0
+"""The deadline of each wait (generous: the machine is shared; no assertion is on time)."""
+
+
+@dataclass
+class Replica:
+    """One `interlock serve` replica; its JSON log goes to `log_path`."""
+
+    name: str
+    config_path: Path
+    log_path: Path
+    api_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    process: trio.Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    async def start(self) -> None:
+        self.process = await trio.lowlevel.open_process(
+            [
+                sys.executable, "-m", "interlock.cli", "serve", "--config", str(self.config_path),
+                "--listen", f"127.0.0.1:{self.api_port}", "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+            ],  # fmt: skip
+            stdout=self.log_path.open("ab"),
+            stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT,
+        )
+
+    def messages(self) -> list[str]:
+        lines = self.log_path.read_bytes().splitlines()
+        return [msgspec.json.decode(line).get("msg", "") for line in lines if line.startswith(b"{")]
+
+    async def health(self, http: httpx.AsyncClient) -> Health | None:
+        try:
+            response = await http.get(self.url + "/health", timeout=2)
+        except httpx.HTTPError:
+            return None
+        headers = response.headers
+        return Health(
+            replica=headers["X-Interlock-Replica"],
+            leader=headers["X-Interlock-Leader"],
+            seq=int(headers["X-Interlock-Seq"]),
+            digest=headers["X-Interlock-State-Digest"],
+        )
+
+    def signal(self, signum: int) -> None:
+        if self.process is not None and self.process.returncode is None:
+            self.process.send_signal(signum)
+
+
+@dataclass(frozen=True)
+class Health:
+    replica: str
+    leader: str
+    seq: int
+    digest: str
+
+
+@asynccontextmanager
+async def fleet_of(
+    tmp_path: Path, nodes: Sequence[SimulatedNode], servers: Sequence[NatsServer], count: int = 3
+) -> AsyncIterator[list[Replica]]:
+    """`count` replicas r1, r2, … of one fleet on `servers`, killed at the end."""
+    urls = ", ".join(f'"{server.url}"' for server in servers)
+    replicas = []
+    for index in range(1, count + 1):
+        directory = tmp_path / f"r{index}"
+        directory.mkdir()
+        fleet = f'[fleet]\nnats = [{urls}]\nreplica = "r{index}"\nlease = "{LEASE}"\nlease_renewal = "{LEASE_RENEWAL}"\n'
+        config_path = directory / "gateway.toml"
+        config_path.write_text(config_text(nodes, health_interval=HEALTH_INTERVAL) + fleet)
+        replicas.append(Replica(f"r{index}", config_path, directory / "log.jsonl"))
+    try:
+        for replica in replicas:
+            await replica.start()
+        yield replicas
+    finally:
+        with trio.CancelScope(shield=True):
+            for replica in replicas:
+                replica.signal(signal.SIGCONT)
+                replica.signal(signal.SIGKILL)
+                if replica.process is not None:
+                    await replica.process.wait()
+
+
+@asynccontextmanager
+async def running_fleet(
+    tmp_path: Path, nats_count: int
+) -> AsyncIterator[tuple[list[NatsServer], list[SimulatedNode], list[Replica], httpx.AsyncClient]]:
+    """`nats_count` NATS servers, two simulated nodes, three replicas and an HTTP client."""
+    async with (
+        nats_servers(tmp_path, nats_count) as servers,
+        serve_nodes(node_specs(2)) as nodes,
+        fleet_of(tmp_path, nodes, servers) as replicas,
+        httpx.AsyncClient() as http,
+    ):
+        yield servers, nodes, replicas, http
+
+
+def named(replicas: Sequence[Replica], name: str) -> Replica:
+    return next(replica for replica in replicas if replica.name == name)
+
+
+class Observed:
+    """Every (seq, digest) any replica answered with: one seq must never have two digests."""
+
+    def __init__(self) -> None:
+        self.digests: dict[int, set[str]] = {}
+
+    async def poll(self, http: httpx.AsyncClient, replicas: Sequence[Replica]) -> list[Health | None]:
+        answers = [await replica.health(http) for replica in replicas]
+        for answer in answers:
+            if answer is not None and answer.seq > 0:
+                self.digests.setdefault(answer.seq, set()).add(answer.digest)
+        return answers
+
+    def disagreements(self) -> dict[int, set[str]]:
+        return {seq: digests for seq, digests in self.digests.items() if len(digests) > 1}
+
+
+async def agreed(http, replicas: Sequence[Replica], observed: Observed, *, excluding: str = "") -> Health:
+    """Wait until every replica answers with the same seq, digest and leader (not `excluding`)."""
+    with trio.fail_after(WAIT):
+        while True:
+            answers = await observed.poll(http, replicas)
+            first = answers[0]
+            if (
+                first is not None
+                and first.seq > 0
+                and first.leader not in ("", excluding)
+                and all(
+                    answer is not None and (answer.seq, answer.digest, answer.leader) == (first.seq, first.digest, first.leader)
+                    for answer in answers
+                )
+            ):
+                return first
+            await trio.sleep(0.05)
+
+
+async def fleet_events(url: str, name: str = "interlock") -> list[tuple[int, bytes]]:
+    """Every message of the fleet's event stream as (stream seq, data), read with nats-py."""
+    import asyncio
+
+    async def read() -> list[tuple[int, bytes]]:
+        nc = await nats.connect(url)
+        try:
+            js = nc.jetstream()
+            info = await js.stream_info(f"{name}-events")
+            return [
+                (seq, (await js.get_msg(f"{name}-events", seq)).data)
+                for seq in range(info.state.first_seq, info.state.last_seq + 1)
+            ]
+        finally:
+            await nc.close()
+
+    return await trio.to_thread.run_sync(lambda: asyncio.run(read()))
+
+
+def assert_gapless(messages: list[tuple[int, bytes]]) -> None:
+    seqs = [seq for seq, _ in messages]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert [decode_event(data).seq for _, data in messages] == seqs  # the stream's seq is the event's
+
+
+async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        state = await agreed(http, replicas, observed)
+        assert state.leader in {"r1", "r2", "r3"}
+        for replica in replicas:  # a request through each replica reaches a node
+            response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
+            assert response.status_code == 200, response.text
+        state = await agreed(http, replicas, observed)
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[0].url))
+        # the stream, exported, is an event log the tools read
+        export = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "fleet", "export", str(tmp_path / "export"), "--fleet", servers[1].url],
+            capture_stdout=True,
+            cwd=PROJECT_ROOT,
+        )
+        assert export.stdout.decode().startswith("wrote ")
+        replay = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "replay", str(tmp_path / "export" / "events.jsonl"), "--json"],
+            capture_stdout=True,
+            cwd=PROJECT_ROOT,
+        )
+        assert msgspec.json.decode(replay.stdout)["seq"] >= state.seq
+
+
+async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        leader = named(replicas, before.leader)
+        leader.signal(signal.SIGKILL)
+        survivors = [replica for replica in replicas if replica is not leader]
+        after = await agreed(http, survivors, observed, excluding=leader.name)
+        assert after.seq > before.seq
+        await agreed(http, survivors, observed)
+        assert observed.disagreements() == {}
+        messages = await fleet_events(servers[0].url)
+        assert_gapless(messages)
+        assert any(isinstance(decode_event(data), ConfigReloaded) for _, data in messages)  # the new term
+
+
+async def test_an_append_against_a_stale_last_seq_is_refused(tmp_path):
+    """The fence itself: of two replicas appending after the same seq, the second is refused."""
+    fleet = FleetConfig(nats=(), name="fence", replica="r", lease=2.0, lease_renewal=0.5)
+
+    def unexpected(error: BaseException) -> None:
+        raise AssertionError(error)
+
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        fleet = msgspec.structs.replace(fleet, nats=(server.url,))
+        first, second = FleetLink(bridge, fleet), FleetLink(bridge, fleet)
+        await first.connect()
+        await second.connect()
+        assert await first.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0) == 1
+        with pytest.raises(AppendRefused):
+            await second.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0)
+        assert await second.append(b'{"type":"run_stopped","at":2.0,"seq":2}', 1) == 2
+        assert await first.last_event_seq() == 2
+        await first.close()
+        await second.close()
+
+
+async def test_a_leader_paused_past_its_lease_steps_down_and_follows(tmp_path):
+    """Its lease ran out while it was stopped: on SIGCONT it ends its term before it appends
+    (were it to append, the fence above refuses it), and follows the new leader."""
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        paused = named(replicas, before.leader)
+        paused.signal(signal.SIGSTOP)
+        others = [replica for replica in replicas if replica is not paused]
+        await agreed(http, others, observed, excluding=paused.name)
+        paused.signal(signal.SIGCONT)
+        with trio.fail_after(WAIT):
+            while "fleet: following" not in paused.messages():
+                await trio.sleep(0.05)
+        state = await agreed(http, replicas, observed)
+        assert state.leader != paused.name
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[0].url))
+
+
+async def test_each_node_is_probed_by_the_leader_alone(tmp_path):
+    """Every health check a node answered is one health_probe event on the fleet's stream: the
+    followers send none (three replicas probing on their own would make three per event)."""
+    async with running_fleet(tmp_path, 1) as (servers, nodes, replicas, http):
+        await agreed(http, replicas, Observed())
+
+        def probes_on_the_stream(messages, node: SimulatedNode) -> int:
+            events = [decode_event(data) for _, data in messages]
+            return sum(1 for event in events if isinstance(event, HealthProbed) and event.node == node.host)
+
+        with trio.fail_after(WAIT):
+            while True:
+                messages = await fleet_events(servers[0].url)
+                if min(probes_on_the_stream(messages, node) for node in nodes) >= 5:
+                    break
+                await trio.sleep(0.2)
+        checks = [sum(1 for request in node.requests if request.path == "/health") for node in nodes]
+        messages = await fleet_events(servers[0].url)
+        for node, answered in zip(nodes, checks):
+            assert probes_on_the_stream(messages, node) <= answered <= probes_on_the_stream(messages, node) + 1

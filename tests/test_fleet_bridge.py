@@ -1,0 +1,118 @@
+"""The trio/asyncio bridge (`fleet.bridge`) driving a real nats-py client against a real
+nats-server on loopback: results and errors cross, a cancelled trio call cancels its asyncio
+task, a subscription keeps delivering after the server restarts, and closing leaves no thread
+or asyncio task behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import nats
+import pytest
+import trio
+
+from fleet.bridge import AsyncioThread, BridgeClosed, open_asyncio_thread
+from nats_cluster import nats_servers
+
+
+def unexpected(error: BaseException) -> None:
+    raise AssertionError(f"unexpected asyncio failure: {error!r}")
+
+
+async def connect(bridge: AsyncioThread, url: str):
+    return await bridge.call(nats.connect, url, reconnect_time_wait=0.1, max_reconnect_attempts=-1)
+
+
+async def test_results_and_errors_cross_the_bridge():
+    async def add(a, b):
+        await asyncio.sleep(0)
+        return a + b
+
+    async def fail():
+        raise ValueError("from asyncio")
+
+    async with open_asyncio_thread(unexpected) as bridge:
+        assert await bridge.call(add, 2, 3) == 5
+        with pytest.raises(ValueError, match="from asyncio"):
+            await bridge.call(fail)
+
+
+async def test_a_cancelled_call_cancels_its_asyncio_task(tmp_path):
+    cancelled = threading.Event()
+
+    async def request_nobody_answers(nc):
+        try:
+            await nc.request("nobody.answers", b"?", timeout=60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        nc = await connect(bridge, server.url)
+        await bridge.call(nc.subscribe, "nobody.answers")  # a responder that never replies
+        with trio.move_on_after(0.3) as waiting:
+            await bridge.call(request_nobody_answers, nc)
+        assert waiting.cancelled_caught
+        assert cancelled.is_set()
+        assert (await bridge.call(nc.request, "$JS.API.INFO", b"", timeout=5)).data  # the bridge still works
+        await bridge.call(nc.close)
+
+
+async def test_a_subscription_delivers_again_after_the_server_restarts(tmp_path):
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        received_in, received_out = trio.open_memory_channel[bytes](100)
+        deliver = bridge.to_trio(received_in.send_nowait)
+
+        async def on_message(msg):
+            deliver(msg.data)
+
+        reconnected = trio.Event()
+        on_reconnect = bridge.to_trio(reconnected.set)
+
+        async def reconnected_cb():
+            on_reconnect()
+
+        nc = await bridge.call(
+            nats.connect, server.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1, reconnected_cb=reconnected_cb
+        )
+        await bridge.call(nc.subscribe, "greetings", cb=on_message)
+        await bridge.call(nc.publish, "greetings", b"before")
+        with trio.fail_after(5):
+            assert await received_out.receive() == b"before"
+        await server.kill()
+        await server.start()
+        with trio.fail_after(15):
+            await reconnected.wait()
+        await bridge.call(nc.publish, "greetings", b"after")
+        with trio.fail_after(5):
+            assert await received_out.receive() == b"after"
+        await bridge.call(nc.close)
+
+
+async def test_closing_leaves_no_thread_or_task_behind(tmp_path):
+    threads_before = set(threading.enumerate())
+    async with nats_servers(tmp_path) as [server]:
+        async with open_asyncio_thread(unexpected) as bridge:
+            nc = await connect(bridge, server.url)  # left open on purpose: closing cancels its tasks
+            await bridge.call(nc.subscribe, "anything")
+            loop = bridge._loop
+            assert len(threading.enumerate()) > len(threads_before)
+        assert set(threading.enumerate()) == threads_before
+        assert loop.is_closed()
+        with pytest.raises(BridgeClosed):
+            await bridge.call(asyncio.sleep, 0)
+
+
+async def test_submit_reports_a_failure_and_never_blocks():
+    failures = []
+
+    async def fail():
+        raise ValueError("fire and forget")
+
+    async with open_asyncio_thread(failures.append) as bridge:
+        bridge.submit(fail)
+        with trio.fail_after(5):
+            while not failures:
+                await trio.sleep(0.01)
+    assert [str(error) for error in failures] == ["fire and forget"]
