@@ -45,6 +45,7 @@ from dataplane.errors import (
     Reply,
     error_reply,
 )
+from dataplane.hypercorn_receive import queued_message
 from dataplane.proxy import (
     COMPLETION_PATHS,
     ConfigView,
@@ -193,23 +194,18 @@ async def _read_body(receive, declared_length: int | None, config: ConfigView) -
     than the limit, REQUEST_TIMEOUT when it takes longer than the body timeout in all or the
     idle timeout between two pieces.
 
-    hypercorn (trio) gives the app its queue's `receive`: a whole body already queued (most
-    bodies, which come with their head) is taken at once, and only a body still arriving is
-    read in a cancel scope with the deadlines (a scope costs more than the rest of this)."""
+    A whole body already queued by hypercorn (most bodies, which come with their head) is taken
+    at once, and only a body still arriving is read in a cancel scope with the deadlines (a
+    scope costs more than the rest of this)."""
     if declared_length is not None and declared_length > config.body_limit:
         return REQUEST_TOO_LARGE
-    queue = getattr(receive, "__self__", None)
-    if isinstance(queue, trio.MemoryReceiveChannel):
-        try:
-            message = queue.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        else:
-            if message["type"] != "http.request":
-                raise _ClientLeft
-            if not message["more_body"]:
-                return message["body"] if len(message["body"]) <= config.body_limit else REQUEST_TOO_LARGE
-            return await _read_rest(receive, [message["body"]], config)
+    message = queued_message(receive)
+    if message is not None:
+        if message["type"] != "http.request":
+            raise _ClientLeft
+        if not message["more_body"]:
+            return message["body"] if len(message["body"]) <= config.body_limit else REQUEST_TOO_LARGE
+        return await _read_rest(receive, [message["body"]], config)
     return await _read_rest(receive, [], config)
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import trio
 from quart_trio import QuartTrio
-from quart_trio.asgi import TrioASGIHTTPConnection
 
 
-class _HttpConnection(TrioASGIHTTPConnection):
-    """quart-trio's connection handler, sending the end of each response shielded from cancellation.
+class _ResponseEndShielded:
+    """An ASGI middleware (as Quart's `asgi_app`) sending the end of each response shielded
+    from cancellation.
 
     hypercorn finishes the exchange inside that last send: it tells the app the stream is closed,
     which makes quart-trio cancel the request's tasks, and then closes (or recycles) the
@@ -17,7 +17,13 @@ class _HttpConnection(TrioASGIHTTPConnection):
     (or a keep-alive one without its idle timeout).
     """
 
-    async def __call__(self, receive, send) -> None:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
         async def send_end_shielded(message) -> None:
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 with trio.CancelScope(shield=True):
@@ -25,13 +31,13 @@ class _HttpConnection(TrioASGIHTTPConnection):
             else:
                 await send(message)
 
-        await super().__call__(receive, send_end_shielded)
+        await self.app(scope, receive, send_end_shielded)
 
 
 def new_quart_app(name: str) -> QuartTrio:
     """A Quart-trio app whose connections end as HTTP requires; OPTIONS is a method like any
     other (plinth's mux answers it 405)."""
     app = QuartTrio(name)
-    app.asgi_http_class = _HttpConnection
+    app.asgi_app = _ResponseEndShielded(app.asgi_app)
     app.config["PROVIDE_AUTOMATIC_OPTIONS"] = False
     return app

@@ -32,21 +32,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
-import h11
-import h2.errors
-import h2.events
-import hypercorn.protocol
-import hypercorn.trio.run
+import hypercorn.trio
 import prometheus_client
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.config import Sockets
-from hypercorn.events import Closed, Event
-from hypercorn.protocol.h2 import H2Protocol
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.trio.run import worker_serve
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
 from controlplane.appender import LogInUse
@@ -60,6 +49,7 @@ from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from fleet.replica import FleetControlPlane
+import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 
 EXIT_OK = 0
@@ -217,6 +207,7 @@ async def _run(
                 await pool.stop()
 
     api_socket, metrics_socket = sockets
+    api, metrics = (sock.getsockname()[:2] for sock in sockets)  # before serving takes the sockets over
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as serving:
             if decisions is not None:
@@ -235,7 +226,6 @@ async def _run(
                 )
                 await nursery.start(handle_signals)
                 if ready is not None:
-                    api, metrics = (sock.getsockname()[:2] for sock in sockets)
                     ready(Listening(api=api, metrics=metrics, control_plane=control_plane))
             serving.cancel_scope.cancel()  # the listeners are done: no request records any more
         if decisions is not None:
@@ -267,72 +257,6 @@ def _bind_listeners(gateway: GatewayConfig) -> tuple[socket.socket, socket.socke
 HTTP2_MAX_CONCURRENT_STREAMS = 100
 """Streams an HTTP/2 client may have open at once on one connection (with `gateway.http2`)."""
 
-HTTP2_RESETS_PER_CONNECTION = 100
-"""Streams an HTTP/2 client may reset on one connection; the next reset ends it with GOAWAY."""
-
-
-class _H2WithResetBudget(H2Protocol):
-    """hypercorn's HTTP/2 protocol, hardened against the rapid-reset attack (streams opened and
-    reset at once: the open-stream limit never binds, and each stream would start a completion
-    on a node).
-
-    A stream the client opens and resets in the same read never reaches the application, and a
-    connection whose client has reset more than HTTP2_RESETS_PER_CONNECTION streams is ended
-    with GOAWAY (ENHANCE_YOUR_CALM)."""
-
-    resets = 0
-
-    async def _handle_events(self, events: list[h2.events.Event]) -> None:
-        reset = {event.stream_id for event in events if isinstance(event, h2.events.StreamReset) and event.remote_reset}
-        if not reset:
-            return await super()._handle_events(events)
-        self.resets += len(reset)
-        if self.resets > HTTP2_RESETS_PER_CONNECTION:
-            self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
-            await self._flush()
-            await self.send(Closed())
-            return
-        opened_here = {event.stream_id for event in events if isinstance(event, h2.events.RequestReceived)}
-        stillborn = reset & opened_here
-        await super()._handle_events([event for event in events if getattr(event, "stream_id", None) not in stillborn])
-
-
-class _H11UpgradingOnlyWithHttp2(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol, which ignores `Upgrade: h2c` (answers the request in
-    HTTP/1.1, as RFC 9110 lets a server) when HTTP/2 is off: hypercorn would switch to HTTP/2
-    and answer the upgraded request whatever the stream limit."""
-
-    async def _check_protocol(self, event: h11.Request) -> None:
-        if _http2_on(self.config) or not any(
-            name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers
-        ):
-            await super()._check_protocol(event)
-
-
-# hypercorn picks its protocol classes by these names, and offers no other way to choose them.
-hypercorn.protocol.H2Protocol = _H2WithResetBudget
-hypercorn.protocol.H11Protocol = _H11UpgradingOnlyWithHttp2
-
-
-class _TCPServerClosingOnce(TCPServer):
-    """hypercorn's connection (trio), whose sends give way to its close.
-
-    hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
-    by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) can meet
-    the other task's `send_eof`: trio raises BusyResourceError, which hypercorn lets out of the
-    connection (a traceback per connection, or the end of `serve_listeners` and the process). A
-    send that meets the close is dropped, as one to a client that has gone."""
-
-    async def protocol_send(self, event: Event) -> None:
-        try:
-            await super().protocol_send(event)
-        except trio.BusyResourceError:
-            await self.protocol.handle(Closed())
-
-
-# hypercorn's trio worker serves each connection with this class, and offers no way to choose one.
-hypercorn.trio.run.TCPServer = _TCPServerClosingOnce
-
 
 def _hypercorn_config(http2: bool) -> HypercornConfig:
     """hypercorn as every listener of the gateway runs it; HTTP/1.1 only unless `http2`.
@@ -341,17 +265,13 @@ def _hypercorn_config(http2: bool) -> HypercornConfig:
     it may open no stream at all (SETTINGS_MAX_CONCURRENT_STREAMS 0), and the connection ends
     with GOAWAY at its first request."""
     config = HypercornConfig()
-    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0  # see `_http2_on`
+    config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0  # see `http2_on`
+    config.backlog = LISTEN_BACKLOG
     config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
     return config
-
-
-def _http2_on(config: HypercornConfig) -> bool:
-    """Whether a listener's hypercorn config serves HTTP/2: off, it allows no stream at all."""
-    return config.h2_max_concurrent_streams > 0
 
 
 def listening_socket(address: str, key: str) -> socket.socket:
@@ -383,16 +303,12 @@ async def serve_on_socket(
 ) -> None:
     """Serve `app` on a listening socket until `stopped` is set, then drain; HTTP/1.1 only
     unless `http2`. A connection idle for `keep_alive_timeout` seconds (no request yet, or
-    none since the last answer) is closed."""
+    none since the last answer) is closed. hypercorn takes the socket over (by its descriptor,
+    as `fd://`) and closes it when serving ends: new connections are refused during the drain."""
     config = _hypercorn_config(http2)
     config.keep_alive_timeout = keep_alive_timeout
-    await worker_serve(
-        wrap_app(app, config.wsgi_max_body_size, None),
-        config,
-        sockets=Sockets(secure_sockets=[], insecure_sockets=[listening], quic_sockets=[]),
-        shutdown_trigger=stopped.wait,
-        task_status=task_status,
-    )
+    config.bind = [f"fd://{listening.detach()}"]
+    await hypercorn.trio.serve(app, config, shutdown_trigger=stopped.wait, task_status=task_status)
 
 
 _hypercorn_errors = logging.getLogger("interlock.hypercorn")

@@ -87,8 +87,12 @@ class WorkerSamples(MultiProcessCollector):
     still creating: it is empty until its creator sizes it (and stays empty if the worker dies in
     between), and prometheus_client would fail the whole scrape on it (client_python #1199)."""
 
+    def __init__(self, registry: prometheus_client.CollectorRegistry, path: str) -> None:
+        self.directory = path  # set first: registering collects
+        super().__init__(registry, path=path)
+
     def collect(self):
-        files = [path for path in glob.glob(os.path.join(self._path, "*.db")) if os.path.getsize(path) > 0]
+        files = [path for path in glob.glob(os.path.join(self.directory, "*.db")) if os.path.getsize(path) > 0]
         return self.merge(files, accumulate=True)
 
 

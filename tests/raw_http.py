@@ -2,7 +2,8 @@
 the unusual included, which no well-behaved server (the simulated node) ever sends.
 
 `raw_server` runs a handler per connection; `raw_node` is a node a gateway can route to (it
-answers the probes as vLLM does) whose completion answers are raw bytes.
+answers the probes as vLLM does) whose completion answers are raw bytes; `exchange_until_closed`
+is a raw client.
 """
 
 from __future__ import annotations
@@ -186,3 +187,14 @@ async def raw_node(
     async with raw_server(node.serve, host) as server:
         node.vllm_port = node.metrics_port = server.port
         yield node
+
+
+async def exchange_until_closed(port: int, request: bytes) -> bytes:
+    """Send `request` on a new connection and read until the server closes it (10 s at most)."""
+    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+        await stream.send_all(request)
+        received = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some():
+                received += chunk
+        return received

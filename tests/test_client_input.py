@@ -33,6 +33,7 @@ from harness import (
     serve_process,
     write_config,
 )
+from raw_http import exchange_until_closed
 
 CHAT = "/v1/chat/completions"
 
@@ -262,17 +263,6 @@ async def test_clients_that_close_as_their_408_or_413_is_sent_neither_stop_the_g
             gateway.process.terminate()
             code, _, errors = await gateway.exit()
     assert (code, errors) == (0, "")
-
-
-async def exchange_until_closed(port: int, request: bytes) -> bytes:
-    """Send `request` on a new connection and read until the server closes it (10 s at most)."""
-    async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-        await stream.send_all(request)
-        received = b""
-        with trio.fail_after(10):
-            while chunk := await stream.receive_some():
-                received += chunk
-        return received
 
 
 async def test_the_metrics_listener_closes_connection_close_and_http_1_0_exchanges(tmp_path):

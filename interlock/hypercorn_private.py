@@ -1,0 +1,151 @@
+"""Everything the gateway does with hypercorn beyond its public API, fenced in one module.
+
+Three of hypercorn's classes are replaced by subclasses that override private methods, and
+hypercorn offers no way to choose them: it looks them up by name in its own modules, so this
+module assigns them there, for the whole process, when it is imported. What they rely on is
+checked at the same moment (`check_private_surface`): a hypercorn whose private names or
+signatures differ stops the import with `HypercornChanged`, naming hypercorn's version and what
+changed, instead of serving without the hardening. `tests/test_private_surface.py` runs the
+check and the behaviour behind each override; pyproject.toml pins the hypercorn it was tested on.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from importlib.metadata import version
+
+import h2.errors
+import h2.events
+import h11
+import hypercorn.protocol
+import hypercorn.trio
+import hypercorn.trio.run
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.events import Closed, Event
+from hypercorn.protocol.h2 import H2Protocol
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.tcp_server import TCPServer
+
+HTTP2_RESETS_PER_CONNECTION = 100
+"""Streams an HTTP/2 client may reset on one connection; the next reset ends it with GOAWAY."""
+
+
+class HypercornChanged(RuntimeError):
+    """The installed hypercorn lacks a private name the gateway overrides or relies on."""
+
+
+def _global_names(function: Callable) -> set[str]:
+    """The module-level names a function looks up when it runs."""
+    return set(inspect.unwrap(function).__code__.co_names)
+
+
+def _async_method(cls: type, name: str, *parameters: str) -> tuple[bool, str]:
+    """Whether `cls.name` is a coroutine function of these parameters (after `self`), and what
+    that is in words."""
+    method = getattr(cls, name, None)
+    present = inspect.iscoroutinefunction(method) and list(inspect.signature(method).parameters) == [
+        "self",
+        *parameters,
+    ]
+    return present, f"async {cls.__name__}.{name}({', '.join(('self', *parameters))})"
+
+
+def check_private_surface() -> None:
+    """Raise HypercornChanged unless hypercorn still has what this module's overrides rely on:
+    the methods they override or call (async, with these parameters) and the module globals by
+    which hypercorn picks the classes they replace."""
+    expected = [
+        _async_method(H2Protocol, "_handle_events", "events"),
+        _async_method(H2Protocol, "_flush"),
+        _async_method(H11Protocol, "_check_protocol", "event"),
+        ("_check_protocol" in _global_names(H11Protocol._handle_events), "H11Protocol._handle_events calling it"),
+        _async_method(TCPServer, "protocol_send", "event"),
+        (
+            {"H2Protocol", "H11Protocol"} <= _global_names(hypercorn.protocol.ProtocolWrapper.__init__)
+            and "H2Protocol" in _global_names(hypercorn.protocol.ProtocolWrapper.handle),
+            "hypercorn.protocol.ProtocolWrapper picking H2Protocol and H11Protocol by module global",
+        ),
+        (
+            "TCPServer" in _global_names(hypercorn.trio.run.worker_serve),
+            "hypercorn.trio.run.worker_serve picking TCPServer by module global",
+        ),
+        (
+            "worker_serve" in _global_names(hypercorn.trio.serve)
+            and hypercorn.trio.worker_serve is hypercorn.trio.run.worker_serve,
+            "hypercorn.trio.serve running hypercorn.trio.run.worker_serve",
+        ),
+    ]
+    missing = [what for present, what in expected if not present]
+    if missing:
+        raise HypercornChanged(
+            f"hypercorn {version('hypercorn')} is not the hypercorn Interlock was tested on (see pyproject.toml): "
+            f"expected {'; '.join(missing)}"
+        )
+
+
+def http2_on(config: HypercornConfig) -> bool:
+    """Whether a listener's hypercorn config serves HTTP/2: off, it allows no stream at all
+    (hypercorn has no switch for HTTP/2 in cleartext; `interlock.serve` sets the stream limit)."""
+    return config.h2_max_concurrent_streams > 0
+
+
+class _H2WithResetBudget(H2Protocol):
+    """hypercorn's HTTP/2 protocol, hardened against the rapid-reset attack (streams opened and
+    reset at once: the open-stream limit never binds, and each stream would start a completion
+    on a node).
+
+    A stream the client opens and resets in the same read never reaches the application, and a
+    connection whose client has reset more than HTTP2_RESETS_PER_CONNECTION streams is ended
+    with GOAWAY (ENHANCE_YOUR_CALM)."""
+
+    resets = 0
+
+    async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        reset = {event.stream_id for event in events if isinstance(event, h2.events.StreamReset) and event.remote_reset}
+        if not reset:
+            return await super()._handle_events(events)
+        self.resets += len(reset)
+        if self.resets > HTTP2_RESETS_PER_CONNECTION:
+            self.connection.close_connection(error_code=h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            await self._flush()
+            await self.send(Closed())
+            return
+        opened_here = {event.stream_id for event in events if isinstance(event, h2.events.RequestReceived)}
+        stillborn = reset & opened_here
+        await super()._handle_events([event for event in events if getattr(event, "stream_id", None) not in stillborn])
+
+
+class _H11UpgradingOnlyWithHttp2(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, which ignores `Upgrade: h2c` (answers the request in
+    HTTP/1.1, as RFC 9110 lets a server) when HTTP/2 is off: hypercorn would switch to HTTP/2
+    and answer the upgraded request whatever the stream limit."""
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if http2_on(self.config) or not any(
+            name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers
+        ):
+            await super()._check_protocol(event)
+
+
+class _TCPServerClosingOnce(TCPServer):
+    """hypercorn's connection (trio), whose sends give way to its close.
+
+    hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
+    by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) can meet
+    the other task's `send_eof`: trio raises BusyResourceError, which hypercorn lets out of the
+    connection (a traceback per connection, or the end of `serve_listeners` and the process). A
+    send that meets the close is dropped, as one to a client that has gone."""
+
+    async def protocol_send(self, event: Event) -> None:
+        try:
+            await super().protocol_send(event)
+        except trio.BusyResourceError:
+            await self.protocol.handle(Closed())
+
+
+check_private_surface()
+hypercorn.protocol.H2Protocol = _H2WithResetBudget
+hypercorn.protocol.H11Protocol = _H11UpgradingOnlyWithHttp2
+hypercorn.trio.run.TCPServer = _TCPServerClosingOnce

@@ -1,0 +1,70 @@
+"""The HTTP stack's private surface: what the gateway uses of hypercorn beyond its public API is
+still there in the hypercorn installed, and a hypercorn without it fails loudly, naming its
+version. The behaviour behind each use is tested where it shows (tests/test_client_input.py:
+the 408 race, h2c, the HTTP/2 reset budget; tests/test_dataplane_asgi.py: bodies)."""
+
+from __future__ import annotations
+
+from functools import partial
+from importlib.metadata import version
+
+import hypercorn.protocol
+import hypercorn.trio.run
+import pytest
+import trio
+import trio.testing
+from hypercorn.protocol.h11 import H11Protocol
+
+from dataplane.hypercorn_receive import is_queue_receive, queued_message
+from interlock import hypercorn_private
+from interlock.serve import listening_socket, serve_on_socket
+
+from raw_http import exchange_until_closed
+
+HYPERCORN = f"hypercorn {version('hypercorn')}"
+
+
+def test_the_installed_hypercorn_has_what_the_gateway_overrides_and_takes_its_classes():
+    hypercorn_private.check_private_surface()
+    assert hypercorn.protocol.H2Protocol is hypercorn_private._H2WithResetBudget
+    assert hypercorn.protocol.H11Protocol is hypercorn_private._H11UpgradingOnlyWithHttp2
+    assert hypercorn.trio.run.TCPServer is hypercorn_private._TCPServerClosingOnce
+
+
+def test_a_hypercorn_without_an_overridden_method_stops_the_gateway_naming_its_version(monkeypatch):
+    monkeypatch.delattr(H11Protocol, "_check_protocol")
+    with pytest.raises(hypercorn_private.HypercornChanged) as raised:
+        hypercorn_private.check_private_surface()
+    message = str(raised.value)
+    assert message.startswith(f"{HYPERCORN} is not the hypercorn Interlock was tested on")
+    assert "async H11Protocol._check_protocol(self, event)" in message
+    assert "H2Protocol" not in message
+
+
+async def test_hypercorn_gives_the_app_a_receive_whose_queued_messages_are_taken_without_waiting():
+    seen: list[tuple[bool, bytes]] = []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
+        await trio.testing.wait_all_tasks_blocked()  # the body, sent with the head, is queued by now
+        message = queued_message(receive)
+        seen.append((is_queue_receive(receive), message["body"] if message is not None else b""))
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    listening = listening_socket("127.0.0.1:0", "listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, app, listening, stopped))
+        request = b"POST / HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello"
+        answer = await exchange_until_closed(port, request)
+        stopped.set()
+    assert answer.startswith(b"HTTP/1.1 204 ")
+    assert seen == [(True, b"hello")], (
+        f"{HYPERCORN} no longer gives the app a trio memory channel's receive with the body queued: "
+        "see dataplane/hypercorn_receive.py"
+    )
