@@ -6,7 +6,10 @@ wrong TOML type is an error), apply the loader defaults, parse the Go duration s
 validate in plinth's order, first failure wins. Error messages are plinth's exact texts;
 `ConfigError` adds the file and the key. After plinth's checks come Interlock's own, for what
 plinth accepts and the gateway then mishandles: listen addresses, node addresses and ports, a
-model listed twice.
+model listed twice; and the `[fleet]` table's.
+
+Go's text formats (durations, quoting, host:port) are `controlplane.gocompat`'s, the key files
+`controlplane.keyfiles`'s, and `check-config`'s summary is `interlock.describe`'s.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import msgspec
 import msgspec.inspect
 from msgspec.structs import replace
 
+from controlplane.gocompat import format_go_seconds, go_quote, join_host_port, parse_go_duration, parse_listen_address
+from controlplane.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
@@ -413,9 +418,6 @@ def _validate(path: str, config: Config) -> Config:
     return replace(config, gateway=gateway)
 
 
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-
-
 def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, ...]) -> Config:
     """Check the access settings and gather every accepted client key digest (`api_keys`,
     `api_key_hashes`, `api_key_file`'s lines) into `api_key_hashes`, in that order, once each.
@@ -423,11 +425,14 @@ def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, .
     gateway = config.gateway
     digests = list(inline_key_hashes)
     for index, digest in enumerate(gateway.api_key_hashes):
-        if not _SHA256_HEX.fullmatch(digest.lower()):
-            raise ConfigError(path, f"gateway.api_key_hashes[{index}]", _NOT_A_DIGEST)
+        if not SHA256_HEX.fullmatch(digest.lower()):
+            raise ConfigError(path, f"gateway.api_key_hashes[{index}]", NOT_A_DIGEST)
         digests.append(digest.lower())
     if gateway.api_key_file:
-        digests += _read_key_digests(path, gateway.api_key_file)
+        try:
+            digests += read_key_digests(gateway.api_key_file)
+        except ValueError as exc:
+            raise ConfigError(path, "gateway.api_key_file", str(exc)) from None
     for key, key_file in [("gateway.upstream_api_key_file", gateway.upstream_api_key_file)] + [
         (f"nodes[{index}].api_key_file", node.api_key_file) for index, node in enumerate(config.nodes)
     ]:
@@ -437,55 +442,6 @@ def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, .
             except ValueError as exc:
                 raise ConfigError(path, key, str(exc)) from None
     return replace(config, gateway=replace(gateway, api_key_hashes=tuple(dict.fromkeys(digests))))
-
-
-_NOT_A_DIGEST = "not a SHA-256 hex digest (64 hex digits: printf %s KEY | sha256sum)"
-
-
-def _read_key_digests(path: str, key_file: str) -> list[str]:
-    """The digests in `api_key_file`: one a line; blank lines and `#` comments are skipped."""
-    try:
-        with open(key_file, encoding="utf-8") as file:
-            lines = file.read().splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(path, "gateway.api_key_file", f"reading api_key_file: {exc}") from None
-    digests = []
-    for number, line in enumerate(lines, start=1):
-        text = line.partition("#")[0].strip().lower()
-        if not text:
-            continue
-        if not _SHA256_HEX.fullmatch(text):
-            raise ConfigError(path, "gateway.api_key_file", f"{key_file}:{number}: {_NOT_A_DIGEST}")
-        digests.append(text)
-    return digests
-
-
-def read_upstream_key(key_file: str) -> str:
-    """The key in an upstream key file (surrounding whitespace dropped); raises ValueError
-    naming the file. The key never appears in the error."""
-    try:
-        with open(key_file, "rb") as file:
-            key = file.read().strip()
-    except OSError as exc:
-        raise ValueError(f"reading key file: {exc}") from None
-    if not key:
-        raise ValueError(f"key file {key_file!r} is empty")
-    if not all(0x21 <= byte <= 0x7E for byte in key):
-        raise ValueError(f"key file {key_file!r} must hold one key of printable ASCII without spaces")
-    return key.decode("ascii")
-
-
-def upstream_authorizations(config: Config) -> dict[str, bytes]:
-    """The `Authorization` header value to send each node that has a key file, by IP. A file
-    that became unreadable since the config was loaded sends no key (the node answers 401,
-    which the model listing reports)."""
-    authorizations = {}
-    for ip, key_file in config.upstream_key_files().items():
-        try:
-            authorizations[ip] = b"Bearer " + read_upstream_key(key_file).encode()
-        except ValueError:
-            continue
-    return authorizations
 
 
 def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
@@ -580,7 +536,8 @@ def _check_fleet(invalid: Callable[[str, str], ConfigError], fleet: FleetConfig 
     if not 0 < fleet.lease_renewal <= fleet.lease / 2:
         raise invalid(
             "fleet.lease_renewal",
-            f"lease_renewal must be greater than zero and at most half the lease ({_seconds_text(fleet.lease / 2)})",
+            "lease_renewal must be greater than zero and at most half the lease "
+            f"({format_go_seconds(fleet.lease / 2)})",
         )
 
 
@@ -610,294 +567,5 @@ def _node_address_problem(ip: str) -> str:
     return ""
 
 
-def _describe_log(gateway: GatewayConfig, key: str) -> str:
-    """`gateway.<key>` (a log) with its segment size and retention, as `check-config` shows it."""
-    path = getattr(gateway, key)
-    if not path:
-        return "none"
-    kept = []
-    if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
-        kept.append(f"up to {retain_bytes} bytes")
-    if retain_age := getattr(gateway, f"{key}_retain_age"):
-        kept.append(f"for {_seconds_text(retain_age)}")
-    retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
-    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
-
-
 def _placement(ring: str) -> str:
     return f"ring {go_quote(ring)}" if ring else "standalone"
-
-
-# ---------------------------------------------------------------------------------------------
-# Human summary, listen addresses
-
-
-def describe_config(config: Config) -> str:
-    """A short summary of a loaded config, for `interlock check-config`."""
-    gateway = config.gateway
-    lines = [
-        f"cluster: {config.cluster.name or '(unnamed)'}",
-        f"listen: {gateway.listen} (metrics {gateway.metrics_listen})",
-        f"health: every {_seconds_text(gateway.health_interval)}, "
-        f"dead after {gateway.health_fail_threshold} consecutive failures, "
-        f"probe timeout {_seconds_text(gateway.probe_timeout)}",
-        f"nodes ({len(config.nodes)}):",
-    ]
-    for node in config.nodes:
-        ring = f"ring {node.ring}" if node.ring else "standalone"
-        lines.append(f"  {node.name or '(unnamed)'}  {node.ip}:{node.vllm_port}  {ring}")
-    default_model = config.models.default or "(none)"
-    lines.append(f"models ({len(config.models.available)}), default {default_model}:")
-    for model in config.models.available:
-        ring = f"ring {model.ring}" if model.ring else "standalone"
-        policy = f"  policy {model.policy}" if model.policy else ""
-        lines.append(f"  {model.name}  {ring}{policy}")
-    lines.append(_describe_routing(config))
-    for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
-        lines.append(f"{what}: {_describe_log(gateway, key)}")
-    if gateway.api_key_hashes:
-        health = "needs one too" if gateway.health_requires_api_key else "stays open"
-        lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
-    else:
-        lines.append("client API keys: none (every client is served)")
-    key_files = config.upstream_key_files()
-    if key_files:
-        lines.append(f"upstream keys: sent to {len(key_files)} of {len(config.nodes)} nodes")
-    if gateway.retry_unanswered:
-        lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
-    else:
-        lines.append("unanswered requests: 502 (retry_unanswered = false)")
-    lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
-    return "\n".join(lines)
-
-
-def _describe_routing(config: Config) -> str:
-    """The cluster's policy and how often load is scraped, as `check-config` shows it."""
-    routing = config.routing
-    interval = config.load_scrape_interval()
-    scraped = f"every {_seconds_text(interval)}" if interval else "never"
-    if routing.load_scrape_interval is None:
-        scraped += " (load_scrape_interval unset: the default for these policies)"
-    text = f"routing: {routing.policy}; node load scraped {scraped}"
-    if "prefix_affinity" in {routing.policy, *(model.policy for model in config.models.available)}:
-        messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
-        text += f"; prefix: {messages}, up to {routing.prefix_bytes} bytes; load bound {routing.load_bound:g}"
-    return text
-
-
-def _seconds_text(seconds: float) -> str:
-    return format_go_duration(round(seconds * 1e9))
-
-
-def parse_listen_address(address: str) -> tuple[str, int]:
-    """Split a Go-style listen address (`host:port`, `[v6]:port`) for binding; an empty host
-    means all interfaces. Raises ValueError naming the address."""
-
-    def invalid(why: str) -> ValueError:
-        return ValueError(f"invalid listen address {go_quote(address)}: {why}")
-
-    # The splitting rules are Go's net.SplitHostPort.
-    last_colon = address.rfind(":")
-    if last_colon < 0:
-        raise invalid("missing port in address")
-    if address.startswith("["):
-        closing = address.find("]")
-        if closing < 0:
-            raise invalid("missing ']' in address")
-        if closing + 1 == len(address):
-            raise invalid("missing port in address")
-        if closing + 1 != last_colon:
-            if address[closing + 1] == ":":
-                raise invalid("too many colons in address")
-            raise invalid("missing port in address")
-        host = address[1:closing]
-        no_open_bracket_from, no_close_bracket_from = 1, closing + 1
-    else:
-        host = address[:last_colon]
-        if ":" in host:
-            raise invalid("too many colons in address")
-        no_open_bracket_from = no_close_bracket_from = 0
-    if "[" in address[no_open_bracket_from:]:
-        raise invalid("unexpected '[' in address")
-    if "]" in address[no_close_bracket_from:]:
-        raise invalid("unexpected ']' in address")
-
-    port_text = address[last_colon + 1 :]
-    if not re.fullmatch(r"[0-9]{1,5}", port_text) or int(port_text) > 65535:
-        raise invalid(f"invalid port {go_quote(port_text)}")
-    return host or "0.0.0.0", int(port_text)
-
-
-def join_host_port(host: str, port: int) -> str:
-    """A listen address from its halves (Go's net.JoinHostPort): an IPv6 host is bracketed."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-# ---------------------------------------------------------------------------------------------
-# Go compatibility: time.ParseDuration, Duration.String, strconv.Quote
-
-_NANOSECONDS_PER_UNIT = {
-    "ns": 1,
-    "us": 1_000,
-    "µs": 1_000,  # U+00B5 micro sign
-    "μs": 1_000,  # U+03BC Greek small letter mu
-    "ms": 1_000_000,
-    "s": 1_000_000_000,
-    "m": 60 * 1_000_000_000,
-    "h": 3600 * 1_000_000_000,
-}
-_INT64_OVERFLOW = 1 << 63
-"""Go's `1<<63`: one past the largest Duration; its negation is the smallest."""
-
-
-def parse_go_duration(text: str) -> int:
-    """Go's time.ParseDuration, returning nanoseconds; errors are ValueErrors with Go's text.
-
-    A transcription of Go's algorithm (including its int64 overflow checks and its float64
-    arithmetic for fractions), so that every input is accepted or rejected exactly as plinth does.
-    """
-    rest = text
-    negative = False
-    if rest[:1] in ("-", "+"):
-        negative = rest[0] == "-"
-        rest = rest[1:]
-    if rest == "0":
-        return 0
-    invalid_duration = ValueError(f"time: invalid duration {_go_time_quote(text)}")
-    if rest == "":
-        raise invalid_duration
-
-    total = 0
-    while rest:
-        if not (rest[0] == "." or "0" <= rest[0] <= "9"):
-            raise invalid_duration
-        # The integer part: [0-9]*
-        digits = _leading_digits(rest)
-        rest = rest[len(digits) :]
-        whole = 0
-        for digit in digits:
-            if whole > _INT64_OVERFLOW // 10:
-                raise invalid_duration
-            whole = whole * 10 + int(digit)
-            if whole > _INT64_OVERFLOW:
-                raise invalid_duration
-        # The fraction: (\.[0-9]*)?  Digits beyond int64 precision are dropped, as in Go.
-        fraction, scale, fraction_digits = 0, 1.0, ""
-        if rest.startswith("."):
-            fraction_digits = _leading_digits(rest[1:])
-            rest = rest[1 + len(fraction_digits) :]
-            for digit in fraction_digits:
-                if fraction > (_INT64_OVERFLOW - 1) // 10:
-                    break
-                extended = fraction * 10 + int(digit)
-                if extended > _INT64_OVERFLOW:
-                    break
-                fraction = extended
-                scale *= 10
-        if not digits and not fraction_digits:
-            raise invalid_duration  # no digits, e.g. ".s"
-        # The unit: everything up to the next digit or '.'.
-        unit_name = re.match(r"[^0-9.]*", rest).group()
-        if not unit_name:
-            raise ValueError(f"time: missing unit in duration {_go_time_quote(text)}")
-        rest = rest[len(unit_name) :]
-        unit = _NANOSECONDS_PER_UNIT.get(unit_name)
-        if unit is None:
-            raise ValueError(
-                f"time: unknown unit {_go_time_quote(unit_name)} in duration {_go_time_quote(text)}"
-            )
-        if whole > _INT64_OVERFLOW // unit:
-            raise invalid_duration
-        value = whole * unit
-        if fraction > 0:
-            value += int(float(fraction) * (float(unit) / scale))
-            if value > _INT64_OVERFLOW:
-                raise invalid_duration
-        total += value
-        if total > _INT64_OVERFLOW:
-            raise invalid_duration
-    if negative:
-        return -total
-    if total > _INT64_OVERFLOW - 1:
-        raise invalid_duration
-    return total
-
-
-def _leading_digits(text: str) -> str:
-    return re.match(r"[0-9]*", text).group()
-
-
-def format_go_duration(nanoseconds: int) -> str:
-    """Go's Duration.String: "1h2m3.5s", "1.5ms", "0s"."""
-    if nanoseconds == 0:
-        return "0s"
-    sign = "-" if nanoseconds < 0 else ""
-    magnitude = abs(nanoseconds)
-    if magnitude < 1_000:
-        return f"{sign}{magnitude}ns"
-    if magnitude < 1_000_000:
-        return f"{sign}{_decimal_text(magnitude, 3)}µs"
-    if magnitude < 1_000_000_000:
-        return f"{sign}{_decimal_text(magnitude, 6)}ms"
-    whole_seconds, fraction = divmod(magnitude, 1_000_000_000)
-    whole_minutes, seconds = divmod(whole_seconds, 60)
-    hours, minutes = divmod(whole_minutes, 60)
-    text = _decimal_text(seconds * 1_000_000_000 + fraction, 9) + "s"
-    if whole_minutes:
-        text = f"{minutes}m{text}"
-    if hours:
-        text = f"{hours}h{text}"
-    return sign + text
-
-
-def _decimal_text(value: int, fraction_digits: int) -> str:
-    """`value / 10**fraction_digits` without trailing zeros (and without a bare '.')."""
-    whole, fraction = divmod(value, 10**fraction_digits)
-    fraction_text = f"{fraction:0{fraction_digits}d}".rstrip("0")
-    return f"{whole}.{fraction_text}" if fraction_text else str(whole)
-
-
-def _go_time_quote(text: str) -> str:
-    """The time package's own quoting in its errors: non-ASCII and control characters as \\xHH
-    per UTF-8 byte, `"` and `\\` backslashed."""
-    parts = []
-    for char in text:
-        if ord(char) >= 0x80 or char < " ":
-            parts.append("".join(f"\\x{byte:02x}" for byte in char.encode("utf-8")))
-        elif char in '"\\':
-            parts.append("\\" + char)
-        else:
-            parts.append(char)
-    return '"' + "".join(parts) + '"'
-
-
-_GO_NAMED_ESCAPES = {
-    "\a": "\\a",
-    "\b": "\\b",
-    "\f": "\\f",
-    "\n": "\\n",
-    "\r": "\\r",
-    "\t": "\\t",
-    "\v": "\\v",
-}
-
-
-def go_quote(text: str) -> str:
-    """Go's strconv.Quote (`%q`): printable characters as they are, `"` and `\\` backslashed,
-    the rest escaped (\\n, \\x00, \\u00a0, \\U000e0001)."""
-    parts = []
-    for char in text:
-        code = ord(char)
-        if char in '"\\':
-            parts.append("\\" + char)
-        elif char.isprintable():
-            parts.append(char)
-        elif char in _GO_NAMED_ESCAPES:
-            parts.append(_GO_NAMED_ESCAPES[char])
-        elif code < 0x20 or code == 0x7F:
-            parts.append(f"\\x{code:02x}")
-        elif code < 0x10000:
-            parts.append(f"\\u{code:04x}")
-        else:
-            parts.append(f"\\U{code:08x}")
-    return '"' + "".join(parts) + '"'

@@ -36,14 +36,8 @@ import prometheus_client
 import trio
 
 from controlplane.appender import LogAppender, open_configured_log
-from controlplane.config import (
-    NO_OVERRIDES,
-    ConfigError,
-    Overrides,
-    UnknownKey,
-    load_config,
-    upstream_authorizations,
-)
+from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
+from controlplane.keyfiles import upstream_authorizations
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models, scrape_load

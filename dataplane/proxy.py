@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator
 import msgspec
 import trio
 
-from controlplane.config import upstream_authorizations
+from controlplane.keyfiles import upstream_authorizations
 from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import (

@@ -31,12 +31,14 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
+from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
+from controlplane.gocompat import parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from dataplane.decisions import find_decisions, read_decisions
 from events.config import DEFAULT_FLEET_NAME, DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS, FleetConfig
 from events.jsonl import LogFileError
+from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
     explanation_to_builtins,

@@ -39,7 +39,8 @@ from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
 from controlplane.appender import LogInUse
-from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, parse_listen_address
+from controlplane.config import NO_OVERRIDES, ConfigError, Overrides
+from controlplane.gocompat import parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp

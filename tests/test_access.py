@@ -17,11 +17,12 @@ import openai
 import pytest
 import trio
 
-from controlplane.config import ConfigError, describe_config, load_config
+from controlplane.config import ConfigError, load_config
 from controlplane.replay import replay
 from dataplane.decisions import read_decisions
 from events.log import read_events
 from fixtures.node import NodeSpec, serve_nodes
+from interlock.describe import describe_config
 
 from harness import (
     MODEL,

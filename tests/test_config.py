@@ -11,17 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.config import (
-    ConfigError,
-    Overrides,
-    UnknownKey,
-    describe_config,
-    format_go_duration,
-    go_quote,
-    load_config,
-    parse_go_duration,
-    parse_listen_address,
-)
+from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
+from controlplane.gocompat import format_go_duration, go_quote, parse_go_duration, parse_listen_address
 from events.config import (
     DEFAULT_LOAD_SCRAPE_INTERVAL,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
@@ -34,6 +25,7 @@ from events.config import (
     NodeConfig,
     RoutingConfig,
 )
+from interlock.describe import describe_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -1,0 +1,73 @@
+"""`interlock check-config`'s summary of a loaded config."""
+
+from __future__ import annotations
+
+from controlplane.gocompat import format_go_seconds
+from events.config import Config, GatewayConfig
+
+
+def _describe_log(gateway: GatewayConfig, key: str) -> str:
+    """`gateway.<key>` (a log) with its segment size and retention, as `check-config` shows it."""
+    path = getattr(gateway, key)
+    if not path:
+        return "none"
+    kept = []
+    if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
+        kept.append(f"up to {retain_bytes} bytes")
+    if retain_age := getattr(gateway, f"{key}_retain_age"):
+        kept.append(f"for {format_go_seconds(retain_age)}")
+    retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
+    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
+
+
+def describe_config(config: Config) -> str:
+    """A short summary of a loaded config, for `interlock check-config`."""
+    gateway = config.gateway
+    lines = [
+        f"cluster: {config.cluster.name or '(unnamed)'}",
+        f"listen: {gateway.listen} (metrics {gateway.metrics_listen})",
+        f"health: every {format_go_seconds(gateway.health_interval)}, "
+        f"dead after {gateway.health_fail_threshold} consecutive failures, "
+        f"probe timeout {format_go_seconds(gateway.probe_timeout)}",
+        f"nodes ({len(config.nodes)}):",
+    ]
+    for node in config.nodes:
+        ring = f"ring {node.ring}" if node.ring else "standalone"
+        lines.append(f"  {node.name or '(unnamed)'}  {node.ip}:{node.vllm_port}  {ring}")
+    default_model = config.models.default or "(none)"
+    lines.append(f"models ({len(config.models.available)}), default {default_model}:")
+    for model in config.models.available:
+        ring = f"ring {model.ring}" if model.ring else "standalone"
+        policy = f"  policy {model.policy}" if model.policy else ""
+        lines.append(f"  {model.name}  {ring}{policy}")
+    lines.append(_describe_routing(config))
+    for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
+        lines.append(f"{what}: {_describe_log(gateway, key)}")
+    if gateway.api_key_hashes:
+        health = "needs one too" if gateway.health_requires_api_key else "stays open"
+        lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
+    else:
+        lines.append("client API keys: none (every client is served)")
+    key_files = config.upstream_key_files()
+    if key_files:
+        lines.append(f"upstream keys: sent to {len(key_files)} of {len(config.nodes)} nodes")
+    if gateway.retry_unanswered:
+        lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
+    else:
+        lines.append("unanswered requests: 502 (retry_unanswered = false)")
+    lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
+    return "\n".join(lines)
+
+
+def _describe_routing(config: Config) -> str:
+    """The cluster's policy and how often load is scraped, as `check-config` shows it."""
+    routing = config.routing
+    interval = config.load_scrape_interval()
+    scraped = f"every {format_go_seconds(interval)}" if interval else "never"
+    if routing.load_scrape_interval is None:
+        scraped += " (load_scrape_interval unset: the default for these policies)"
+    text = f"routing: {routing.policy}; node load scraped {scraped}"
+    if "prefix_affinity" in {routing.policy, *(model.policy for model in config.models.available)}:
+        messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
+        text += f"; prefix: {messages}, up to {routing.prefix_bytes} bytes; load bound {routing.load_bound:g}"
+    return text
