@@ -4,12 +4,13 @@ only declared dependencies, the tests and benches also the `test` extra."""
 
 from __future__ import annotations
 
-import ast
 import re
 import sys
 import tomllib
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
+
+from test_layering import top_level_imports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
@@ -42,19 +43,11 @@ def imported_distributions(packages: set[str]) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for package in packages:
         for path in (REPO_ROOT / package).rglob("*.py"):
-            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-                if isinstance(node, ast.Import):
-                    names = [alias.name for alias in node.names]
-                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                    names = [node.module]
-                else:
+            for top in top_level_imports(path):
+                if top in sys.stdlib_module_names or top in OWN or top in local or top == "__future__":
                     continue
-                for name in names:
-                    top = name.split(".")[0]
-                    if top in sys.stdlib_module_names or top in OWN or top in local or top == "__future__":
-                        continue
-                    for distribution in distributions.get(top, [top]):
-                        found.setdefault(normalized(distribution), set()).add(str(path.relative_to(REPO_ROOT)))
+                for distribution in distributions.get(top, [top]):
+                    found.setdefault(normalized(distribution), set()).add(str(path.relative_to(REPO_ROOT)))
     return found
 
 

@@ -22,8 +22,8 @@ MAY_IMPORT = {
 PROJECT_PACKAGES = set(MAY_IMPORT) | {"bench", "tests"}
 
 
-def project_imports(path: Path) -> set[str]:
-    """The top-level project packages a module imports anywhere in its body."""
+def top_level_imports(path: Path) -> set[str]:
+    """The top-level modules a module imports absolutely anywhere in its body."""
     imported = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -32,8 +32,13 @@ def project_imports(path: Path) -> set[str]:
             names = [node.module]
         else:
             continue
-        imported.update(name.split(".")[0] for name in names if name.split(".")[0] in PROJECT_PACKAGES)
+        imported.update(name.split(".")[0] for name in names)
     return imported
+
+
+def project_imports(path: Path) -> set[str]:
+    """The top-level project packages a module imports anywhere in its body."""
+    return top_level_imports(path) & PROJECT_PACKAGES
 
 
 MODULES = sorted((package, path) for package in MAY_IMPORT for path in (REPO_ROOT / package).rglob("*.py"))
