@@ -38,6 +38,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
+import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
 from controlplane.appender import LogInUse
 from controlplane.config import NO_OVERRIDES, ConfigError, Overrides
 from controlplane.gocompat import parse_listen_address
@@ -50,7 +51,6 @@ from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from fleet.replica import FleetControlPlane
-import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 
 EXIT_OK = 0
