@@ -28,7 +28,6 @@ import contextlib
 import time
 
 import msgspec
-import nats.errors
 import nats.js.errors
 import prometheus_client
 import trio
@@ -40,7 +39,8 @@ from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 from fleet.bridge import open_asyncio_thread
-from fleet.jetstream import AppendRefused, FleetLink
+from fleet.decisions import FleetDecisions
+from fleet.jetstream import NATS_ERRORS, AppendRefused, FleetLink
 
 CONNECT_RETRY_SECONDS = 1.0
 """The pause between attempts to reach NATS (the replica serves on meanwhile)."""
@@ -50,8 +50,6 @@ CHECKPOINT_SECONDS = 30.0
 
 FOLLOW_BUFFER = 65_536
 """Delivered events waiting to be applied; beyond that the follower resubscribes."""
-
-NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSError)
 
 
 class FleetMetrics:
@@ -92,6 +90,8 @@ class FleetControlPlane(ControlPlane):
         self._stopped = trio.Event()
         self._revision = 0
         self.fleet_metrics = FleetMetrics(self.registry, self)
+        self.decisions = FleetDecisions(self.replica, self.log, self.registry)
+        """Where this replica's decision records go: the fleet's decision stream."""
 
     # --- what serve and the data plane see --------------------------------------------------
 
@@ -129,6 +129,7 @@ class FleetControlPlane(ControlPlane):
                         nursery.start_soon(self._connect)
                         nursery.start_soon(self._follow)
                         nursery.start_soon(self._campaign, client)
+                        nursery.start_soon(self.decisions.run, self._link)
                         task_status.started()
                         await self._stopped.wait()
                         nursery.cancel_scope.cancel()
