@@ -206,13 +206,15 @@ class FleetLink:
             raise
         return ack.seq
 
-    async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes], None]):
-        """An ordered consumer of the event stream from `start_seq`: `deliver(seq, data)` is
-        called on the trio thread for each message, in order. Returns the subscription."""
+    async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes, float], None]):
+        """An ordered consumer of the event stream from `start_seq`: `deliver(seq, data,
+        appended_at)` is called on the trio thread for each message, in order (`appended_at`:
+        when JetStream stored it, UNIX seconds by the NATS server's clock). Returns the
+        subscription."""
         to_trio = self._bridge.to_trio(deliver)
 
         async def on_message(msg) -> None:
-            to_trio(msg.metadata.sequence.stream, msg.data)
+            to_trio(msg.metadata.sequence.stream, msg.data, msg.metadata.timestamp.timestamp())
 
         return await self._call(
             self._js.subscribe,

@@ -66,6 +66,12 @@ class FleetMetrics:
         self.leadership_changes = prometheus_client.Counter(
             "interlock_fleet_leadership_changes_total", "Terms this replica began as the fleet's leader", registry=registry
         )
+        self.apply_delay = prometheus_client.Histogram(
+            "interlock_fleet_apply_delay_seconds",
+            "From an event's append to the fleet's stream (the NATS server's clock) to its apply here (this host's clock)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=registry,
+        )
         self.appends_refused = prometheus_client.Counter(
             "interlock_fleet_appends_refused_total",
             "Appends refused because another leader had appended (this replica then stepped down)",
@@ -192,15 +198,15 @@ class FleetControlPlane(ControlPlane):
 
     async def _follow_once(self) -> None:
         start = await self._starting_seq()
-        send, receive = trio.open_memory_channel[tuple[int, bytes]](FOLLOW_BUFFER)
+        send, receive = trio.open_memory_channel[tuple[int, bytes, float]](FOLLOW_BUFFER)
 
-        def deliver(seq: int, data: bytes) -> None:
+        def deliver(seq: int, data: bytes, appended_at: float) -> None:
             with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                send.send_nowait((seq, data))  # a dropped event shows as a gap: resubscribe
+                send.send_nowait((seq, data, appended_at))  # a dropped event shows as a gap: resubscribe
 
         subscription = await self._link.follow_events(start, deliver)
         try:
-            async for seq, data in receive:
+            async for seq, data, appended_at in receive:
                 expected = self._snapshot.seq + 1
                 if seq < expected:
                     continue  # redelivered
@@ -208,6 +214,7 @@ class FleetControlPlane(ControlPlane):
                     self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=seq)
                     return
                 self._apply_fleet_event(decode_event(data))
+                self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - appended_at))
         finally:
             send.close()
             with trio.CancelScope(shield=True):
