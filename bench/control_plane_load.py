@@ -100,7 +100,7 @@ def control_plane_config(event_log: Path, nodes: list[dict]) -> str:
 # --- the children ----------------------------------------------------------------------------
 
 
-def _raise_file_limit() -> None:
+def raise_file_limit() -> None:
     """A thousand nodes need thousands of sockets, in both processes."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--nodes-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_nodes or args.run:
-        _raise_file_limit()
+        raise_file_limit()
     if args.serve_nodes:
         trio.run(_serve_nodes, args.serve_nodes)
     elif args.run:

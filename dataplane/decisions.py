@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import msgspec
@@ -104,7 +104,6 @@ class DecisionLog:
     per streak, and never reaches the requests. `open_decision_log` locks the file first."""
 
     def __init__(self, file: SegmentedFile, log: JsonLog, registry: CollectorRegistry) -> None:
-        self._encoder = msgspec.json.Encoder()
         self.replica = socket.gethostname()
         self.appender = LogAppender(
             file,
@@ -122,8 +121,36 @@ class DecisionLog:
 
     def record(self, decision: Decision) -> None:
         """Queue a decision, naming this replica; never blocks (a full backlog drops it)."""
-        named = msgspec.structs.replace(decision, replica=self.replica)
-        self.appender.submit(self._encoder.encode(named) + b"\n")
+        self.appender.submit(encode_decision(decision, self.replica))
+
+
+class LineSink(Protocol):
+    """A destination of encoded decision records that never blocks (a full backlog drops)."""
+
+    def submit(self, line: bytes) -> None: ...
+
+
+class DecisionFanOut:
+    """A replica's recorder with several destinations: each record is named after the replica,
+    encoded once, and handed to every sink (a fleet's replica: its decision log's appender and
+    the fleet's decision stream, `fleet.decisions`)."""
+
+    def __init__(self, replica: str, sinks: Sequence[LineSink]) -> None:
+        self.replica = replica
+        self._sinks = tuple(sinks)
+
+    def record(self, decision: Decision) -> None:
+        line = encode_decision(decision, self.replica)
+        for sink in self._sinks:
+            sink.submit(line)
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+def encode_decision(decision: Decision, replica: str) -> bytes:
+    """The decision log's line for `decision`, naming `replica` as the gateway that routed it."""
+    return _encode(msgspec.structs.replace(decision, replica=replica)) + b"\n"
 
 
 def open_decision_log(gateway: GatewayConfig, log: JsonLog, registry: CollectorRegistry) -> DecisionLog | None:

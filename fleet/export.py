@@ -1,5 +1,6 @@
 """`interlock fleet export DIR`: the fleet's event stream as the JSON Lines event log that
-`replay`, `explain`, `audit`, `whatif` and `timeline` read (`DIR/events.jsonl`).
+`replay`, `explain`, `audit`, `whatif` and `timeline` read (`DIR/events.jsonl`), and its
+decision stream as the decision log they read (`DIR/decisions.jsonl`).
 
 The stream holds one event per message, its stream sequence being the event's seq, so the
 export is the messages in order. When retention has removed the stream's first events, the file
@@ -9,6 +10,8 @@ starts with the newest checkpoint the remaining events follow, as a later log se
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
@@ -26,6 +29,39 @@ class ExportError(Exception):
 async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
     """Write the fleet's event stream to `directory/events.jsonl`; the path and the events written."""
 
+    async with _reading(fleet) as link:
+        first, last = await link.first_event_seq(), await link.last_event_seq()
+        if last == 0:
+            raise ExportError(f"the fleet's event stream {link.names.events} is empty")
+        lines: list[bytes] = []
+        if first > 1:
+            checkpoint = await link.newest_checkpoint()
+            if checkpoint is None or decode_event(checkpoint).seq < first - 1:
+                raise ExportError(f"the stream starts at seq {first} and no checkpoint reaches back to it")
+            lines.append(checkpoint)
+            first = decode_event(checkpoint).seq + 1
+        async for _, data in link.read_events(first, last):
+            lines.append(data)
+    path = _write(directory / "events.jsonl", b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+    return path, len(lines)
+
+
+async def export_decisions(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
+    """Write the fleet's decision stream (`fleet.decisions`: JSON Lines batches) to
+    `directory/decisions.jsonl`; the path and the records written (an empty file for a fleet
+    that has recorded none)."""
+    batches: list[bytes] = []
+    async with _reading(fleet) as link:
+        async for batch in link.read_decision_batches():
+            batches.append(batch)
+    path = _write(directory / "decisions.jsonl", b"".join(batches))
+    return path, sum(batch.count(b"\n") for batch in batches)
+
+
+@asynccontextmanager
+async def _reading(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
+    """A link to the fleet's JetStream that finds its streams (creates nothing)."""
+
     def report(error: BaseException) -> None:
         raise error
 
@@ -33,27 +69,23 @@ async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]
         link = FleetLink(bridge, fleet)
         try:
             await link.connect(create=False)
-            first, last = await link.first_event_seq(), await link.last_event_seq()
-            if last == 0:
-                raise ExportError(f"the fleet's event stream {link.names.events} is empty")
-            lines: list[bytes] = []
-            if first > 1:
-                checkpoint = await link.newest_checkpoint()
-                if checkpoint is None or decode_event(checkpoint).seq < first - 1:
-                    raise ExportError(f"the stream starts at seq {first} and no checkpoint reaches back to it")
-                lines.append(checkpoint)
-                first = decode_event(checkpoint).seq + 1
-            async for _, data in link.read_events(first, last):
-                lines.append(data)
+            yield link
         finally:
             await link.close()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "events.jsonl"
+
+
+def _write(path: Path, data: bytes) -> Path:
+    """Write `path` whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".jsonl.tmp")
-    temporary.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+    temporary.write_bytes(data)
     os.replace(temporary, path)
-    return path, len(lines)
+    return path
 
 
 def run_export(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
     return trio.run(export_events, fleet, directory)
+
+
+def run_export_decisions(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
+    return trio.run(export_decisions, fleet, directory)

@@ -11,7 +11,9 @@ names all start with the fleet's `name` (N below):
 - key-value bucket `N-leader`, key `leader`: the lease. Its TTL is the lease, so a leader that
   stops renewing loses it; the value is the leader's replica name;
 - subject `N.observations` (core NATS, no stream): what replicas' data planes observe, for the
-  leader to number.
+  leader to number;
+- stream `N-decisions` (subject `N.decisions`): every replica's decision records, a batch of
+  JSON Lines per message (`fleet.decisions`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ CHECKPOINTS_KEPT = 16
 MAX_REPLICAS = 3
 """Copies JetStream keeps of each stream: one per configured server, up to three."""
 
+NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSError)
+"""What a call to NATS may raise when NATS is unreachable, slow or refuses it."""
+
+READ_BATCH = 256
+"""Messages one read of a stream asks for (export)."""
+
 LEASE_KEY = "leader"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code for an append whose expected last sequence is not the stream's."""
@@ -59,6 +67,10 @@ class Names:
     @property
     def checkpoints(self) -> str:
         return f"{self.fleet}-checkpoints"
+
+    @property
+    def decisions(self) -> str:
+        return f"{self.fleet}-decisions"
 
     @property
     def lease(self) -> str:
@@ -121,6 +133,13 @@ class FleetLink:
                 name=names.checkpoints,
                 subjects=[names.subject("checkpoints")],
                 max_msgs=CHECKPOINTS_KEPT,
+                num_replicas=replicas,
+            ),
+            StreamConfig(
+                name=names.decisions,
+                subjects=[names.subject("decisions")],
+                max_age=EVENT_RETENTION_SECONDS,
+                max_bytes=EVENT_RETENTION_BYTES,
                 num_replicas=replicas,
             ),
         ):
@@ -187,13 +206,15 @@ class FleetLink:
             raise
         return ack.seq
 
-    async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes], None]):
-        """An ordered consumer of the event stream from `start_seq`: `deliver(seq, data)` is
-        called on the trio thread for each message, in order. Returns the subscription."""
+    async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes, float], None]):
+        """An ordered consumer of the event stream from `start_seq`: `deliver(seq, data,
+        appended_at)` is called on the trio thread for each message, in order (`appended_at`:
+        when JetStream stored it, UNIX seconds by the NATS server's clock). Returns the
+        subscription."""
         to_trio = self._bridge.to_trio(deliver)
 
         async def on_message(msg) -> None:
-            to_trio(msg.metadata.sequence.stream, msg.data)
+            to_trio(msg.metadata.sequence.stream, msg.data, msg.metadata.timestamp.timestamp())
 
         return await self._call(
             self._js.subscribe,
@@ -242,3 +263,36 @@ class FleetLink:
             to_trio(msg.data)
 
         return await self._call(self._nc.subscribe, self.names.subject("observations"), cb=on_message)
+
+    # --- decision records -----------------------------------------------------------------
+
+    async def publish_decisions(self, lines: bytes, message_id: str) -> None:
+        """Append a batch of decision records; JetStream drops a second message with the same
+        `message_id` (a batch sent again after an unknown outcome)."""
+        headers = {"Nats-Msg-Id": message_id}
+        await self._call(self._js.publish, self.names.subject("decisions"), lines, headers=headers)
+
+    async def read_decision_batches(self):
+        """Every message of the decision stream, oldest first (export); none when the fleet
+        has no decision stream."""
+        try:
+            info = await self._call(self._js.stream_info, self.names.decisions)
+        except nats.js.errors.NotFoundError:
+            return
+        last = info.state.last_seq
+        if info.state.messages == 0:
+            return
+        config = nats.js.api.ConsumerConfig(
+            ack_policy=nats.js.api.AckPolicy.NONE, inactive_threshold=OPERATION_SECONDS * 2, mem_storage=True
+        )
+        subscription = await self._call(
+            self._js.pull_subscribe, self.names.subject("decisions"), stream=self.names.decisions, config=config
+        )
+        try:
+            seq = 0
+            while seq < last:
+                for message in await self._call(subscription.fetch, READ_BATCH, timeout=OPERATION_SECONDS / 2):
+                    seq = message.metadata.sequence.stream
+                    yield message.data
+        finally:
+            await self.unsubscribe(subscription)

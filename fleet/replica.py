@@ -28,7 +28,6 @@ import contextlib
 import time
 
 import msgspec
-import nats.errors
 import nats.js.errors
 import prometheus_client
 import trio
@@ -40,7 +39,8 @@ from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 from fleet.bridge import open_asyncio_thread
-from fleet.jetstream import AppendRefused, FleetLink
+from fleet.decisions import FleetDecisions
+from fleet.jetstream import NATS_ERRORS, AppendRefused, FleetLink
 
 CONNECT_RETRY_SECONDS = 1.0
 """The pause between attempts to reach NATS (the replica serves on meanwhile)."""
@@ -50,8 +50,6 @@ CHECKPOINT_SECONDS = 30.0
 
 FOLLOW_BUFFER = 65_536
 """Delivered events waiting to be applied; beyond that the follower resubscribes."""
-
-NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSError)
 
 
 class FleetMetrics:
@@ -67,6 +65,12 @@ class FleetMetrics:
         )
         self.leadership_changes = prometheus_client.Counter(
             "interlock_fleet_leadership_changes_total", "Terms this replica began as the fleet's leader", registry=registry
+        )
+        self.apply_delay = prometheus_client.Histogram(
+            "interlock_fleet_apply_delay_seconds",
+            "From an event's append to the fleet's stream (the NATS server's clock) to its apply here (this host's clock)",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=registry,
         )
         self.appends_refused = prometheus_client.Counter(
             "interlock_fleet_appends_refused_total",
@@ -92,6 +96,8 @@ class FleetControlPlane(ControlPlane):
         self._stopped = trio.Event()
         self._revision = 0
         self.fleet_metrics = FleetMetrics(self.registry, self)
+        self.decisions = FleetDecisions(self.replica, self.log, self.registry)
+        """Where this replica's decision records go: the fleet's decision stream."""
 
     # --- what serve and the data plane see --------------------------------------------------
 
@@ -129,6 +135,7 @@ class FleetControlPlane(ControlPlane):
                         nursery.start_soon(self._connect)
                         nursery.start_soon(self._follow)
                         nursery.start_soon(self._campaign, client)
+                        nursery.start_soon(self.decisions.run, self._link)
                         task_status.started()
                         await self._stopped.wait()
                         nursery.cancel_scope.cancel()
@@ -191,15 +198,15 @@ class FleetControlPlane(ControlPlane):
 
     async def _follow_once(self) -> None:
         start = await self._starting_seq()
-        send, receive = trio.open_memory_channel[tuple[int, bytes]](FOLLOW_BUFFER)
+        send, receive = trio.open_memory_channel[tuple[int, bytes, float]](FOLLOW_BUFFER)
 
-        def deliver(seq: int, data: bytes) -> None:
+        def deliver(seq: int, data: bytes, appended_at: float) -> None:
             with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                send.send_nowait((seq, data))  # a dropped event shows as a gap: resubscribe
+                send.send_nowait((seq, data, appended_at))  # a dropped event shows as a gap: resubscribe
 
         subscription = await self._link.follow_events(start, deliver)
         try:
-            async for seq, data in receive:
+            async for seq, data, appended_at in receive:
                 expected = self._snapshot.seq + 1
                 if seq < expected:
                     continue  # redelivered
@@ -207,6 +214,7 @@ class FleetControlPlane(ControlPlane):
                     self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=seq)
                     return
                 self._apply_fleet_event(decode_event(data))
+                self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - appended_at))
         finally:
             send.close()
             with trio.CancelScope(shield=True):

@@ -46,7 +46,7 @@ from controlplane.logs import JsonLog
 from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
-from dataplane.decisions import Decision, DecisionLog, DecisionRecorder, open_decision_log
+from dataplane.decisions import Decision, DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
@@ -173,6 +173,7 @@ async def _run(
 ) -> int:
     config = control_plane.snapshot.config
     _log_topology(log, config)
+    recorder = decision_recorder(control_plane, decisions)
     stop_listening = trio.Event()
     drained = trio.Event()
 
@@ -185,7 +186,7 @@ async def _run(
     async def serve_api(api_socket: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """This process serves the API, or its workers do (then until `stop_listening`)."""
         if workers == 1:
-            async with api_application(control_plane, log, decisions, registry=registry, **timeouts) as app:
+            async with api_application(control_plane, log, recorder, registry=registry, **timeouts) as app:
                 await serve_on_socket(
                     app, api_socket, stop_listening, http2=config.gateway.http2, task_status=task_status
                 )
@@ -197,7 +198,7 @@ async def _run(
                 api_socket,
                 workers,
                 log=log,
-                record_decision=decisions.record if decisions is not None else _discard,
+                record_decision=recorder.record if recorder is not None else _discard,
                 metrics=WorkerMetrics(registry),
                 metrics_dir=metrics_dir,
             )
@@ -234,6 +235,15 @@ async def _run(
                 await decisions.appender.aclose()
         drained.set()
     return EXIT_OK
+
+
+def decision_recorder(control_plane: ControlPlane, decisions: DecisionLog | None) -> DecisionRecorder | None:
+    """Where the data plane's decision records go: the decision log, and in a fleet the fleet's
+    decision stream too (`fleet.decisions`), both naming the replica."""
+    if not isinstance(control_plane, FleetControlPlane):
+        return decisions
+    sinks = [control_plane.decisions] if decisions is None else [decisions.appender, control_plane.decisions]
+    return DecisionFanOut(control_plane.replica, sinks)
 
 
 def _discard(decision: Decision) -> None:

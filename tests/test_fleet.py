@@ -96,9 +96,14 @@ class Health:
 
 @asynccontextmanager
 async def fleet_of(
-    tmp_path: Path, nodes: Sequence[SimulatedNode], servers: Sequence[NatsServer], count: int = 3
+    tmp_path: Path,
+    nodes: Sequence[SimulatedNode],
+    servers: Sequence[NatsServer],
+    count: int = 3,
+    gateway: Sequence[dict[str, object]] = (),
 ) -> AsyncIterator[list[Replica]]:
-    """`count` replicas r1, r2, … of one fleet on `servers`, killed at the end."""
+    """`count` replicas r1, r2, … of one fleet on `servers`, killed at the end; `gateway[i]`
+    adds [gateway] keys to the config of replica i + 1."""
     urls = ", ".join(f'"{server.url}"' for server in servers)
     replicas = []
     for index in range(1, count + 1):
@@ -106,7 +111,8 @@ async def fleet_of(
         directory.mkdir()
         fleet = f'[fleet]\nnats = [{urls}]\nreplica = "r{index}"\nlease = "{LEASE}"\nlease_renewal = "{LEASE_RENEWAL}"\n'
         config_path = directory / "gateway.toml"
-        config_path.write_text(config_text(nodes, health_interval=HEALTH_INTERVAL) + fleet)
+        settings = gateway[index - 1] if index <= len(gateway) else {}
+        config_path.write_text(config_text(nodes, health_interval=HEALTH_INTERVAL, **settings) + fleet)
         replicas.append(Replica(f"r{index}", config_path, directory / "log.jsonl"))
     try:
         for replica in replicas:

@@ -1,0 +1,445 @@
+"""The fleet under load: HAProxy in front of three replicas, the leader SIGKILLed mid-run.
+
+    python -m bench.fleet [--requests 4000] [--clients 16] [--kill-after 1000]
+                          [--probe-seconds 10] [--cpu-nodes 1000] [--cpu-seconds 20] [--out bench/results]
+
+On loopback, every process its own process group (stopped at the end, also on Ctrl-C or an
+error): three `nats-server`s clustered (JetStream on, streams kept three times), three
+simulated nodes (`fixtures.node` processes on 127.0.0.2-4), three replicas (`interlock serve`
+with `[fleet]`, lease 2 s renewed every 0.5 s, `retry_unanswered = true`, probes every second)
+and Debian's `haproxy` on `deploy/haproxy/interlock.cfg` in front of them. Measured:
+
+- probes per node per interval: each node's recorded `GET /health` requests over
+  `--probe-seconds`, divided by the intervals (the fleet's target 1; three independent replicas
+  make 3);
+- failed requests: `--requests` non-streaming completions through HAProxy from `--clients`
+  clients, the leader SIGKILLed after `--kill-after` of them; any answer but 200 fails (with
+  the seconds after the kill at which each failed: a request in flight on the killed replica
+  has no answer, and HAProxy resends only what no replica accepted);
+- time to a new leader: from the SIGKILL to the first `/health` of a surviving replica naming
+  another leader (polled every 20 ms);
+- event fan-out: a follower's `interlock_fleet_apply_delay_seconds` histogram over the load
+  (from JetStream's timestamp of the append to the follower's apply; one host, one clock),
+  p50/p99 interpolated within its buckets as Prometheus' `histogram_quantile` does;
+- a follower's control-plane CPU at `--cpu-nodes` nodes: a second fleet of two replicas (a
+  leader, then a follower) over that many simulated nodes (`bench.control_plane_load`'s node
+  process), the follower's CPU time from /proc over `--cpu-seconds` (it does not probe; it
+  applies the leader's events), the leader's beside it.
+
+Prints a table with PASS/MISS against the targets of issue 21 and writes the figures to
+`bench/results/<UTC timestamp>-fleet.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.control_plane_load import raise_file_limit
+from bench.processes import NamedProcess, Processes, cpu_seconds, free_port, group_pids, read_json_line
+from bench.report import busy_note, command_line, load_average, utc_now, write_results
+from bench.servers import PROJECT_ROOT, SimulatedNodeProcess, gateway_config, start_simulated_nodes
+
+MODEL = "fleet-model"
+HOST = "127.0.0.1"
+LEASE_SECONDS = 2.0
+FLEET = {"lease": "2s", "lease_renewal": "500ms"}
+GATEWAY = {"health_interval": "1s", "retry_unanswered": True}
+HAPROXY_CONFIG = PROJECT_ROOT / "deploy" / "haproxy" / "interlock.cfg"
+WAIT_SECONDS = 120.0
+"""The deadline of every wait for a process to be ready (the machine may be busy)."""
+
+TARGETS = {
+    "failed_requests": 0,
+    "seconds_to_new_leader": 2 * LEASE_SECONDS,
+    "fan_out_p99_ms": 20.0,
+    "probes_per_node_per_interval": 1.0,
+    "follower_core_percent": 5.0,
+}
+
+
+@dataclass
+class Replica:
+    name: str
+    port: int
+    metrics_port: int
+    process: NamedProcess
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+# --- starting things -------------------------------------------------------------------------
+
+
+def start_nats(processes: Processes, folder: Path, count: int = 3) -> list[str]:
+    """`count` clustered JetStream servers; their client URLs."""
+    ports = [(free_port(), free_port()) for _ in range(count)]
+    program = shutil.which("nats-server")
+    if program is None:
+        raise SystemExit("bench.fleet needs nats-server (Debian: apt-get install nats-server)")
+    for index, (port, cluster_port) in enumerate(ports, start=1):
+        routes = ",".join(f"nats://{HOST}:{other}" for _, other in ports if other != cluster_port)
+        argv = [
+            program, "-js", "-sd", str(folder / f"nats{index}"), "-a", HOST, "-p", str(port), "-n", f"nats{index}",
+            "--cluster_name", "bench", "--cluster", f"nats://{HOST}:{cluster_port}", "--routes", routes,
+        ]  # fmt: skip
+        process = processes.start(f"nats{index}", argv, cores=None)
+        _wait_for_port(port, process)
+    return [f"nats://{HOST}:{port}" for port, _ in ports]
+
+
+def _wait_for_port(port: int, process: NamedProcess) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.name} exited with code {process.returncode}")
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{process.name} does not listen on {port}")
+
+
+def fleet_table(urls: list[str], replica: str, name: str) -> str:
+    servers = ", ".join(json.dumps(url) for url in urls)
+    settings = "".join(f"{key} = {json.dumps(value)}\n" for key, value in FLEET.items())
+    return f"[fleet]\nnats = [{servers}]\nname = {json.dumps(name)}\nreplica = {json.dumps(replica)}\n{settings}"
+
+
+def start_replica(processes: Processes, folder: Path, name: str, config_text: str, port: int) -> Replica:
+    config = folder / f"{name}.toml"
+    config.write_text(config_text)
+    metrics_port = free_port()
+    argv = [
+        sys.executable, "-m", "interlock.cli", "serve", "--config", str(config),
+        "--listen", f"{HOST}:{port}", "--metrics-listen", f"{HOST}:{metrics_port}",
+    ]  # fmt: skip
+    return Replica(name, port, metrics_port, processes.start(name, argv, cores=None, cwd=PROJECT_ROOT))
+
+
+def start_haproxy(processes: Processes, replicas: list[Replica]) -> str:
+    """HAProxy on the shipped config in front of `replicas`; its URL."""
+    program = shutil.which("haproxy")
+    if program is None:
+        raise SystemExit("bench.fleet needs haproxy (Debian: apt-get install haproxy)")
+    port = free_port()
+    os.environ["INTERLOCK_LISTEN"] = f"{HOST}:{port}"
+    for index, replica in enumerate(replicas, start=1):
+        os.environ[f"INTERLOCK_{index}"] = f"{HOST}:{replica.port}"
+    process = processes.start("haproxy", [program, "-db", "-f", str(HAPROXY_CONFIG)], cores=None)
+    _wait_for_port(port, process)
+    return f"http://{HOST}:{port}"
+
+
+# --- asking the replicas ---------------------------------------------------------------------
+
+
+async def fleet_health(http: httpx.AsyncClient, replica: Replica) -> dict | None:
+    """The replica's /health body with its fleet headers, or None when it does not answer."""
+    try:
+        response = await http.get(replica.url + "/health", timeout=2)
+    except httpx.HTTPError:
+        return None
+    return {
+        **response.json(),
+        "leader": response.headers.get("X-Interlock-Leader", ""),
+        "seq": int(response.headers.get("X-Interlock-Seq", "0")),
+    }
+
+
+async def wait_until_settled(replicas: list[Replica], healthy: int) -> str:
+    """Wait until every replica routes on `healthy` healthy nodes under one leader; its name."""
+    async with httpx.AsyncClient(trust_env=False) as http:
+        with trio.fail_after(WAIT_SECONDS):
+            while True:
+                answers = [await fleet_health(http, replica) for replica in replicas]
+                leaders = {answer["leader"] for answer in answers if answer}
+                if all(answer and answer["healthy"] == healthy for answer in answers) and len(leaders) == 1 and "" not in leaders:
+                    return leaders.pop()
+                await trio.sleep(0.2)
+
+
+async def scrape(replica: Replica) -> dict[str, float]:
+    """The replica's metrics as {name{labels}: value} (histogram buckets by their `le`)."""
+    async with httpx.AsyncClient(trust_env=False) as http:
+        text = (await http.get(f"http://{HOST}:{replica.metrics_port}/metrics", timeout=5)).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{key}={value}" for key, value in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def histogram_quantile(quantile: float, before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    """The quantile of a histogram's observations between two scrapes, interpolated linearly
+    within its bucket (Prometheus' `histogram_quantile`); None without observations."""
+    prefix = f"{name}_bucket{{le="
+    buckets = sorted(
+        (float(key[len(prefix) : -1]), value - before.get(key, 0.0)) for key, value in after.items() if key.startswith(prefix)
+    )
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank = quantile * total
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lower_bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / max(count - lower_count, 1e-9)
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+# --- the measurements ------------------------------------------------------------------------
+
+
+def probes_per_node_per_interval(nodes: list[SimulatedNodeProcess], seconds: float) -> list[float]:
+    """Each node's `GET /health` requests over `seconds`, per second (the health interval)."""
+    for node in nodes:
+        httpx.delete(node.url + "/_control/requests", timeout=5, trust_env=False)
+    time.sleep(seconds)
+    counts = []
+    for node in nodes:
+        recorded = httpx.get(node.url + "/_control/requests", timeout=5, trust_env=False).json()
+        counts.append(sum(1 for request in recorded if request["path"] == "/health") / seconds)
+    return counts
+
+
+async def load_with_failover(
+    url: str, replicas: list[Replica], leader: str, *, total: int, clients: int, kill_after: int
+) -> dict:
+    """`total` completions through `url` from `clients` clients; the leader SIGKILLed after
+    `kill_after` answers; the time until a survivor names a new leader."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}]}
+    failures: Counter[str] = Counter()
+    sent = answered = 0
+    killed = trio.Event()
+    new_leader: dict = {}
+    failed_after_kill: list[float] = []
+    by_name = {replica.name: replica for replica in replicas}
+
+    async def client() -> None:
+        nonlocal sent, answered
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            while sent < total:
+                sent += 1
+                try:
+                    response = await http.post(url + "/v1/chat/completions", json=body)
+                    failure = "" if response.status_code == 200 else f"status {response.status_code}"
+                except httpx.HTTPError as error:
+                    failure = type(error).__name__
+                if failure:
+                    failures[failure] += 1
+                    if killed.is_set():
+                        failed_after_kill.append(round(time.monotonic() - new_leader["killed_at"], 3))
+                answered += 1
+                if answered == kill_after:
+                    os.killpg(by_name[leader].process.pid, signal.SIGKILL)
+                    new_leader["killed_at"] = time.monotonic()
+                    killed.set()
+
+    async def watch_leader() -> None:
+        await killed.wait()
+        survivors = [replica for replica in replicas if replica.name != leader]
+        async with httpx.AsyncClient(trust_env=False) as http:
+            with trio.fail_after(WAIT_SECONDS):
+                while True:
+                    for replica in survivors:
+                        answer = await fleet_health(http, replica)
+                        if answer and answer["leader"] not in ("", leader):
+                            new_leader.update(name=answer["leader"], seconds=time.monotonic() - new_leader["killed_at"])
+                            return
+                    await trio.sleep(0.02)
+
+    started = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_leader)
+        for _ in range(clients):
+            nursery.start_soon(client)
+    return {
+        "requests": answered,
+        "failed": sum(failures.values()),
+        "failures": dict(failures),
+        "failed_seconds_after_kill": failed_after_kill,
+        "requests_per_second": answered / (time.monotonic() - started),
+        "killed_leader": leader,
+        "new_leader": new_leader.get("name"),
+        "seconds_to_new_leader": new_leader.get("seconds"),
+    }
+
+
+def failover_run(processes: Processes, folder: Path, urls: list[str], args: argparse.Namespace) -> dict:
+    nodes = start_simulated_nodes(processes, 3, MODEL, ttft=0.002, tpot=0.001, tokens=4)
+    replicas = []
+    for name in ("r1", "r2", "r3"):
+        port = free_port()
+        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(urls, name, "bench")
+        replicas.append(start_replica(processes, folder, name, text, port))
+    leader = trio.run(wait_until_settled, replicas, len(nodes))
+    url = start_haproxy(processes, replicas)
+    probes = probes_per_node_per_interval(nodes, args.probe_seconds)
+    follower = next(replica for replica in replicas if replica.name != leader)
+    before = trio.run(scrape, follower)
+    run = trio.run(
+        lambda: load_with_failover(
+            url, replicas, leader, total=args.requests, clients=args.clients, kill_after=args.kill_after
+        )
+    )
+    after = trio.run(scrape, follower)
+    delay = "interlock_fleet_apply_delay_seconds"
+    observed = after.get(f"{delay}_count{{}}", 0) - before.get(f"{delay}_count{{}}", 0)
+    p50, p99 = (histogram_quantile(q, before, after, delay) for q in (0.5, 0.99))
+    return {
+        **run,
+        "probes_per_node_per_interval": probes,
+        "fan_out": {
+            "follower": follower.name,
+            "events": observed,
+            "p50_ms": None if p50 is None else p50 * 1000,
+            "p99_ms": None if p99 is None else p99 * 1000,
+        },
+    }
+
+
+def follower_cpu_run(processes: Processes, folder: Path, urls: list[str], args: argparse.Namespace) -> dict:
+    """A leader and a follower over `--cpu-nodes` simulated nodes (see the module docstring)."""
+    nodes_process = processes.start(
+        "nodes-many",
+        [sys.executable, "-m", "bench.control_plane_load", "--serve-nodes", str(args.cpu_nodes)],
+        cores=None,
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.PIPE,
+    )
+    described = read_json_line(nodes_process, timeout=WAIT_SECONDS)
+    nodes = [
+        SimulatedNodeProcess(node["name"], node["host"], node["vllm_port"], node["metrics_port"], nodes_process)
+        for node in described
+    ]
+    settings = {**GATEWAY, "probe_timeout": "5s"}
+    replicas = []
+    for name in ("leader", "follower"):
+        port = free_port()
+        text = gateway_config(port, nodes, MODEL, settings, {}) + fleet_table(urls, name, "bench-many")
+        replicas.append(start_replica(processes, folder, name, text, port))
+        trio.run(wait_until_settled, replicas, len(nodes))  # the first one started leads
+    leader, follower = replicas
+    before = trio.run(scrape, follower)
+    cpu_before = {replica.name: cpu_seconds(group_pids(replica.process.pid)) for replica in replicas}
+    start = time.monotonic()
+    time.sleep(args.cpu_seconds)
+    wall = time.monotonic() - start
+    cpu = {replica.name: cpu_seconds(group_pids(replica.process.pid)) - cpu_before[replica.name] for replica in replicas}
+    after = trio.run(scrape, follower)
+    applied = after.get("interlock_fleet_apply_delay_seconds_count{}", 0) - before.get(
+        "interlock_fleet_apply_delay_seconds_count{}", 0
+    )
+    for replica in replicas:
+        processes.stop(replica.process)
+    processes.stop(nodes_process)
+    return {
+        "nodes": len(nodes),
+        "seconds": wall,
+        "follower_core_percent": cpu["follower"] / wall * 100,
+        "leader_core_percent": cpu["leader"] / wall * 100,
+        "follower_events_per_second": applied / wall,
+    }
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def evaluate(results: dict) -> list[dict]:
+    failover, many = results["failover"], results["follower_cpu"]
+    probes = max(failover["probes_per_node_per_interval"])
+    rows = [
+        ("failed requests", failover["failed"], "<=", TARGETS["failed_requests"], f"{failover['failed']} of {failover['requests']}"),
+        ("time to a new leader (s)", failover["seconds_to_new_leader"], "<=", TARGETS["seconds_to_new_leader"], None),
+        ("event fan-out p50 (ms)", failover["fan_out"]["p50_ms"], None, None, None),
+        ("event fan-out p99 (ms)", failover["fan_out"]["p99_ms"], "<=", TARGETS["fan_out_p99_ms"], None),
+        ("probes per node per interval", probes, "<=", TARGETS["probes_per_node_per_interval"] * 1.1, None),
+        (f"follower CPU at {many['nodes']} nodes (% core)", many["follower_core_percent"], "<=", TARGETS["follower_core_percent"], None),
+        (f"leader CPU at {many['nodes']} nodes (% core)", many["leader_core_percent"], None, None, None),
+    ]
+    evaluated = []
+    for name, value, _, target, shown in rows:
+        verdict = "" if target is None else ("MISS" if value is None or value > target else "PASS")
+        shown = shown or ("-" if value is None else f"{value:.2f}")
+        evaluated.append({"figure": name, "value": value, "shown": shown, "target": target, "verdict": verdict})
+    return evaluated
+
+
+def render(evaluated: list[dict]) -> str:
+    lines = [f"{'figure':40}{'value':>16}{'target':>10}  verdict"]
+    for row in evaluated:
+        target = "" if row["target"] is None else f"<= {row['target']:g}"
+        lines.append(f"{row['figure']:40}{row['shown']:>16}{target:>10}  {row['verdict']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet", description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--requests", type=int, default=4000, help="completions through HAProxy (default: 4000)")
+    add("--clients", type=int, default=16, help="clients sending at once (default: 16)")
+    add("--kill-after", type=int, default=1000, help="answers before the leader is SIGKILLed (default: 1000)")
+    add("--probe-seconds", type=float, default=10.0, help="seconds the nodes' probes are counted (default: 10)")
+    add("--cpu-nodes", type=int, default=1000, help="nodes of the follower-CPU run (default: 1000)")
+    add("--cpu-seconds", type=float, default=20.0, help="seconds the follower's CPU is measured (default: 20)")
+    add("--out", type=Path, default=PROJECT_ROOT / "bench" / "results")
+    args = parser.parse_args(argv)
+    if not 0 < args.kill_after < args.requests:
+        parser.error("needs 0 < --kill-after < --requests")
+    raise_file_limit()  # inherited: a thousand nodes need thousands of sockets in each replica
+    load_before = load_average()
+    with tempfile.TemporaryDirectory(prefix="bench-fleet-") as temporary, Processes(Path(temporary)) as processes:
+        folder = Path(temporary)
+        try:
+            urls = start_nats(processes, folder)
+            failover = failover_run(processes, folder, urls, args)
+            follower_cpu = follower_cpu_run(processes, folder, urls, args)
+        except Exception:
+            for name in ("r1", "r2", "r3", "leader", "follower", "haproxy"):
+                tail = processes.log_tail(name, 5)
+                if tail:
+                    print(f"--- {name}\n{tail}", file=sys.stderr)
+            raise
+    results = {
+        "when": utc_now(),
+        "command": command_line().replace("python -m bench", "python -m bench.fleet", 1),
+        "args": {key: str(value) for key, value in vars(args).items()},
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+        "busy": busy_note(load_before),
+        "failover": failover,
+        "follower_cpu": follower_cpu,
+    }
+    results["targets"] = evaluate(results)
+    print(render(results["targets"]))
+    if results["busy"]:
+        print(results["busy"])
+    print(f"wrote {write_results(results, args.out, kind='fleet')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
