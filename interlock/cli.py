@@ -34,7 +34,6 @@ from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from dataplane.decisions import find_decisions, read_decisions
 from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
-from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
     explanation_to_builtins,
@@ -46,14 +45,8 @@ from interlock.render import (
     state_to_builtins,
 )
 from interlock.timeline import TimelineError, build_timeline, render_html
-from interlock.whatif import (
-    DEFAULT_CACHE_ENTRIES,
-    PROGRESS_SECONDS,
-    RECORDED,
-    WHAT_IF_POLICIES,
-    render_report,
-    what_if,
-)
+from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, WHAT_IF_POLICIES, render_report, what_if
+from journal.segments import LogFileError
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2

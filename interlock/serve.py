@@ -32,9 +32,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
 
-import h11
 import h2.errors
 import h2.events
+import h11
 import hypercorn.protocol
 import hypercorn.trio.run
 import prometheus_client
@@ -49,7 +49,6 @@ from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.utils import wrap_app
 from prometheus_client import CollectorRegistry
 
-from controlplane.appender import LogInUse
 from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, parse_listen_address
 from controlplane.logs import JsonLog
 from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
@@ -60,6 +59,7 @@ from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
+from journal.writer import LogInUse
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

@@ -20,16 +20,17 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.appender import LogAppender, SegmentedFile
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.replay import replay
 from controlplane.runtime import segment_head
 from dataplane.decisions import read_decisions
-from events.jsonl import list_segments, segment_lines
 from events.log import decode_event, encode_event, read_events
 from events.types import Checkpoint, HealthProbed, RunStarted, RunStopped
 from fixtures.node import serve_nodes
 from interlock.cli import main
+from journal.reader import segment_lines
+from journal.segments import list_segments
+from journal.writer import LogAppender, SegmentedFile
 
 from builders import T0, encode_state, make_config, node_ip, run_started
 from harness import (
