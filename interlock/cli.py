@@ -49,6 +49,7 @@ from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, 
 from journal.segments import LogFileError
 
 EXIT_OK = 0
+EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_NODE = 3
 
@@ -525,6 +526,16 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    checkout = Path(__file__).resolve().parent.parent
+    if not (checkout / "fixtures" / "node.py").is_file():
+        print(
+            "error: interlock demo runs from a source checkout (its simulated nodes, fixtures/, are not installed): "
+            "run `make demo` there",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    if str(checkout) not in sys.path:
+        sys.path.append(str(checkout))  # the simulated nodes, from the source tree
     from interlock.demo import DEMO_CONFIG, default_directory  # the server stack, imported only to serve
     from interlock.demo import run_demo as demo
 
