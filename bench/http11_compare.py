@@ -4,7 +4,10 @@
                                    [--duration 5]
 
 "old" is `transport/http11.py` as it is at `--base` (read with `git show`), "new" is this
-checkout's, each loaded the same way as a module of its own. Each section measures them in alternating pairs (old then
+checkout's, each loaded the same way as a module of its own (importing the rest of `transport/`
+from this checkout). A variant whose `http11.py` has no `parse_head` of its own is measured with
+this checkout's parser (`transport/parser.py`): against a base from before the parser had a
+module of its own, the parser section compares the two parsers. Each section measures them in alternating pairs (old then
 new, new then old, …), so that a machine that gets busier or quieter meanwhile weighs on both,
 and prints each one's median, the ratio of the medians and the median of the pairs' ratios.
 
@@ -45,6 +48,7 @@ from bench.report import load_average
 from bench.servers import COMPLETIONS_PATH, HOST, PROJECT_ROOT, start_interlock, start_upstream
 from bench.upstream import STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
+from transport import parser
 
 SECTIONS = ("parser", "client", "gateway")
 TRANSPORT = "transport/http11.py"
@@ -112,7 +116,7 @@ def _parse_args() -> argparse.Namespace:
 
 
 def load_module(source: bytes, origin: str, name: str) -> types.ModuleType:
-    """`source` as a module of its own, `name` (it must import nothing of the project)."""
+    """`source` as a module of its own, `name` (it may import only `transport`)."""
     module = types.ModuleType(name)
     module.__file__ = origin
     sys.modules[name] = module
@@ -161,7 +165,8 @@ def parser_cost(module: types.ModuleType) -> Callable[[], float]:
     def measure() -> float:
         count = 20000
         # CPU time of this thread: a busy machine that takes the core away meanwhile does not count.
-        runs = timeit.repeat(lambda: module.parse_head(HEAD), number=count, repeat=3, timer=time.thread_time)
+        parse_head = getattr(module, "parse_head", parser.parse_head)
+        runs = timeit.repeat(lambda: parse_head(HEAD), number=count, repeat=3, timer=time.thread_time)
         return min(runs) / count * 1e9
 
     return measure

@@ -4,7 +4,7 @@
 
 - writer: the CPU of one 100-event batch write, as the appender's worker thread does it. `plain`
   is the writer before the log files were hardened (an unbuffered append of the batch, with the
-  segment size check); `segmented` is `controlplane.appender.SegmentedFile.write` (whole lines
+  segment size check); `segmented` is `journal.writer.SegmentedFile.write` (whole lines
   or nothing, the check that the segment is still there, the lock held). The two alternate,
   round by round, on the same disk; medians of the rounds and their ratio are printed.
 - checkpoint: a state of `--nodes` nodes, each with its models, GPUs and health known: the
@@ -25,13 +25,13 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.appender import SegmentedFile
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.runtime import segment_head
 from events.config import Config, ModelEntry, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event
 from events.state import ClusterState, GpuSample
 from events.types import Event, GpuScraped, HealthProbed, ModelsListed, RunStarted
+from journal.writer import SegmentedFile
 
 BATCH_EVENTS = 100
 T0 = 1_767_323_045.0

@@ -19,10 +19,8 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.appender import SegmentedFile
 from controlplane.replay import replay
 from events.config import DEFAULT_EVENT_LOG_MAX_BYTES, Config, ModelEntry, ModelsConfig, NodeConfig
-from events.jsonl import list_segments
 from events.log import encode_event
 from events.types import (
     ConfigReloaded,
@@ -36,6 +34,8 @@ from events.types import (
     UpstreamFailed,
     UpstreamRecovered,
 )
+from journal.segments import list_segments
+from journal.writer import SegmentedFile
 
 START = 1767323045.0
 ROUND_SECONDS = 3.0

@@ -25,7 +25,8 @@ import trio
 from events.config import NodeConfig
 from events.state import GpuSample
 from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
-from transport.http11 import BodyTooLarge, HttpClient, HttpError, PreparedRequest, request_steps
+from transport.http11 import BodyTooLarge, HttpClient, HttpError
+from transport.steps import PreparedRequest, request_steps
 from transport.readiness import Exchange, InThread, TimedOut, drive
 
 MAX_BODY_BYTES = 4 * 1024 * 1024

@@ -13,7 +13,7 @@ Who owns what (all tasks are children of `ControlPlane.run`):
   `/metrics`) at the config's load interval, none while it is 0, with its own in-flight guard.
   Every probe runs in the prober's one `Readiness` (one wait for all their sockets); probes read
   addresses, timeouts and the intervals from the current snapshot and only ever send events;
-- the event-log writer (`controlplane.appender.LogAppender`) writes encoded events in batches
+- the event-log writer (`journal.writer.LogAppender`) writes encoded events in batches
   in a worker thread, so a slow or failing disk never stalls the reducer. Each new segment
   opens with a checkpoint of the state before its first event.
 
@@ -35,8 +35,8 @@ import msgspec
 import prometheus_client
 import trio
 
-from controlplane.appender import LogAppender, open_configured_log
 from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
+from controlplane.journals import open_configured_log
 from controlplane.keyfiles import upstream_authorizations
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
@@ -47,6 +47,7 @@ from events.config import Config, GatewayConfig, NodeConfig
 from events.log import encode_event, last_seq
 from events.state import ClusterState
 from events.types import Checkpoint, ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
+from journal.writer import LogAppender
 from transport.readiness import Readiness
 
 EVENT_QUEUE_SIZE = 16_384

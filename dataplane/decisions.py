@@ -19,11 +19,12 @@ from typing import Protocol
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.appender import LogAppender, SegmentedFile, open_configured_log
+from controlplane.journals import open_configured_log
 from controlplane.logs import JsonLog
 from controlplane.policies import CandidateScore
 from events.config import GatewayConfig
-from events.jsonl import read_records
+from journal.reader import read_records
+from journal.writer import LogAppender, SegmentedFile
 
 # Outcomes of one attempt.
 COMPLETED = "completed"
@@ -99,7 +100,7 @@ DECISION_LOG_BACKLOG = 10_000
 
 
 class DecisionLog:
-    """The decision log's appender (`controlplane.appender`): records are queued, never waited
+    """The decision log's appender (`journal.writer`): records are queued, never waited
     for, and written in batches from a worker thread; a failing write is counted and logged once
     per streak, and never reaches the requests. `open_decision_log` locks the file first."""
 

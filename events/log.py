@@ -2,7 +2,7 @@
 
 Each run of the gateway starts a new segment; a segment opens with the run's `run_started` or
 with a `checkpoint` carrying the whole state, so that whatever segments remain can be replayed
-(`controlplane.appender` writes it, `events.jsonl` has the segments and the reading rules).
+(`journal.writer` writes it, `journal.segments` and `journal.reader` have the segments and the reading rules).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from events.jsonl import decode_line, list_segments, read_records, segment_lines_backwards
 from events.types import Event
+from journal.reader import decode_line, read_records, segment_lines_backwards
+from journal.segments import list_segments
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Event)

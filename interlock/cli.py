@@ -37,7 +37,6 @@ from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from dataplane.decisions import find_decisions, read_decisions
 from events.config import DEFAULT_FLEET_NAME, DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS, FleetConfig
-from events.jsonl import LogFileError
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
@@ -50,16 +49,11 @@ from interlock.render import (
     state_to_builtins,
 )
 from interlock.timeline import TimelineError, build_timeline, render_html
-from interlock.whatif import (
-    DEFAULT_CACHE_ENTRIES,
-    PROGRESS_SECONDS,
-    RECORDED,
-    WHAT_IF_POLICIES,
-    render_report,
-    what_if,
-)
+from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, WHAT_IF_POLICIES, render_report, what_if
+from journal.segments import LogFileError
 
 EXIT_OK = 0
+EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 EXIT_NO_NODE = 3
 
@@ -550,6 +544,16 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    checkout = Path(__file__).resolve().parent.parent
+    if not (checkout / "fixtures" / "node.py").is_file():
+        print(
+            "error: interlock demo runs from a source checkout (its simulated nodes, fixtures/, are not installed): "
+            "run `make demo` there",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    if str(checkout) not in sys.path:
+        sys.path.append(str(checkout))  # the simulated nodes, from the source tree
     from interlock.demo import DEMO_CONFIG, default_directory  # the server stack, imported only to serve
     from interlock.demo import run_demo as demo
 

@@ -39,7 +39,6 @@ from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
 import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
-from controlplane.appender import LogInUse
 from controlplane.config import NO_OVERRIDES, ConfigError, Overrides
 from controlplane.gocompat import parse_listen_address
 from controlplane.logs import JsonLog
@@ -52,6 +51,7 @@ from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy,
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
+from journal.writer import LogInUse
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

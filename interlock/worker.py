@@ -28,6 +28,7 @@ from events.log import decode_event
 from events.types import Checkpoint
 from interlock.serve import api_application, serve_on_socket
 from interlock.workers import DecisionMade, Report, encode_report
+from journal.stream import frame_lines, receive_lines
 
 REPORT_BACKLOG = 10_000
 """Reports waiting to go to the leader; beyond that they are dropped (and counted in the log)."""
@@ -67,7 +68,7 @@ class _Reports:
                 except trio.WouldBlock:
                     break
             try:
-                await leader.send_all(b"".join(encode_report(item) + b"\n" for item in batch))
+                await leader.send_all(frame_lines(map(encode_report, batch)))
             except trio.BrokenResourceError:
                 self._receive.close()
                 return
@@ -78,18 +79,8 @@ class _Reports:
 
 async def _events(leader: trio.SocketStream):
     """The leader's events, decoded, until its end closes."""
-    buffered = b""
-    while data := await _receive(leader):
-        *lines, buffered = (buffered + data).split(b"\n")
-        for line in lines:
-            yield decode_event(line)
-
-
-async def _receive(leader: trio.SocketStream) -> bytes:
-    try:
-        return await leader.receive_some(65536)
-    except trio.BrokenResourceError:
-        return b""
+    async for line in receive_lines(leader):
+        yield decode_event(line)
 
 
 async def run_worker(index: int, api_socket: socket.socket, leader_socket: socket.socket, log: JsonLog) -> int:

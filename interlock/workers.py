@@ -40,6 +40,7 @@ from dataplane.decisions import Decision
 from events.log import encode_event
 from events.state import ClusterState
 from events.types import Checkpoint, Event, UpstreamFailed, UpstreamRecovered
+from journal.stream import receive_lines
 
 RESTART_PAUSE_SECONDS = 1.0
 """How long the leader waits before starting a worker again that ran for less than this."""
@@ -128,17 +129,8 @@ class _Link:
 
     async def receive_reports(self, handle: Callable[[Report], None]) -> None:
         """Hand every report line to `handle` until the worker's end closes."""
-        buffered = b""
-        while True:
-            try:
-                data = await self.stream.receive_some(65536)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                return
-            if not data:
-                return
-            *lines, buffered = (buffered + data).split(b"\n")
-            for line in lines:
-                handle(decode_report(line))
+        async for line in receive_lines(self.stream):
+            handle(decode_report(line))
 
 
 class WorkerPool:

@@ -29,10 +29,10 @@ import trio
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
 from dataplane.decisions import Decision, read_decisions
-from events.jsonl import list_segments
 from events.state import Discovery, NodeState
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
 from interlock.serve import Listening, serve
+from journal.segments import list_segments
 
 MODEL = "test-model"
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

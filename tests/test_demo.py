@@ -6,13 +6,15 @@ import signal
 import socket
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import httpx
 
 from harness import decision_records
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "demo.toml"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_CONFIG = REPO_ROOT / "config" / "demo.toml"
 
 
 def free_port() -> int:
@@ -103,3 +105,24 @@ def test_a_serving_demo_offers_commands_that_work_until_ctrl_c(tmp_path):
             demo.wait()
         demo.stdout.close()
         demo.stderr.close()
+
+
+
+def test_the_wheel_leaves_the_simulated_nodes_out(tmp_path):
+    # `fixtures` is the name of a PyPI testing library: the wheel must not install a package of that name.
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(tmp_path), str(REPO_ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    [wheel] = tmp_path.glob("interlock-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = {name.split("/")[0] for name in archive.namelist()}
+    assert "fixtures" not in top_level
+    assert {"interlock", "journal", "transport"} <= top_level
+    # Nor does the editable install of the checkout: from elsewhere, `fixtures` is not importable.
+    imported = subprocess.run(
+        [sys.executable, "-c", "import fixtures"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert imported.returncode == 1 and "No module named 'fixtures'" in imported.stderr

@@ -10,11 +10,11 @@ import tomllib
 from importlib.metadata import packages_distributions, version
 from pathlib import Path
 
-from test_layering import top_level_imports
+from test_layering import PROJECT_PACKAGES, top_level_imports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
-OWN = {"events", "transport", "controlplane", "dataplane", "fleet", "interlock", "fixtures", "bench", "tests"}
+OWN = PROJECT_PACKAGES
 REQUIREMENT = re.compile(r"(?P<name>[A-Za-z0-9_.-]+)>=(?P<lowest>[0-9.]+),<(?P<below>[0-9.]+)$")
 
 

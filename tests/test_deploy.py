@@ -245,8 +245,10 @@ def test_the_container_image_builds_serves_reloads_and_stops(tmp_path):
         # The gateway and a simulated node in the container's own network namespace (no ports on the host).
         volume = ["-v", f"{config}:/etc/interlock/gateway.toml:ro"]
         podman("run", "-d", "--name", container, "--network", "none", *podman.limits, *volume, image)
+        # The simulated node is not in the wheel: it comes from the checkout.
+        podman("cp", str(REPO / "fixtures"), f"{container}:/tmp/fixtures")
         node = ["-m", "fixtures.node", "--host", "127.0.0.2", "--base-port", "8000", "--metrics-base-port", "9100"]
-        podman("exec", "-d", container, python, *node, "--models", "test-model")
+        podman("exec", "-d", "--workdir", "/tmp", container, python, *node, "--models", "test-model")
         wait_for(lambda: node_models_state() == "known")
         chat = {"model": "test-model", "messages": [{"role": "user", "content": "hello"}]}
         answer = http("http://127.0.0.1:8000/v1/chat/completions", chat)

@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.appender import SegmentedFile
 from events.config import (
     POLICIES,
     ClusterConfig,
@@ -17,7 +16,6 @@ from events.config import (
     NodeConfig,
     RoutingConfig,
 )
-from events.jsonl import LogFileError, expand_log_paths, list_segments, segment_lines, segment_lines_backwards
 from events.log import decode_event, encode_event, last_seq, read_events
 from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeLoad, NodeState
 from events.types import (
@@ -25,8 +23,8 @@ from events.types import (
     Checkpoint,
     ConfigReloaded,
     GpuScraped,
-    LoadScraped,
     HealthProbed,
+    LoadScraped,
     ModelsListed,
     ProbeCrashed,
     ReloadRejected,
@@ -35,6 +33,9 @@ from events.types import (
     UpstreamFailed,
     UpstreamRecovered,
 )
+from journal.reader import segment_lines, segment_lines_backwards
+from journal.segments import LogFileError, expand_log_paths, list_segments
+from journal.writer import SegmentedFile
 
 from builders import T0, make_config, run_started
 

@@ -12,10 +12,10 @@ import msgspec
 import pytest
 import trio
 
-from events.jsonl import list_segments
 from events.log import read_events
 from events.types import HealthProbed, ModelsListed
 from interlock.cli import main
+from journal.segments import list_segments
 
 from harness import MODEL, chat, decision_records, node_specs, nodes_and_gateway, table
 

@@ -1,4 +1,4 @@
-"""The lean HTTP/1.1 client (transport/http11.py) against real servers: the simulated node,
+"""The lean HTTP/1.1 client (transport/http11.py, its parser transport/parser.py) against real servers: the simulated node,
 and small raw trio servers (tests/raw_http.py) for the edge cases a well-behaved server never shows."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from transport.http11 import (
     LostBeforeResponse,
     ProtocolError,
     WriteFailed,
-    parse_head,
 )
+from transport.parser import parse_head
 
 from raw_http import HOST, Handler, RawServer, ServerConnection, answer_each, raw_server
 

@@ -11,12 +11,13 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 MAY_IMPORT = {
-    "events": {"events"},
+    "journal": {"journal"},
+    "events": {"events", "journal"},
     "transport": {"transport"},
-    "controlplane": {"controlplane", "events", "transport"},
-    "dataplane": {"dataplane", "controlplane", "events", "transport"},
-    "fleet": {"fleet", "controlplane", "events", "transport"},
-    "interlock": {"interlock", "fleet", "dataplane", "controlplane", "events", "transport", "fixtures"},
+    "controlplane": {"controlplane", "events", "journal", "transport"},
+    "dataplane": {"dataplane", "controlplane", "events", "journal", "transport"},
+    "fleet": {"fleet", "controlplane", "events", "journal", "transport"},
+    "interlock": {"interlock", "fleet", "dataplane", "controlplane", "events", "journal", "transport", "fixtures"},
     "fixtures": {"fixtures"},
 }
 PROJECT_PACKAGES = set(MAY_IMPORT) | {"bench", "tests"}

@@ -20,16 +20,17 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.appender import LogAppender, SegmentedFile
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.replay import replay
 from controlplane.runtime import segment_head
 from dataplane.decisions import read_decisions
-from events.jsonl import list_segments, segment_lines
 from events.log import decode_event, encode_event, read_events
 from events.types import Checkpoint, HealthProbed, RunStarted, RunStopped
 from fixtures.node import serve_nodes
 from interlock.cli import main
+from journal.reader import segment_lines
+from journal.segments import list_segments
+from journal.writer import LogAppender, SegmentedFile
 
 from builders import T0, encode_state, make_config, node_ip, run_started
 from harness import (
@@ -88,7 +89,11 @@ async def test_a_second_gateway_on_the_same_logs_exits_1_naming_the_log_and_its_
             await first.wait_for_log("metrics server listening")
             async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
                 assert (await http.post(f"http://{first_config.api}{CHAT}", json=chat())).status_code == 200
-            await trio.sleep(0.3)  # written
+                seq = int((await http.get(f"http://{first_config.api}/health")).headers["X-Interlock-Seq"])
+            if "event_log" in logs:  # written: every event so far, and the request's decision record
+                await wait_until(lambda: logged_seq(paths["event_log"]) >= seq)
+            if "decision_log" in logs:
+                await wait_until(lambda: len(decision_records(paths["decision_log"])) == 1)
             segments = {key: list_segments(paths[key]) for key in logs}
             contents = {segment: segment.read_bytes() for key in logs for segment in segments[key]}
             async with serve_process(second_config) as second:
@@ -154,13 +159,16 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
                     with trio.move_on_after(0.1):
                         await gateway.wait_for_log("decision log write failed")
                 await gateway.wait_for_log("event log write failed")
-                await trio.sleep(1.5)  # more batches fail, and are kept for the next try
-            metrics_text = (await http.get(f"http://{config.metrics}/metrics")).text
+                while True:  # more batches fail, and are kept for the next try
+                    metrics_text = (await http.get(f"http://{config.metrics}/metrics")).text
+                    if all(sample(metrics_text, f"interlock_{log}_write_errors_total") >= 2 for log in LOGS):
+                        break
+                    await trio.sleep(0.05)
             resource.prlimit(gateway.process.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
             await gateway.wait_for_log("event log write recovered")
             await gateway.wait_for_log("decision log write recovered")
             await request()
-            await trio.sleep(0.3)
+            await wait_until(lambda: len(decision_records(decision_log)) == sent)
             gateway.process.send_signal(signal.SIGTERM)
             code, lines, errors = await gateway.exit()
     assert (code, errors) == (0, "")
@@ -168,7 +176,7 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
         [failure] = [line for line in lines if line["msg"] == f"{what} write failed"]  # once per streak
         assert failure["level"] == "error" and "File too large" in failure["error"]
         errors_total = sample(metrics_text, f"interlock_{what.replace(' ', '_')}_write_errors_total")
-        assert errors_total >= 1
+        assert errors_total >= 2
     # Every segment holds whole lines only: nothing torn, nothing empty, nothing missing.
     for log in (event_log, decision_log):
         for segment in list_segments(log):
@@ -181,6 +189,23 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
     assert [record.request_id for record in decision_records(decision_log)] == [f"r{i}" for i in range(sent)]
     result = replay([event_log], warn=warnings.append)
     assert warnings == [] and result.state.seq == events[-1].seq
+
+
+LOGS = ("event_log", "decision_log")
+
+
+async def wait_until(condition, timeout: float = 10.0) -> None:
+    """Wait until `condition()` holds (TooSlowError after `timeout` seconds)."""
+    with trio.fail_after(timeout):
+        while not condition():
+            await trio.sleep(0.02)
+
+
+def logged_seq(event_log: Path) -> int:
+    """The seq of the last event the log holds so far (0 if none)."""
+    if not list_segments(event_log):
+        return 0
+    return max((event.seq for event in read_events([event_log])), default=0)
 
 
 def sample(metrics_text: str, name: str) -> float:

@@ -12,12 +12,12 @@ import msgspec
 import pytest
 
 from controlplane.replay import replay
-from events.jsonl import list_segments
 from events.log import decode_event, encode_event
 from events.types import Checkpoint
 from fixtures import scenarios
+from journal.segments import list_segments
 
-from harness import PROJECT_ROOT, nodes_and_gateway, node_specs
+from harness import PROJECT_ROOT, node_specs, nodes_and_gateway
 
 SCENARIO = scenarios.SCENARIO_PATH
 DECISIONS = scenarios.DECISIONS_PATH

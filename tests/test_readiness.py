@@ -1,5 +1,5 @@
 """Exchanges run together by one task (transport/readiness.py) and prepared requests as exchanges
-(`request_steps` in transport/http11.py), against real servers: the raw servers of
+(`request_steps` in transport/steps.py), against real servers: the raw servers of
 test_http11.py and the simulated node. A prepared request must read every response as
 `HttpClient.request` + `read_body` do, so most tests compare the two on the same server."""
 
@@ -23,7 +23,8 @@ from test_http11 import (
 
 from controlplane.probes import MAX_BODY_BYTES
 from fixtures.node import serve_node
-from transport.http11 import BodyTooLarge, ConnectFailed, HttpClient, HttpError, request_steps
+from transport.http11 import BodyTooLarge, ConnectFailed, HttpClient, HttpError
+from transport.steps import request_steps
 from transport.readiness import GATHER_FROM, GATHER_SECONDS, READ, InThread, Readiness, TimedOut, Wait, drive
 
 

@@ -10,18 +10,18 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
+from test_policy_routing import held_requests, scraped_idle, seen_busy, served_by, system_prompt
 
 from dataplane.decisions import AttemptRecord, Decision, read_decisions
 from events.config import ModelEntry
-from events.jsonl import list_segments
 from events.log import encode_event
 from events.types import LoadScraped
 from interlock.cli import main
 from interlock.whatif import what_if
+from journal.segments import list_segments
 
 from builders import T0, make_config, node_ip, run_started
-from harness import chat, decision_records, nodes_and_gateway, node_specs
-from test_policy_routing import held_requests, scraped_idle, seen_busy, served_by, system_prompt
+from harness import chat, decision_records, node_specs, nodes_and_gateway
 
 SCRAPED = {"load_scrape_interval": "50ms"}
 

@@ -2,7 +2,8 @@
 
 `SegmentedFile` is the file side, synchronous (it runs in a worker thread): it holds the log's
 lock, writes whole lines only into numbered segments (`events.jsonl` → `events.000001.jsonl`,
-…, read back by `events.jsonl`), and keeps the log readable whatever the disk does:
+…: `journal/segments.py`, read back by `journal/reader.py`), and keeps the log readable
+whatever the disk does:
 
 - the lock (`flock` on `<log>.lock`, which names the holder's pid) is taken before the first
   byte is written, so a second gateway on the same log fails instead of writing into it;
@@ -30,14 +31,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import trio
-from prometheus_client import Counter
 
-from controlplane.logs import JsonLog
-from events.config import GatewayConfig
-from events.jsonl import list_segments, segment_number, segment_path
+from journal.segments import list_segments, segment_number, segment_path
 
 BATCH_SECONDS = 0.1
 """How long the appender gathers lines before a write: a trip to the worker thread costs far
@@ -45,6 +43,18 @@ more than a small write."""
 
 RETRY_SECONDS = 1.0
 """How soon a failed write is tried again when no new line comes to wake the appender."""
+
+
+class Log(Protocol):
+    """Where the appender says what happened to the file (the gateway's JSON log)."""
+
+    def log(self, level: str, msg: str, **fields: object) -> None: ...
+
+
+class Counter(Protocol):
+    """A count the appender keeps (a Prometheus counter)."""
+
+    def inc(self) -> None: ...
 
 
 class LogInUse(OSError):
@@ -249,21 +259,6 @@ class SegmentedFile:
         return notes
 
 
-def open_configured_log(gateway: GatewayConfig, key: str, what: str) -> SegmentedFile:
-    """The log at `gateway.<key>` (`event_log`, `decision_log`) with the segment size and
-    retention of its `<key>_max_bytes`, `_retain_bytes` and `_retain_age`, its lock claimed
-    (`SegmentedFile.claim`: LogInUse when another gateway holds it)."""
-    file = SegmentedFile(
-        getattr(gateway, key),
-        what,
-        max_segment_bytes=getattr(gateway, f"{key}_max_bytes"),
-        retain_bytes=getattr(gateway, f"{key}_retain_bytes"),
-        retain_seconds=getattr(gateway, f"{key}_retain_age"),
-    )
-    file.claim()
-    return file
-
-
 @dataclass
 class _Batch:
     """Consecutive lines to write; `base` is what the file's head is made of should they start
@@ -285,7 +280,7 @@ class LogAppender:
         self,
         file: SegmentedFile,
         *,
-        log: JsonLog,
+        log: Log,
         write_errors: Counter,
         dropped: Counter,
         backlog_limit: int,
@@ -366,10 +361,10 @@ class LogAppender:
             self._write_errors.inc()
             if not self._failing:
                 self._failing = True
-                self._log.error(f"{what} write failed", path=path, error=str(error))
+                self._log.log("error", f"{what} write failed", path=path, error=str(error))
         elif self._failing and written:
             self._failing = False
-            self._log.info(f"{what} write recovered", path=path)
+            self._log.log("info", f"{what} write recovered", path=path)
 
     def _write(self, batches: list[_Batch], check: bool) -> tuple[int, list[Note], OSError | None]:
         """In the worker thread: how many batches were written, the notes, the error that
