@@ -288,3 +288,45 @@ def test_require_event_log_refuses_to_start_without_a_writable_event_log(tmp_pat
         f"fatal: --require-event-log: {config_path}: gateway.event_log = {tmp_path}/a-file/events.jsonl: "
         f"cannot create its directory {tmp_path}/a-file: {tmp_path}/a-file is not a directory\n"
     )
+
+
+def readme_block(heading: str, language: str) -> str:
+    """The first ```language block after `heading` in the README."""
+    text = (PROJECT_ROOT / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n") :]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_only_the_completions(tmp_path):
+    config = readme_block("## Point it at your vLLM nodes", "toml")
+    (tmp_path / "gateway.toml").write_text(config)
+    checked = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "check-config", "gateway.toml"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=30, check=False,
+    )  # fmt: skip
+    assert (checked.returncode, checked.stderr) == (0, ""), checked.stderr
+    async with serve_nodes(node_specs(2)) as nodes:
+        # The same file, with the two simulated nodes' addresses and ports in place of yours.
+        for documented, node in zip(("10.0.0.1", "10.0.0.2"), nodes):
+            config = config.replace(f'ip = "{documented}"', f'ip = "{node.host}"\nvllm_port = {node.vllm_port}')
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config.replace('"var/events.jsonl"', f'"{tmp_path}/var/events.jsonl"'))
+        api = free_port()
+        options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--metrics-listen", "127.0.0.1:0")
+        async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False, timeout=5) as client:
+            url = f"http://127.0.0.1:{api}"
+            with trio.fail_after(20):
+                while True:  # until the nodes' model lists are in: no model is configured
+                    try:
+                        answer = await client.post(url + "/v1/chat/completions", json=chat())
+                    except httpx.TransportError:
+                        answer = None
+                    if answer is not None and answer.status_code == 200:
+                        break
+                    await trio.sleep(0.1)
+            assert answer.headers["x-interlock-node"] in {node.host for node in nodes}  # no name: the IP
+            embeddings = await client.post(url + "/v1/embeddings", json={"model": MODEL, "input": "x"})
+            assert embeddings.status_code == 404  # not routed
+            code, _, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    assert list((tmp_path / "var").glob("events*.jsonl"))  # the event log explain reads
