@@ -40,7 +40,15 @@ from controlplane.reducer import RESTART_KEYS
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
 from controlplane.transitions import TRANSITION_KINDS
 from dataplane.decisions import find_decisions, read_decisions
-from events.config import Config, DEFAULT_FLEET_NAME, DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS, FleetConfig
+from events.config import (
+    DEFAULT_FLEET_NAME,
+    DEFAULT_LISTEN,
+    DEFAULT_METRICS_LISTEN,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    Config,
+    FleetConfig,
+)
 from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (

@@ -714,7 +714,8 @@ def _gateway_labels(event: GatewayEvent) -> list[str]:
     if event.label == "reload":
         if event.changes:
             labels.append("reload: " + "; ".join(change.replace(":", "", 1) for change in event.changes))
-            labels.append("reload: " + ", ".join(dict.fromkeys(change.split(":")[0].split()[0] for change in event.changes)))
+            aspects = dict.fromkeys(change.split(":")[0].split()[0] for change in event.changes)
+            labels.append("reload: " + ", ".join(aspects))
         else:
             labels.append("reload: nodes, models, policy unchanged")
     return labels + [event.label, event.label.split()[-1]]
@@ -722,9 +723,8 @@ def _gateway_labels(event: GatewayEvent) -> list[str]:
 
 def _model_lane(canvas: _Canvas, lane: ModelLane, top: float) -> None:
     canvas.add(f'<g class="model-lane" data-model="{_attr(lane.name)}">')
-    canvas.add(
-        f'<rect x="{LABELS}" y="{top + MODEL_ROW[0]}" width="{canvas.plot_width}" height="{MODEL_ROW[1]}" fill="#f1f3f6"/>'
-    )
+    offset, height = MODEL_ROW
+    canvas.add(f'<rect x="{LABELS}" y="{top + offset}" width="{canvas.plot_width}" height="{height}" fill="#f1f3f6"/>')
     name = lane.name if _text_width(lane.name) <= LABELS - 24 else lane.name[: int((LABELS - 24) / 6.5) - 1] + "…"
     canvas.add(f'<text class="detail" x="12" y="{top + 20}"><title>{_attr(lane.name)}</title>{_attr(name)}</text>')
     _band_rects(canvas, lane.bands, top, MODEL_ROW, "model", MODEL_COLOURS, {UNSERVED: UNSERVED})
@@ -818,8 +818,8 @@ def _legend(timeline: Timeline) -> str:
     ]
     groups = [("health (thick bar)", health), ("models (thin bar)", models), ("transitions", marks), ("gateway", lines)]
     if timeline.model_lanes:
-        served = [swatch(MODEL_COLOURS[SERVED], "a node would serve it"), swatch(MODEL_COLOURS[UNSERVED], "no node (503)")]
-        groups.append(("model lanes", served))
+        served = swatch(MODEL_COLOURS[SERVED], "a node would serve it")
+        groups.append(("model lanes", [served, swatch(MODEL_COLOURS[UNSERVED], "no node (503)")]))
     if timeline.traffic is not None:
         failed = swatch("#d33b3b", "failed: 5xx, or cut short by the node")
         groups.append(("requests", [swatch("#9aa8bb", "all"), failed]))

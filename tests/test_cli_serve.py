@@ -210,11 +210,12 @@ async def test_audit_log_format_text_prints_the_lines_the_live_text_log_printed(
             code, output, errors = await gateway.stop()
     assert (code, errors) == (0, "")
     live_transitions = [line for line in output.splitlines() if "  seq=" in line]
-    audit = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "audit", str(event_log), "--log-format", "text"],
-        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=True,
-    )  # fmt: skip
-    assert audit.stdout.splitlines() == live_transitions
+    with trio.fail_after(30):
+        audit = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "audit", str(event_log), "--log-format", "text"],
+            capture_stdout=True, cwd=PROJECT_ROOT,
+        )  # fmt: skip
+    assert audit.stdout.decode().splitlines() == live_transitions
     assert any(" INFO  config reloaded  seq=" in line for line in live_transitions)
 
 
@@ -227,7 +228,7 @@ def test_audit_help_lists_every_transition_kind_and_serve_help_the_settings_a_re
     assert f"only these kinds: {', '.join(TRANSITION_KINDS)}" in help_of("audit")
     assert "load" in TRANSITION_KINDS
     serve_help = help_of("serve")
-    assert "(nodes, models, routing, keys, log_level, log_format) but these gateway settings, which need a restart:" in serve_help
+    assert "(nodes, models, routing, keys, log_level, log_format) but these gateway settings" in serve_help
     for key in ("listen", "event_log", "decision_log", "workers"):
         assert f" {key}," in serve_help or f" {key}." in serve_help
 
@@ -300,11 +301,12 @@ def readme_block(heading: str, language: str) -> str:
 async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_only_the_completions(tmp_path):
     config = readme_block("## Point it at your vLLM nodes", "toml")
     (tmp_path / "gateway.toml").write_text(config)
-    checked = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "check-config", "gateway.toml"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=30, check=False,
-    )  # fmt: skip
-    assert (checked.returncode, checked.stderr) == (0, ""), checked.stderr
+    with trio.fail_after(30):
+        checked = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "check-config", "gateway.toml"],
+            capture_stdout=True, capture_stderr=True, cwd=tmp_path, check=False,
+        )  # fmt: skip
+    assert (checked.returncode, checked.stderr) == (0, b""), checked.stderr
     async with serve_nodes(node_specs(2)) as nodes:
         # The same file, with the two simulated nodes' addresses and ports in place of yours.
         for documented, node in zip(("10.0.0.1", "10.0.0.2"), nodes):

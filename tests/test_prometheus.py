@@ -188,7 +188,8 @@ async def test_every_dashboard_query_has_data_per_instance_from_a_real_prometheu
                 assert set(variables) == {"job", "instance"}
                 assert await label_values(http, prometheus_url, *variables["job"]) == ["interlock"]
                 instance_selector = variables["instance"][0].replace("$job", "interlock")
-                assert sorted(await label_values(http, prometheus_url, instance_selector, "instance")) == sorted(instances)
+                listed = await label_values(http, prometheus_url, instance_selector, "instance")
+                assert sorted(listed) == sorted(instances)
                 rules = (await http.get(prometheus_url + "/api/v1/rules")).json()["data"]["groups"][0]["rules"]
                 assert {rule["name"]: rule["health"] for rule in rules} == {rule["name"]: "ok" for rule in rules}
                 assert len(rules) == 10

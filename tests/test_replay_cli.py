@@ -489,8 +489,10 @@ def test_check_config_refuses_a_log_it_could_not_write_naming_the_key_and_the_pa
     code, out, err = run_cli(capsys, "check-config", path)
     assert (code, out) == (2, "")
     assert err.splitlines() == [
-        f"{path}: gateway.event_log = {a_file}/logs/events.jsonl: "
-        f"cannot create its directory {a_file}/logs: {a_file} is not a directory",
+        (
+            f"{path}: gateway.event_log = {a_file}/logs/events.jsonl: "
+            f"cannot create its directory {a_file}/logs: {a_file} is not a directory"
+        ),
         f"{path}: gateway.decision_log = {tmp_path}: {tmp_path} is a directory",
     ]
     # A folder that does not exist yet is fine: the gateway creates it. Nothing is created here.

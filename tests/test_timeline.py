@@ -204,8 +204,8 @@ def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
                 line[i] = (line[i] + (left + up) // 2) & 255
             elif kind == 4:
                 guess = left + up - up_left
-                nearest = min((abs(guess - left), 0, left), (abs(guess - up), 1, up), (abs(guess - up_left), 2, up_left))
-                line[i] = (line[i] + nearest[2]) & 255
+                paeth = [(abs(guess - value), rank, value) for rank, value in enumerate((left, up, up_left))]
+                line[i] = (line[i] + min(paeth)[2]) & 255  # the nearest; ties: left, then up
         rows.append(bytes(line))
         previous = line
     return width, height, [row[::channels] for row in rows]  # the red channel is enough for "white"
