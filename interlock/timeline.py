@@ -5,8 +5,8 @@ A lane per node shows its health and its model discovery over time, as the state
 mark carrying its seq and message; gateway starts, stops and reloads are vertical lines, a reload
 saying what it changed (nodes, models, policy); a lane per model shows when no node would have
 served it (`controlplane.routing.plan_route`'s pick pool empty); a decision log adds the request
-rate and the failed share (5xx, or a response its node cut short) as a strip on top. Inline SVG with a little CSS and
-JS: the page needs no network and opens anywhere.
+rate and the failed share (5xx, or a response its node cut short) as a strip on top. Inline SVG
+with a little CSS and JS: the page needs no network and opens anywhere.
 """
 
 from __future__ import annotations
@@ -59,7 +59,6 @@ class ModelLane:
     (`UNSERVED`: the gateway would have answered 503)."""
 
     name: str
-    ring: str = ""
     bands: list[Band] = field(default_factory=list)
 
 
@@ -189,7 +188,6 @@ class _ModelRecorder:
             self._end(name, at)
         for name in models:
             lane = self.lanes.setdefault(name, ModelLane(name))
-            lane.ring = self.state.config.model_ring(name) if self.state.config is not None else ""
             served = SERVED if plan_route(self.state, name, at).pick_pool else UNSERVED
             self.open[name] = _advance(lane.bands, self.open.get(name), served, at)
 
@@ -222,12 +220,13 @@ def reload_changes(before: Config | None, after: Config) -> list[str]:
     def models(config: Config) -> dict[str, str]:
         return {model.name: f" (ring {model.ring})" if model.ring else "" for model in config.models.available}
 
-    changes = difference("nodes", nodes(before), nodes(after)) + difference("models", models(before), models(after))
+    models_before = models(before)
+    changes = difference("nodes", nodes(before), nodes(after)) + difference("models", models_before, models(after))
     if before.routing.policy != after.routing.policy:
         changes.append(f"policy: {before.routing.policy} → {after.routing.policy}")
     for model in after.models.available:
         old, new = before.model_policy(model.name), after.model_policy(model.name)
-        if old != new and model.name in models(before):
+        if old != new and model.name in models_before:
             changes.append(f"policy of {model.name}: {old} → {new}")
     return changes
 
@@ -310,7 +309,7 @@ def build_timeline(
             if _shows(lane, start, end)
         ],
         model_lanes=[
-            ModelLane(lane.name, lane.ring, _clip(lane.bands, start, end))
+            ModelLane(lane.name, _clip(lane.bands, start, end))
             for lane in models.lanes.values()
             if any(band.start < end and band.end > start for band in lane.bands)
         ],
@@ -821,8 +820,8 @@ def _legend(timeline: Timeline) -> str:
         served = swatch(MODEL_COLOURS[SERVED], "a node would serve it")
         groups.append(("model lanes", [served, swatch(MODEL_COLOURS[UNSERVED], "no node (503)")]))
     if timeline.traffic is not None:
-        failed = swatch("#d33b3b", "failed: 5xx, or cut short by the node")
-        groups.append(("requests", [swatch("#9aa8bb", "all"), failed]))
+        failures = swatch("#d33b3b", "failed: 5xx, or cut short by the node")
+        groups.append(("requests", [swatch("#9aa8bb", "all"), failures]))
     return (
         '<div class="legend">'
         + "".join(f'<div class="group"><b>{title}</b>{"".join(items)}</div>' for title, items in groups)
