@@ -48,7 +48,8 @@ def text_line(at: float, level: str, msg: str, fields: dict[str, object] | tuple
 
 
 _SEVERITY = {level: rank for rank, level in enumerate(LOG_LEVELS)}
-_FORMATTERS = {"json": log_line, "text": text_line}
+LINE_FORMATTERS = {"json": log_line, "text": text_line}
+"""Each of LOG_FORMATS's line renderers: the live log's, and `interlock audit --log-format`'s."""
 
 
 class JsonLog:
@@ -73,11 +74,11 @@ class JsonLog:
         self.clock = clock
         self.context = context or {}
         self._least = _SEVERITY[level]
-        self._format = _FORMATTERS[format]
+        self._format = LINE_FORMATTERS[format]
 
     def configure(self, gateway: GatewayConfig) -> None:
         self._least = _SEVERITY[gateway.log_level]
-        self._format = _FORMATTERS[gateway.log_format]
+        self._format = LINE_FORMATTERS[gateway.log_format]
 
     def write(self, at: float, level: str, msg: str, fields: dict[str, object] | tuple[tuple[str, str], ...]) -> None:
         """One line at time `at`, unless `level` is below the log's."""

@@ -80,7 +80,7 @@ def _run_started(state: ClusterState, event: RunStarted, out: StepBuilder) -> Cl
     )
 
 
-_RESTART_KEYS = (
+RESTART_KEYS = (
     "listen",
     "metrics_listen",
     "event_log",
@@ -99,7 +99,7 @@ _RESTART_KEYS = (
 def _config_reloaded(state: ClusterState, event: ConfigReloaded, out: StepBuilder) -> ClusterState:
     config = event.config
     if state.config is not None:
-        for key in _RESTART_KEYS:
+        for key in RESTART_KEYS:
             old, new = getattr(state.config.gateway, key), getattr(config.gateway, key)
             if old != new:
                 out.log(RELOAD, "warn", f"gateway.{key} changed; requires restart", old=old, new=new)
@@ -119,7 +119,9 @@ def _config_reloaded(state: ClusterState, event: ConfigReloaded, out: StepBuilde
             )
     kept = {node.ip for node in config.nodes}
     out.effects.extend(StopProbing(ip) for ip in state.nodes if ip not in kept)
-    out.log(RELOAD, "info", "config reloaded", nodes=len(config.nodes), models=len(config.models.available))
+    # At warn when the new config logs nothing below it, so an operator sees the reload take effect.
+    level = "info" if config.gateway.log_level == "info" else "warn"
+    out.log(RELOAD, level, "config reloaded", nodes=len(config.nodes), models=len(config.models.available))
     return msgspec.structs.replace(state, config_path=event.config_path, config=config, nodes=node_mapping(nodes))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from controlplane.logs import log_line
+from controlplane.logs import LINE_FORMATTERS
 from events.types import Event
 
 # Kinds of transition, for `interlock audit --kind`.
@@ -38,9 +38,9 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         """The line's fields: `seq`, then plinth's."""
         return (("seq", str(self.seq)),) + self.fields
 
-    def log_line(self) -> str:
-        """plinth's JSON log line (§6) at the event's time, plus `seq`."""
-        return log_line(self.at, self.level, self.msg, self.log_fields())
+    def log_line(self, format: str = "json") -> str:
+        """plinth's JSON log line (§6) at the event's time, plus `seq`; or the live `text` line."""
+        return LINE_FORMATTERS[format](self.at, self.level, self.msg, self.log_fields())
 
 
 class Recheck(msgspec.Struct, frozen=True, tag="recheck"):

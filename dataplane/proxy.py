@@ -152,11 +152,19 @@ class ConfigView:
         """The `Authorization` each node with a key gets instead of the client's."""
         self.node_headers = {node.ip: _node_header(node) for node in config.nodes}
         """The header naming the node that served a request (a node's own header may say anything)."""
-        listed = [{"id": model.name, "object": "model", "owned_by": "cluster"} for model in config.models.available]
+        listed = [
+            {"id": model.name, "object": "model", "created": MODEL_CREATED, "owned_by": "cluster"}
+            for model in config.models.available
+        ]
         self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
         """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
         self.model_bodies = {model["id"]: msgspec.json.encode(model) for model in listed}
         """`GET /v1/models/{id}`: each configured model's object, as the list has it."""
+
+
+MODEL_CREATED = 0
+"""A configured model's `created` (OpenAI's schema requires one): 0, as a name in the config has no
+creation time, and a fixed value keeps every replica's and every reload's listing byte for byte alike."""
 
 
 def _node_header(node: NodeConfig) -> tuple[bytes, bytes]:

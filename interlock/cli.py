@@ -3,12 +3,13 @@
     interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr]
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
-                    [--fleet URL[,URL…]]
+                    [--fleet URL[,URL…]] [--require-event-log]
     interlock check-config PATH [--strict]
     interlock replay LOG… [--until-seq N | --at TIME] [--json] [--skip-invalid]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json] [--skip-invalid]
     interlock explain [LOG…] --request-id ID --decisions FILE [--json] [--skip-invalid]
-    interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--skip-invalid]
+    interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--log-format json|text]
+                    [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
     interlock whatif LOG… --decisions FILE [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
                     [--progress SECONDS]
@@ -16,7 +17,7 @@
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
-0 ok, 2 bad input (arguments, config, log, a request id not in the decision log), 3 `explain`
+0 ok, 1 `serve` cannot start, 2 bad input (arguments, config, log, a request id not in the decision log), 3 `explain`
 found no node to route to. Errors are one line on stderr naming the culprit, never a traceback.
 """
 
@@ -26,6 +27,7 @@ import argparse
 import importlib.metadata
 import os
 import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,9 +36,19 @@ import msgspec
 from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
 from controlplane.gocompat import parse_listen_address
 from controlplane.logs import format_timestamp
+from controlplane.reducer import RESTART_KEYS
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
+from controlplane.transitions import TRANSITION_KINDS
 from dataplane.decisions import find_decisions, read_decisions
-from events.config import DEFAULT_FLEET_NAME, DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS, FleetConfig
+from events.config import (
+    DEFAULT_FLEET_NAME,
+    DEFAULT_LISTEN,
+    DEFAULT_METRICS_LISTEN,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    Config,
+    FleetConfig,
+)
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
@@ -51,6 +63,7 @@ from interlock.render import (
 from interlock.timeline import TimelineError, build_timeline, render_html
 from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, WHAT_IF_POLICIES, render_report, what_if
 from journal.segments import LogFileError
+from journal.writer import unwritable_log_reason
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -133,9 +146,26 @@ def run_check_config(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if args.strict and unknown_keys:
         return EXIT_BAD_INPUT
+    unwritable = [problem for key in LOG_KEYS if (problem := unwritable_log(config, key))]
+    for problem in unwritable:
+        print(f"{args.path}: {problem}", file=sys.stderr)
+    if unwritable:
+        return EXIT_BAD_INPUT
     print("ok")
     print(describe_config(config))
     return EXIT_OK
+
+
+LOG_KEYS = ("event_log", "decision_log")
+
+
+def unwritable_log(config: Config, key: str) -> str | None:
+    """`gateway.event_log = PATH: why` when the log at `key` is set and the gateway could not
+    write it, so `check-config` and `serve --require-event-log` catch it before a run without
+    its records."""
+    path = getattr(config.gateway, key)
+    reason = unwritable_log_reason(path) if path else None
+    return f"gateway.{key} = {path}: {reason}" if reason else None
 
 
 # --- replay, explain, audit ------------------------------------------------------------------
@@ -274,7 +304,13 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
         action="extend",
         type=_argument_type(parse_kinds),
         metavar="KIND[,KIND]",
-        help="only these kinds: run, reload, health, models, offline",
+        help=f"only these kinds: {', '.join(TRANSITION_KINDS)}",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=LOG_FORMATS[0],
+        help="json: plinth's JSON lines; text: the live --log-format text lines (default: json)",
     )
     _add_skip_invalid(parser)
     parser.set_defaults(run=run_audit)
@@ -289,7 +325,7 @@ def run_audit(args: argparse.Namespace) -> int:
             known = ", ".join(sorted(f"{ip} ({name})" if name else ip for ip, name in result.configured_nodes))
             return _error(args, f"argument --node: no node {args.node!r} in the log (its nodes: {known or 'none'})")
     lines = audit(result.transitions, nodes=nodes, since=args.since, until=args.until, kinds=args.kinds)
-    sys.stdout.write("".join(transition.log_line() + "\n" for transition in lines))
+    sys.stdout.write("".join(transition.log_line(args.log_format) + "\n" for transition in lines))
     if not lines:
         print(f"{args.prog}: no transition of the log's {len(result.transitions)} matches", file=sys.stderr)
     return EXIT_OK
@@ -395,11 +431,19 @@ def run_timeline(args: argparse.Namespace) -> int:
 # --- serve -----------------------------------------------------------------------------------
 
 
-SERVE_SIGNALS_HELP = """\
+def _restart_keys_help() -> str:
+    """The settings a SIGHUP does not apply, wrapped to sit under SIGHUP in `serve --help`."""
+    keys = textwrap.wrap(", ".join(RESTART_KEYS) + ".", width=58)
+    return "\n".join(" " * 20 + line for line in keys)
+
+
+SERVE_SIGNALS_HELP = f"""\
 signals:
-  SIGHUP            reload the config file (listen addresses and the log
-                    settings need a restart); an invalid file is rejected and
-                    the running config stays in force
+  SIGHUP            reload the config file; an invalid file is rejected and
+                    the running config stays in force. Everything applies
+                    (nodes, models, routing, keys, log_level, log_format)
+                    but these gateway settings, which need a restart:
+{_restart_keys_help()}
   SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
                     and streams in flight finish (for up to 10 s), write the
                     decision and event logs, log `gateway stopped`, exit 0
@@ -409,7 +453,8 @@ signals:
 
 exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
 invalid config file, an address it cannot listen on, an event or decision log
-another gateway holds), 2 for invalid options"""
+another gateway holds, no writable event log with --require-event-log), 2 for
+invalid options"""
 """What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
 the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
 
@@ -477,6 +522,12 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         metavar="URL[,URL…]",
         help="join a fleet through these NATS servers (fleet.nats; the rest of [fleet] from the file)",
     )
+    parser.add_argument(
+        "--require-event-log",
+        action="store_true",
+        help="refuse to start (exit code 1) unless gateway.event_log is set and its folder can be written, "
+        "for teams that depend on replay, explain and audit",
+    )
     parser.set_defaults(run=run_serve)
 
 
@@ -520,7 +571,23 @@ def run_serve(args: argparse.Namespace) -> int:
         log_format=args.log_format,
         fleet_nats=args.fleet,
     )
+    if args.require_event_log and (missing := _missing_event_log(args.config, overrides)):
+        print(f"fatal: --require-event-log: {missing}", file=sys.stderr)
+        return EXIT_FAILURE
     return serve_gateway(args.config, package_version(), workers=args.workers, overrides=overrides)
+
+
+def _missing_event_log(config_path: str, overrides: Overrides) -> str | None:
+    """Why `serve` would run without an event log, else None. A config that does not load is
+    `serve`'s to report."""
+    try:
+        config = load_config(config_path, overrides=overrides)
+    except ConfigError:
+        return None
+    if not config.gateway.event_log:
+        return f"{config_path} sets no gateway.event_log"
+    unwritable = unwritable_log(config, "event_log")
+    return f"{config_path}: {unwritable}" if unwritable else None
 
 
 # --- demo ------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ def _print_what_next(listening: Listening, *, once: bool, log_path: Path | None)
         print("\nTry it yourself (Ctrl-C stops the demo):")
         print(
             f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
-            f"""-d '{{"messages":[{{"role":"user","content":"hi"}}],"stream":true}}'"""
+            f"""-d '{{"model":"{model}","messages":[{{"role":"user","content":"hi"}}],"stream":true}}'"""
         )
         print(f"  curl -s {base}/health")
         if log_path:

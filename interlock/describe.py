@@ -13,11 +13,11 @@ def _describe_log(gateway: GatewayConfig, key: str) -> str:
         return "none"
     kept = []
     if retain_bytes := getattr(gateway, f"{key}_retain_bytes"):
-        kept.append(f"up to {retain_bytes} bytes")
+        kept.append(f"up to {_size_text(retain_bytes)}")
     if retain_age := getattr(gateway, f"{key}_retain_age"):
         kept.append(f"for {format_go_seconds(retain_age)}")
     retention = f", keeping {' and '.join(kept)}" if kept else ", kept without bound"
-    return f"{path} (segments of {getattr(gateway, f'{key}_max_bytes')} bytes{retention})"
+    return f"{path} (segments of {_size_text(getattr(gateway, f'{key}_max_bytes'))}{retention})"
 
 
 def describe_config(config: Config) -> str:
@@ -71,3 +71,11 @@ def _describe_routing(config: Config) -> str:
         messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
         text += f"; prefix: {messages}, up to {routing.prefix_bytes} bytes; load bound {routing.load_bound:g}"
     return text
+
+
+def _size_text(size: int) -> str:
+    """`64 MiB` for 67108864: the largest binary unit that divides the size, else bytes."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor} {unit}"
+    return f"{size} bytes"

@@ -2,9 +2,11 @@
 
 A lane per node shows its health and its model discovery over time, as the states
 `controlplane.replay.replay_steps` rebuilds them (nothing is re-derived here); each transition is a
-mark carrying its seq and message; gateway starts, stops and reloads are vertical lines; a
-decision log adds the request and 5xx rates as a strip on top. Inline SVG with a little CSS and
-JS: the page needs no network and opens anywhere.
+mark carrying its seq and message; gateway starts, stops and reloads are vertical lines, a reload
+saying what it changed (nodes, models, policy); a lane per model shows when no node would have
+served it (`controlplane.routing.plan_route`'s pick pool empty); a decision log adds the request
+rate and the failed share (5xx, or a response its node cut short) as a strip on top. Inline SVG
+with a little CSS and JS: the page needs no network and opens anywhere.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from controlplane.replay import replay_steps
+from controlplane.routing import plan_route
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
-from dataplane.decisions import Decision, read_decisions
-from events.state import Discovery, Health, NodeState
+from dataplane.decisions import TRUNCATED, Decision, read_decisions
+from events.config import Config
+from events.state import ClusterState, Discovery, Health, NodeState
 from events.types import Checkpoint, ConfigReloaded, ReloadRejected, RunStarted, RunStopped
 
 
@@ -50,19 +54,35 @@ class Lane:
 
 
 @dataclass
+class ModelLane:
+    """A model, and when a request for it would have found a node to go to (`SERVED`) or none
+    (`UNSERVED`: the gateway would have answered 503)."""
+
+    name: str
+    bands: list[Band] = field(default_factory=list)
+
+
+SERVED = "served"
+UNSERVED = "no node"
+
+
+@dataclass
 class GatewayEvent:
-    """A start, stop or reload: a vertical line through every lane, with its transitions."""
+    """A start, stop or reload: a vertical line through every lane, with its transitions; a
+    reload's `changes` say what it changed (`nodes: +10.0.0.5 (gpu-node-5)`)."""
 
     at: float
     label: str
     transitions: list[Transition]
+    changes: list[str] = field(default_factory=list)
 
 
 class TrafficBin(NamedTuple):
     start: float
     requests: int
-    errors: int
-    """Requests answered with a 5xx status."""
+    failures: int
+    """Requests that failed the client: answered with a 5xx status, or cut short by their node
+    after the answer had begun (a stream ended with an error event; its status stays 200)."""
 
 
 @dataclass
@@ -76,6 +96,7 @@ class Timeline:
     start: float
     end: float
     lanes: list[Lane]
+    model_lanes: list[ModelLane]
     gateway_events: list[GatewayEvent]
     stopped: list[Band]
     """When the gateway was not running (between a stop and the next start)."""
@@ -130,6 +151,86 @@ def _advance(bands: list[Band], open_band: tuple[str, float] | None, state: str,
     return (state, at)
 
 
+class _ModelRecorder:
+    """Turns the states into each model's served / unserved bands. Whether a model has a node
+    changes with the state, or when an offline mark ends: `catch_up` looks at those moments."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, ModelLane] = {}
+        self.open: dict[str, tuple[str, float]] = {}
+        self.state: ClusterState | None = None
+        self.seen_at = -math.inf
+
+    def observe(self, state: ClusterState, at: float) -> None:
+        self.catch_up(at)
+        self.state, self.seen_at = state, at
+        self._look(at)
+
+    def catch_up(self, until: float) -> None:
+        """Look again, on the last state, at each moment an offline mark ended before `until`."""
+        if self.state is None:
+            return
+        ends = {node.offline_until for node in self.state.nodes.values() if node.offline_until is not None}
+        ends = sorted(at for at in ends if self.seen_at < at < until)
+        for at in ends:
+            self.seen_at = at
+            self._look(at)
+
+    def close(self, at: float) -> None:
+        self.catch_up(at)
+        for name in list(self.open):
+            self._end(name, at)
+        self.state = None
+
+    def _look(self, at: float) -> None:
+        models = _lane_models(self.state)
+        for name in [name for name in self.open if name not in models]:  # removed by a reload
+            self._end(name, at)
+        for name in models:
+            lane = self.lanes.setdefault(name, ModelLane(name))
+            served = SERVED if plan_route(self.state, name, at).pick_pool else UNSERVED
+            self.open[name] = _advance(lane.bands, self.open.get(name), served, at)
+
+    def _end(self, name: str, at: float) -> None:
+        state, since = self.open.pop(name)
+        self.lanes[name].bands.append(Band(since, at, state))
+
+
+def _lane_models(state: ClusterState) -> list[str]:
+    """The models that get a lane, as `/ready` counts them: the configured ones, else those the nodes list."""
+    configured = [model.name for model in state.config.models.available] if state.config is not None else []
+    if configured:
+        return list(dict.fromkeys(configured))
+    return sorted({name for node in state.nodes.values() for name in node.models.names or ()})
+
+
+def reload_changes(before: Config | None, after: Config) -> list[str]:
+    """What a reload changed of the nodes, the models and the routing policies, one line each."""
+    if before is None:
+        return []
+
+    def difference(what: str, old: dict[str, str], new: dict[str, str]) -> list[str]:
+        added = [f"+{key}{new[key]}" for key in new if key not in old]
+        removed = [f"-{key}{old[key]}" for key in old if key not in new]
+        return [f"{what}: {' '.join(added + removed)}"] if added or removed else []
+
+    def nodes(config: Config) -> dict[str, str]:
+        return {node.ip: f" ({node.name})" if node.name else "" for node in config.nodes}
+
+    def models(config: Config) -> dict[str, str]:
+        return {model.name: f" (ring {model.ring})" if model.ring else "" for model in config.models.available}
+
+    models_before = models(before)
+    changes = difference("nodes", nodes(before), nodes(after)) + difference("models", models_before, models(after))
+    if before.routing.policy != after.routing.policy:
+        changes.append(f"policy: {before.routing.policy} → {after.routing.policy}")
+    for model in after.models.available:
+        old, new = before.model_policy(model.name), after.model_policy(model.name)
+        if old != new and model.name in models_before:
+            changes.append(f"policy of {model.name}: {old} → {new}")
+    return changes
+
+
 def build_timeline(
     logs: Iterable[str | os.PathLike],
     *,
@@ -143,6 +244,8 @@ def build_timeline(
     logs = list(logs)
     lanes: dict[str, Lane] = {}
     running: dict[str, _LaneRecorder] = {}
+    models = _ModelRecorder()
+    config: Config | None = None
     gateway_events: list[GatewayEvent] = []
     stopped: list[Band] = []
     stopped_since: float | None = None
@@ -159,6 +262,7 @@ def build_timeline(
             for recorder in running.values():
                 recorder.close(event.at)
             running.clear()
+            models.close(event.at)
             stopped_since = event.at
         else:
             if stopped_since is not None:
@@ -170,14 +274,17 @@ def build_timeline(
                 running[ip].observe(node, event.at)
             for ip in [ip for ip in running if ip not in state.nodes]:  # removed by a reload
                 running.pop(ip).close(event.at)
+            models.observe(state, event.at)
         if state.config is not None:
             cluster = state.config.cluster.name
         label = _GATEWAY_LABELS.get(type(event))
         if label is not None:
-            gateway_events.append(GatewayEvent(event.at, label, list(step.transitions)))
+            changes = reload_changes(config, state.config) if isinstance(event, ConfigReloaded) else []
+            gateway_events.append(GatewayEvent(event.at, label, list(step.transitions), changes))
         else:
             for transition in step.transitions:
                 lanes[transition.node].marks.append(transition)
+        config = state.config
     if first_at is None:
         raise TimelineError("no events in the log" + ("" if until is None else " up to --until"))
     start = first_at if since is None else since
@@ -187,6 +294,7 @@ def build_timeline(
     end = max(end, start + 1.0)
     for recorder in running.values():
         recorder.close(end)
+    models.close(end)
     if stopped_since is not None:
         stopped.append(Band(stopped_since, end, "stopped"))
     traffic = None
@@ -199,6 +307,11 @@ def build_timeline(
             _clip_lane(lane, start, end)
             for lane in sorted(lanes.values(), key=lambda lane: _natural(lane.ip))
             if _shows(lane, start, end)
+        ],
+        model_lanes=[
+            ModelLane(lane.name, _clip(lane.bands, start, end))
+            for lane in models.lanes.values()
+            if any(band.start < end and band.end > start for band in lane.bands)
         ],
         gateway_events=[event for event in gateway_events if start <= event.at <= end],
         stopped=_clip(stopped, start, end),
@@ -239,15 +352,21 @@ def _shows(lane: Lane, start: float, end: float) -> bool:
     return any(band.start < end and band.end > start for band in lane.health)
 
 
+def failed(decision: Decision) -> bool:
+    """Whether the client got a failure: a 5xx, or an answer its node cut short."""
+    answered_5xx = decision.status is not None and decision.status >= 500
+    return answered_5xx or any(attempt.outcome == TRUNCATED for attempt in decision.attempts)
+
+
 def bin_requests(decisions: Iterable[Decision], start: float, end: float) -> Traffic:
-    """Requests and 5xx answers per bin of a round width, about 60 bins across the window."""
+    """Requests and failures (`failed`) per bin of a round width, about 60 bins across the window."""
     width = _nice_step((end - start) / 60, _BIN_STEPS)
     bins = [[0, 0] for _ in range(math.ceil((end - start) / width))]
     for decision in decisions:
         if start <= decision.at < end:
             counts = bins[int((decision.at - start) // width)]
             counts[0] += 1
-            counts[1] += decision.status is not None and decision.status >= 500
+            counts[1] += failed(decision)
     return Traffic(
         width, [TrafficBin(start + i * width, requests, errors) for i, (requests, errors) in enumerate(bins)]
     )
@@ -297,7 +416,9 @@ def time_ticks(start: float, end: float) -> list[tuple[float, str]]:
 
 # --- rendering -------------------------------------------------------------------------------
 
-WIDTH = 1400
+WIDTH = 1320
+"""The chart's width at full size: a 1,400 px window holds it with the page's margins and a
+scroll bar; a narrower one scales it down (the SVG is at most 100% wide)."""
 LABELS = 200
 """The lane label column."""
 RIGHT = 40
@@ -305,6 +426,9 @@ STRIP_HEIGHT = 84
 AXIS_HEIGHT = 26
 GATEWAY_HEIGHT = 34
 LANE_HEIGHT = 58
+MODEL_LANE_HEIGHT = 30
+MODEL_ROW = (9, 14)
+"""(offset in a model's lane, height) of its served / no node bar."""
 HEALTH_ROW = (14, 18)
 MODELS_ROW = (34, 11)
 """(offset in the lane, height) of the health bar and the model discovery bar; the marks of each
@@ -321,6 +445,7 @@ DISCOVERY_COLOURS = {
     Discovery.DEGRADED: "#f5c95c",
     Discovery.EXPIRED: "#8c3a2b",
 }
+MODEL_COLOURS = {SERVED: "#a9d8b8", UNSERVED: "#d33b3b"}
 HEALTH_LABELS = {Health.DEGRADED: "degraded", Health.DEAD: "dead"}
 DISCOVERY_LABELS = {
     Discovery.UNTRIED: "untried",
@@ -345,7 +470,7 @@ body { font: 14px/1.4 "DejaVu Sans", "Liberation Sans", system-ui, sans-serif; c
        background: #fff; }
 h1 { font-size: 20px; margin: 0 0 2px; }
 .sub { color: #5b6573; margin: 0 0 12px; }
-svg { display: block; }
+svg { display: block; max-width: 100%; height: auto; }
 svg text { font: 12px "DejaVu Sans", "Liberation Sans", system-ui, sans-serif; fill: #1f2a3a; }
 svg .name { font-weight: bold; font-size: 13px; }
 svg .detail, svg .tick, svg .note { fill: #5b6573; font-size: 11px; }
@@ -386,7 +511,8 @@ _JS = """
   const chart = document.getElementById("chart"), cursor = document.getElementById("cursor");
   const [start, end, x0, width] = ["start", "end", "x0", "width"].map((key) => Number(chart.dataset[key]));
   chart.addEventListener("mousemove", (event) => {
-    const x = event.clientX - chart.getBoundingClientRect().left;
+    const box = chart.getBoundingClientRect();  // the chart may be drawn smaller than its viewBox
+    const x = (event.clientX - box.left) * chart.viewBox.baseVal.width / box.width;
     if (x < x0 || x > x0 + width) { cursor.setAttribute("visibility", "hidden"); return; }
     const at = start + (x - x0) / width * (end - start);
     cursor.setAttribute("transform", `translate(${x},0)`);
@@ -513,16 +639,16 @@ def _strip(canvas: _Canvas, traffic: Traffic, top: float) -> None:
     rates = []
     for traffic_bin in traffic.bins:
         seconds = min(traffic.bin_seconds, canvas.end - traffic_bin.start)  # the last bin may be cut short
-        rates.append((traffic_bin.requests / seconds, traffic_bin.errors / seconds))
+        rates.append((traffic_bin.requests / seconds, traffic_bin.failures / seconds))
     peak = max((requests for requests, _ in rates), default=0.0)
     height = STRIP_HEIGHT - 20
     bottom = top + height
     total = sum(traffic_bin.requests for traffic_bin in traffic.bins)
-    errors = sum(traffic_bin.errors for traffic_bin in traffic.bins)
-    share = f" ({100 * errors / total:.1f}%)" if total else ""
-    canvas.add(f'<g class="strip" data-requests="{total}" data-errors="{errors}">')
+    failures = sum(traffic_bin.failures for traffic_bin in traffic.bins)
+    share = f" ({100 * failures / total:.1f}%)" if total else ""
+    canvas.add(f'<g class="strip" data-requests="{total}" data-failures="{failures}">')
     canvas.add(f'<text class="name" x="12" y="{top + 14}">requests</text>')
-    canvas.add(f'<text class="detail" x="12" y="{top + 30}">{total} in window, {errors} 5xx{share}</text>')
+    canvas.add(f'<text class="detail" x="12" y="{top + 30}">{total} in window, {failures} failed{share}</text>')
     canvas.add(f'<text class="detail" x="12" y="{top + 46}">per {traffic.bin_seconds} s bin</text>')
     canvas.add(f'<rect x="{LABELS}" y="{top}" width="{canvas.plot_width}" height="{height}" fill="#f7f8fa"/>')
     canvas.add(f'<line x1="{LABELS}" y1="{bottom}" x2="{LABELS + canvas.plot_width}" y2="{bottom}" stroke="#c5cbd3"/>')
@@ -539,7 +665,7 @@ def _strip(canvas: _Canvas, traffic: Traffic, top: float) -> None:
         bar = max(x1 - x0 - 1, 1)
         tip = (
             f"{_utc(traffic_bin.start, '%H:%M:%SZ')} + {traffic.bin_seconds} s\n{traffic_bin.requests} requests"
-            f", {requests:.1f}/s, {traffic_bin.errors} answered 5xx"
+            f", {requests:.1f}/s, {traffic_bin.failures} failed (5xx or cut short by the node)"
         )
         requests_height, errors_height = height * requests / peak, height * failures / peak
         canvas.add(
@@ -564,16 +690,43 @@ def _gateway_row(canvas: _Canvas, events: list[GatewayEvent], top: float, lines_
         colour, dash = GATEWAY_LINES[event.label]
         x = canvas.x(event.at)
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
+        tip = f"{event.label} at {_utc_ms(event.at)}" + "".join(f"\n{change}" for change in event.changes)
         canvas.add(
+            f'<g class="gateway-event" data-changes="{_attr(chr(10).join(event.changes))}"><title>{_attr(tip)}</title>'
             f'<line class="gateway-line" data-label="{event.label}" x1="{x}" y1="{top + 6}" x2="{x}"'
             f' y2="{lines_to}" stroke="{colour}" stroke-width="1.5"{dashes} opacity="0.75"/>'
+            f'<line x1="{x}" y1="{top + 6}" x2="{x}" y2="{lines_to}" stroke="transparent" stroke-width="7"/></g>'
         )
         marks_end = x + MARK_SPACING * (len(event.transitions) - 1) + 8
         room = (canvas.x(events[index + 1].at) - 8 if index + 1 < len(events) else WIDTH) - marks_end
-        label = next((text for text in (event.label, event.label.split()[-1]) if _text_width(text) <= room), "")
+        label = next((text for text in _gateway_labels(event) if _text_width(text) <= room), "")
         if label:
-            canvas.add(f'<text class="note" x="{marks_end}" y="{top + 21}">{label}</text>')
+            canvas.add(f'<text class="note" x="{marks_end}" y="{top + 21}">{_attr(label)}</text>')
         _marks_in_row(canvas, event.transitions, top + 17)
+    canvas.add("</g>")
+
+
+def _gateway_labels(event: GatewayEvent) -> list[str]:
+    """A gateway line's label, longest first: a reload names what it changed
+    (`reload: nodes +10.0.0.5`, `reload: nodes, policy`), else says it changed none of them."""
+    labels = []
+    if event.label == "reload":
+        if event.changes:
+            labels.append("reload: " + "; ".join(change.replace(":", "", 1) for change in event.changes))
+            aspects = dict.fromkeys(change.split(":")[0].split()[0] for change in event.changes)
+            labels.append("reload: " + ", ".join(aspects))
+        else:
+            labels.append("reload: nodes, models, policy unchanged")
+    return labels + [event.label, event.label.split()[-1]]
+
+
+def _model_lane(canvas: _Canvas, lane: ModelLane, top: float) -> None:
+    canvas.add(f'<g class="model-lane" data-model="{_attr(lane.name)}">')
+    offset, height = MODEL_ROW
+    canvas.add(f'<rect x="{LABELS}" y="{top + offset}" width="{canvas.plot_width}" height="{height}" fill="#f1f3f6"/>')
+    name = lane.name if _text_width(lane.name) <= LABELS - 24 else lane.name[: int((LABELS - 24) / 6.5) - 1] + "…"
+    canvas.add(f'<text class="detail" x="12" y="{top + 20}"><title>{_attr(lane.name)}</title>{_attr(name)}</text>')
+    _band_rects(canvas, lane.bands, top, MODEL_ROW, "model", MODEL_COLOURS, {UNSERVED: UNSERVED})
     canvas.add("</g>")
 
 
@@ -602,7 +755,8 @@ def _svg(timeline: Timeline) -> str:
     axis_top = top
     gateway_top = axis_top + AXIS_HEIGHT
     lanes_top = gateway_top + GATEWAY_HEIGHT
-    lanes_bottom = lanes_top + LANE_HEIGHT * len(timeline.lanes)
+    models_top = lanes_top + LANE_HEIGHT * len(timeline.lanes)
+    lanes_bottom = models_top + MODEL_LANE_HEIGHT * len(timeline.model_lanes)
     height = lanes_bottom + AXIS_HEIGHT
     canvas.add(
         '<defs><pattern id="offline" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
@@ -619,6 +773,10 @@ def _svg(timeline: Timeline) -> str:
         if index:
             canvas.add(f'<line x1="0" y1="{lane_top}" x2="{WIDTH}" y2="{lane_top}" stroke="#e9ecf0"/>')
         _lane(canvas, lane, lane_top)
+    if timeline.model_lanes:
+        canvas.add(f'<line x1="0" y1="{models_top}" x2="{WIDTH}" y2="{models_top}" stroke="#c5cbd3"/>')
+    for index, model_lane in enumerate(timeline.model_lanes):
+        _model_lane(canvas, model_lane, models_top + index * MODEL_LANE_HEIGHT)
     _stopped_bands(canvas, timeline.stopped, lanes_top, lanes_bottom)
     _gateway_row(canvas, timeline.gateway_events, gateway_top, lanes_bottom)
     for at, label in ticks:
@@ -658,8 +816,12 @@ def _legend(timeline: Timeline) -> str:
         swatch(_HATCH_CSS.format("#8d96a3"), "gateway not running"),
     ]
     groups = [("health (thick bar)", health), ("models (thin bar)", models), ("transitions", marks), ("gateway", lines)]
+    if timeline.model_lanes:
+        served = swatch(MODEL_COLOURS[SERVED], "a node would serve it")
+        groups.append(("model lanes", [served, swatch(MODEL_COLOURS[UNSERVED], "no node (503)")]))
     if timeline.traffic is not None:
-        groups.append(("requests", [swatch("#9aa8bb", "all"), swatch("#d33b3b", "answered 5xx")]))
+        failures = swatch("#d33b3b", "failed: 5xx, or cut short by the node")
+        groups.append(("requests", [swatch("#9aa8bb", "all"), failures]))
     return (
         '<div class="legend">'
         + "".join(f'<div class="group"><b>{title}</b>{"".join(items)}</div>' for title, items in groups)

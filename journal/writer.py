@@ -259,6 +259,23 @@ class SegmentedFile:
         return notes
 
 
+def unwritable_log_reason(log_path: str | os.PathLike) -> str | None:
+    """Why the gateway could not write a log at `log_path` (its folder is under a file, or not
+    writable, or the path is a folder), else None. Creates nothing: the nearest folder that
+    exists must be writable, so the missing ones can be created in it."""
+    path = Path(log_path)
+    if path.is_dir():
+        return f"{path} is a directory"
+    existing = path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # exists() is False for a path under a file: that file stops the walk
+    if not existing.is_dir():
+        return f"cannot create its directory {path.parent}: {existing} is not a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"cannot create its files: {existing} is not writable"
+    return None
+
+
 @dataclass
 class _Batch:
     """Consecutive lines to write; `base` is what the file's head is made of should they start

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from controlplane.config import ConfigError, Overrides, load_config
+from controlplane.transitions import TRANSITION_KINDS
 from events.log import read_events
 from fixtures.node import serve_nodes
 
@@ -190,9 +191,46 @@ async def test_a_reload_applies_the_files_log_level(tmp_path):
             await gateway.read_until('"gateway.workers changed; requires restart"')
             code, output, errors = await gateway.stop()
     assert (code, errors) == (0, "")
-    messages = [msgspec.json.decode(line)["msg"] for line in output.splitlines()]
-    after_reload = messages[messages.index("gateway.workers changed; requires restart") :]
-    assert after_reload == ["gateway.workers changed; requires restart"]  # no `config reloaded`, `gateway stopped`
+    lines = [msgspec.json.decode(line) for line in output.splitlines()]
+    messages = [(line["level"], line["msg"]) for line in lines]
+    after_reload = messages[messages.index(("warn", "gateway.workers changed; requires restart")) :]
+    # The reload itself is said at warn, so the operator sees it; `gateway stopped` (info) is not.
+    assert after_reload == [("warn", "gateway.workers changed; requires restart"), ("warn", "config reloaded")]
+
+
+async def test_audit_log_format_text_prints_the_lines_the_live_text_log_printed(tmp_path):
+    event_log = tmp_path / "events.jsonl"
+    async with serve_nodes(node_specs(2)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes, event_log=str(event_log)))
+        async with interlock_serve("--config", str(config_path), "--log-format", "text") as gateway:
+            await gateway.read_until(" models discovered ")
+            gateway.process.send_signal(signal.SIGHUP)
+            await gateway.read_until(" config reloaded ")
+            code, output, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    live_transitions = [line for line in output.splitlines() if "  seq=" in line]
+    with trio.fail_after(30):
+        audit = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "audit", str(event_log), "--log-format", "text"],
+            capture_stdout=True, cwd=PROJECT_ROOT,
+        )  # fmt: skip
+    assert audit.stdout.decode().splitlines() == live_transitions
+    assert any(" INFO  config reloaded  seq=" in line for line in live_transitions)
+
+
+def test_audit_help_lists_every_transition_kind_and_serve_help_the_settings_a_reload_keeps():
+    def help_of(command: str) -> str:
+        run = [sys.executable, "-m", "interlock.cli", command, "--help"]
+        completed = subprocess.run(run, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=True)
+        return " ".join(completed.stdout.split())
+
+    assert f"only these kinds: {', '.join(TRANSITION_KINDS)}" in help_of("audit")
+    assert "load" in TRANSITION_KINDS
+    serve_help = help_of("serve")
+    assert "(nodes, models, routing, keys, log_level, log_format) but these gateway settings" in serve_help
+    for key in ("listen", "event_log", "decision_log", "workers"):
+        assert f" {key}," in serve_help or f" {key}." in serve_help
 
 
 def test_an_unknown_log_level_names_the_key_and_the_levels(tmp_path):
@@ -229,3 +267,68 @@ def test_an_override_that_collides_with_the_file_is_refused_by_the_loader(tmp_pa
     config_path.write_text('[gateway]\nmetrics_listen = ":9090"\n[[nodes]]\nip = "10.0.0.1"\n')
     with pytest.raises(ConfigError, match='metrics_listen: metrics_listen ":9090" and listen ":9090" both bind'):
         load_config(config_path, overrides=Overrides(port=9090))
+
+
+def test_require_event_log_refuses_to_start_without_a_writable_event_log(tmp_path):
+    def serve(config_text_: str) -> subprocess.CompletedProcess:
+        config_path.write_text(config_text_)
+        command = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config_path), "--require-event-log"]
+        return subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=False)
+
+    config_path = tmp_path / "gateway.toml"
+    node = '[[nodes]]\nip = "127.0.0.1"\n'
+    listen = 'listen = "127.0.0.1:0"\nmetrics_listen = "127.0.0.1:0"\n'
+    none = serve(f"[gateway]\n{listen}{node}")
+    assert (none.returncode, none.stdout, none.stderr) == (
+        1, "", f"fatal: --require-event-log: {config_path} sets no gateway.event_log\n"
+    )  # fmt: skip
+    (tmp_path / "a-file").write_text("")
+    under_a_file = serve(f'[gateway]\n{listen}event_log = "{tmp_path}/a-file/events.jsonl"\n{node}')
+    assert (under_a_file.returncode, under_a_file.stdout) == (1, "")
+    assert under_a_file.stderr == (
+        f"fatal: --require-event-log: {config_path}: gateway.event_log = {tmp_path}/a-file/events.jsonl: "
+        f"cannot create its directory {tmp_path}/a-file: {tmp_path}/a-file is not a directory\n"
+    )
+
+
+def readme_block(heading: str, language: str) -> str:
+    """The first ```language block after `heading` in the README."""
+    text = (PROJECT_ROOT / "README.md").read_text()
+    section = text[text.index(f"\n{heading}\n") :]
+    return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+
+
+async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_only_the_completions(tmp_path):
+    config = readme_block("## Point it at your vLLM nodes", "toml")
+    (tmp_path / "gateway.toml").write_text(config)
+    with trio.fail_after(30):
+        checked = await trio.run_process(
+            [sys.executable, "-m", "interlock.cli", "check-config", "gateway.toml"],
+            capture_stdout=True, capture_stderr=True, cwd=tmp_path, check=False,
+        )  # fmt: skip
+    assert (checked.returncode, checked.stderr) == (0, b""), checked.stderr
+    async with serve_nodes(node_specs(2)) as nodes:
+        # The same file, with the two simulated nodes' addresses and ports in place of yours.
+        for documented, node in zip(("10.0.0.1", "10.0.0.2"), nodes):
+            config = config.replace(f'ip = "{documented}"', f'ip = "{node.host}"\nvllm_port = {node.vllm_port}')
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config.replace('"var/events.jsonl"', f'"{tmp_path}/var/events.jsonl"'))
+        api = free_port()
+        options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--metrics-listen", "127.0.0.1:0")
+        async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False, timeout=5) as client:
+            url = f"http://127.0.0.1:{api}"
+            with trio.fail_after(20):
+                while True:  # until the nodes' model lists are in: no model is configured
+                    try:
+                        answer = await client.post(url + "/v1/chat/completions", json=chat())
+                    except httpx.TransportError:
+                        answer = None
+                    if answer is not None and answer.status_code == 200:
+                        break
+                    await trio.sleep(0.1)
+            assert answer.headers["x-interlock-node"] in {node.host for node in nodes}  # no name: the IP
+            embeddings = await client.post(url + "/v1/embeddings", json={"model": MODEL, "input": "x"})
+            assert embeddings.status_code == 404  # not routed
+            code, _, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    assert list((tmp_path / "var").glob("events*.jsonl"))  # the event log explain reads

@@ -63,8 +63,8 @@ async def test_models_lists_the_configured_models_in_config_order(tmp_path):
         response = await gateway.http.get(gateway.url + "/v1/models")
         assert response.headers["content-type"] == "application/json"
         assert response.content == (
-            b'{"object":"list","data":[{"id":"zeta","object":"model","owned_by":"cluster"},'
-            b'{"id":"alpha","object":"model","owned_by":"cluster"}]}'
+            b'{"object":"list","data":[{"id":"zeta","object":"model","created":0,"owned_by":"cluster"},'
+            b'{"id":"alpha","object":"model","created":0,"owned_by":"cluster"}]}'
         )
 
     async with nodes_and_gateway(tmp_path, node_specs(1), models=[]) as (nodes, gateway):

@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -96,6 +97,11 @@ def test_a_serving_demo_offers_commands_that_work_until_ctrl_c(tmp_path):
             lines.append(line)
         [health] = [line.split()[-1] for line in lines if line.startswith("  curl -s ") and line.endswith("/health\n")]
         assert httpx.get(health, trust_env=False).status_code == 200  # the server it offers is up
+        [chat] = [line.strip() for line in lines if line.startswith("  curl -s ") and "/v1/chat/completions" in line]
+        assert '"model":"Qwen/Qwen2.5-7B-Instruct"' in chat
+        streamed = subprocess.run(shlex.split(chat), capture_output=True, text=True, timeout=30, check=True)
+        assert streamed.stdout.startswith("data: {") and streamed.stdout.endswith("data: [DONE]\n\n")
+        assert '"model":"Qwen/Qwen2.5-7B-Instruct"' in streamed.stdout
         assert lines[-1] == f"  tail -f {tmp_path}/demo/gateway.log    # the gateway's log\n"
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=30) == 0

@@ -710,6 +710,43 @@ async def test_cli_from_config_serves_each_configured_node(tmp_path):
         assert await stop(process, signal.SIGTERM) == 0
 
 
+async def test_cli_refuse_is_undone_through_the_control_port_which_never_refuses():
+    async with running_cli("--nodes", "1", "--base-port", "0", nodes=1) as (process, [line]):
+        fields = line.split()
+        vllm_url, control_url = fields[fields.index("vllm") + 1], fields[fields.index("control") + 1]
+        async with httpx.AsyncClient() as client:
+            refused = await client.post(control_url + "/_control", json={"refuse": True})
+            assert refused.json()["refuse"] is True
+            with pytest.raises(httpx.ConnectError):
+                await client.get(vllm_url + "/health")
+            assert (await client.post(control_url + "/_control", json={"refuse": False})).json()["refuse"] is False
+            assert (await client.get(vllm_url + "/health")).status_code == 200
+            assert (await client.get(control_url + "/health")).status_code == 404  # the control port is only that
+        assert await stop(process, signal.SIGTERM) == 0
+
+
+async def test_cli_from_config_names_the_address_it_cannot_bind(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text('[[nodes]]\nip = "192.0.2.1"\nvllm_port = 8123\n')  # TEST-NET-1: no host has it
+    result = await trio.run_process(
+        [sys.executable, "-m", "fixtures.node", "--from-config", str(path)],
+        cwd=PROJECT_ROOT, capture_stdout=True, capture_stderr=True, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (1, b"")
+    assert b"cannot bind 192.0.2.1:8123: " in result.stderr, result.stderr
+
+
+async def test_scenarios_help_shows_help_and_rewrites_nothing():
+    logs = [PROJECT_ROOT / "fixtures" / "logs" / name for name in ("scenario.jsonl", "scenario-decisions.jsonl")]
+    before = [log.stat().st_mtime_ns for log in logs]
+    result = await trio.run_process(
+        [sys.executable, "-m", "fixtures.scenarios", "--help"],
+        cwd=PROJECT_ROOT, capture_stdout=True, capture_stderr=True,
+    )  # fmt: skip
+    assert result.stdout.startswith(b"usage: python -m fixtures.scenarios") and result.stderr == b""
+    assert [log.stat().st_mtime_ns for log in logs] == before
+
+
 async def test_cli_nodes_on_free_ports_stop_on_sigint():
     args = ["--nodes", "2", "--base-port", "0", "--models", "a,b", "--tokens", "3"]
     async with running_cli(*args, nodes=2) as (process, lines):

@@ -127,6 +127,7 @@ async def test_retrieving_a_model_gives_its_object_in_the_list_and_an_unknown_on
             await client.models.retrieve("org/not-configured")
         raw = await gateway.http.get(gateway.url + "/v1/models/org/with-a-slash")  # the slash unescaped
     assert retrieved == page.data
-    assert raw.json() == {"id": "org/with-a-slash", "object": "model", "owned_by": "cluster"}
+    assert raw.json() == {"id": "org/with-a-slash", "object": "model", "created": 0, "owned_by": "cluster"}
+    assert [model.created for model in page.data] == [0, 0]  # the SDK's Model requires it
     assert caught.value.status_code == 404 and caught.value.code == "model_not_found"
     assert caught.value.body["message"] == "The model `org/not-configured` does not exist."

@@ -4,8 +4,11 @@ The rules pass `promtool check rules` and their unit tests (`tests/prometheus/al
 Then a real Prometheus server (Debian's package, on 127.0.0.1, data in a temporary directory)
 scrapes a live gateway in front of simulated nodes, each with a fault an
 operator should see (a node that truncates responses, one that dies, one that lists no model, one that never answers),
-under a little traffic: every panel's query returns data through Prometheus's HTTP API, every
-rule evaluates, and the alerts for the dead node and the truncated streams are raised.
+under a little traffic, at two addresses (two `instance`s, as two replicas would be): every
+panel's query returns data through Prometheus's HTTP API for the instance the dashboard's
+variables choose, and with all of them one series per instance (never their sum); the variables
+list the job and both instances; every rule evaluates, and the alerts for the dead node and the
+truncated streams are raised, not those for a gateway down.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_the_alert_rules_pass_promtool_check():
     checked = promtool("check", "rules", str(ALERTS))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 5 rules found" in checked.stdout
+    assert "SUCCESS: 10 rules found" in checked.stdout
 
 
 def test_the_alert_rules_pass_their_unit_tests():
@@ -45,17 +48,31 @@ def test_the_alert_rules_pass_their_unit_tests():
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
-def panel_queries() -> dict[str, str]:
-    """Every query of the dashboard, named by its panel and legend, as Prometheus gets it."""
+def panel_queries(job: str, instance: str) -> dict[str, str]:
+    """Every query of the dashboard, named by its panel and legend, as Prometheus gets it when
+    the dashboard's variables are set to the regular expressions `job` and `instance`."""
     dashboard = json.loads(DASHBOARD.read_text())
     queries = {}
     for panel in dashboard["panels"]:
         assert panel["targets"], f"panel {panel['title']!r} has no query"
         for target in panel["targets"]:
-            queries[f"{panel['title']} / {target['legendFormat']}"] = target["expr"].replace(
-                "$__rate_interval", RATE_INTERVAL
+            expr = target["expr"].replace("$__rate_interval", RATE_INTERVAL)
+            assert '{job=~"$job", instance=~"$instance"}' in expr or ', job=~"$job", instance=~"$instance"}' in expr
+            queries[f"{panel['title']} / {target['legendFormat']}"] = (
+                expr.replace("$job", job).replace("$instance", instance)
             )
     return queries
+
+
+def dashboard_variables() -> dict[str, tuple[str, str]]:
+    """The dashboard's query variables: name → (the series selector, the label) of their
+    `label_values(SELECTOR, LABEL)`."""
+    variables = {}
+    for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        if variable["type"] == "query":
+            selector, label = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["query"]["query"]).groups()
+            variables[variable["name"]] = (selector, label)
+    return variables
 
 
 def alert_rule_series() -> set[str]:
@@ -79,7 +96,19 @@ def has_a_number(result: list[dict]) -> bool:
     return any(not math.isnan(float(sample["value"][1])) for sample in result)
 
 
-async def test_every_dashboard_query_has_data_from_a_real_prometheus_scraping_a_live_gateway(tmp_path):
+def instances_with_a_number(result: list[dict]) -> set[str | None]:
+    """The `instance` of each series with a number (None for a series without one: summed over instances)."""
+    return {sample["metric"].get("instance") for sample in result if not math.isnan(float(sample["value"][1]))}
+
+
+async def label_values(http: httpx.AsyncClient, url: str, selector: str, label: str) -> list[str]:
+    """What Grafana's `label_values(selector, label)` lists, from Prometheus's HTTP API."""
+    response = await http.get(f"{url}/api/v1/label/{label}/values", params={"match[]": selector})
+    assert response.status_code == 200, f"{selector}: {response.text}"
+    return response.json()["data"]
+
+
+async def test_every_dashboard_query_has_data_per_instance_from_a_real_prometheus_scraping_a_live_gateway(tmp_path):
     prometheus_program = required_program("prometheus", INSTALL)
     specs = node_specs(5)
     specs[1].behaviour.completion = "close_mid_stream"  # truncates streams
@@ -90,6 +119,9 @@ async def test_every_dashboard_query_has_data_from_a_real_prometheus_scraping_a_
         truncating, dying = nodes[1].host, nodes[2].host
         await gateway.discovered()
         nodes[2].behaviour.refuse = True
+        metrics_port = gateway.metrics_url.rpartition(":")[2]
+        # The one gateway scraped at two addresses: two instances, as two replicas would be.
+        instances = [f"127.0.0.1:{metrics_port}", f"localhost:{metrics_port}"]
         port = free_port()
         prometheus_url = f"http://127.0.0.1:{port}"
         prometheus_config = tmp_path / "prometheus.yml"
@@ -99,7 +131,7 @@ async def test_every_dashboard_query_has_data_from_a_real_prometheus_scraping_a_
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                     "rule_files": [str(ALERTS)],
                     "scrape_configs": [
-                        {"job_name": "interlock", "static_configs": [{"targets": [gateway.metrics_url.split("//")[1]]}]}
+                        {"job_name": "interlock", "static_configs": [{"targets": instances}]}
                     ],
                 }
             )
@@ -128,7 +160,8 @@ async def test_every_dashboard_query_has_data_from_a_real_prometheus_scraping_a_
                         await trio.sleep(0.02)
 
                 nursery.start_soon(traffic)
-                wanted = panel_queries()
+                # The dashboard with one instance chosen: every panel has data.
+                wanted = panel_queries("interlock", re.escape(instances[0]).replace("\\", "\\\\"))  # as Grafana escapes
                 wanted |= {f"series {name}": f"count({name})" for name in alert_rule_series()}
                 wanted["dead node alert"] = f'ALERTS{{alertname="InterlockNodeDead",node="{dying}"}}'
                 wanted["truncation alert"] = (
@@ -142,9 +175,26 @@ async def test_every_dashboard_query_has_data_from_a_real_prometheus_scraping_a_
                             if has_a_number(await query(http, prometheus_url, expr)):
                                 del missing[name]
                 assert not missing, f"no data for {sorted(missing)}; see {tmp_path / 'prometheus.log'}"
+                # With All: each panel shows each instance apart, never their sum.
+                apart = panel_queries(".*", ".*")
+                with trio.move_on_after(30):
+                    while apart:
+                        await trio.sleep(1)
+                        for name, expr in list(apart.items()):
+                            if instances_with_a_number(await query(http, prometheus_url, expr)) == set(instances):
+                                del apart[name]
+                assert not apart, f"not one series per instance: {sorted(apart)}"
+                variables = dashboard_variables()
+                assert set(variables) == {"job", "instance"}
+                assert await label_values(http, prometheus_url, *variables["job"]) == ["interlock"]
+                instance_selector = variables["instance"][0].replace("$job", "interlock")
+                listed = await label_values(http, prometheus_url, instance_selector, "instance")
+                assert sorted(listed) == sorted(instances)
                 rules = (await http.get(prometheus_url + "/api/v1/rules")).json()["data"]["groups"][0]["rules"]
                 assert {rule["name"]: rule["health"] for rule in rules} == {rule["name"]: "ok" for rule in rules}
-                assert len(rules) == 5
+                assert len(rules) == 10
+                firing = {rule["name"] for rule in rules if rule["alerts"]}
+                assert not firing & {"InterlockGatewayDown", "InterlockGatewayAbsent"}
                 nursery.cancel_scope.cancel()
         finally:
             process.kill()

@@ -479,6 +479,40 @@ def test_check_config_rejects_what_serve_cannot_use(capsys, tmp_path, text, erro
     assert one_error_line(err) == f"{path}: {error}"
 
 
+def test_check_config_refuses_a_log_it_could_not_write_naming_the_key_and_the_path(capsys, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        f'[gateway]\nevent_log = "{a_file}/logs/events.jsonl"\ndecision_log = "{tmp_path}"\n' + VALID_CONFIG
+    )
+    code, out, err = run_cli(capsys, "check-config", path)
+    assert (code, out) == (2, "")
+    assert err.splitlines() == [
+        (
+            f"{path}: gateway.event_log = {a_file}/logs/events.jsonl: "
+            f"cannot create its directory {a_file}/logs: {a_file} is not a directory"
+        ),
+        f"{path}: gateway.decision_log = {tmp_path}: {tmp_path} is a directory",
+    ]
+    # A folder that does not exist yet is fine: the gateway creates it. Nothing is created here.
+    path.write_text(f'[gateway]\nevent_log = "{tmp_path}/new/events.jsonl"\n' + VALID_CONFIG)
+    code, out, err = run_cli(capsys, "check-config", path)
+    assert (code, err) == (0, "")
+    assert not (tmp_path / "new").exists()
+
+
+def test_check_config_prints_sizes_as_sizes(capsys, tmp_path):
+    path = tmp_path / "gateway.toml"
+    logs = f'event_log = "{tmp_path}/events.jsonl"\nevent_log_retain_bytes = 1073741824\n'
+    logs += f'decision_log = "{tmp_path}/decisions.jsonl"\ndecision_log_max_bytes = 1000\n'
+    path.write_text("[gateway]\n" + logs + VALID_CONFIG)
+    code, out, _ = run_cli(capsys, "check-config", path)
+    assert code == 0
+    assert f"event log: {tmp_path}/events.jsonl (segments of 64 MiB, keeping up to 1 GiB)" in out
+    assert f"decision log: {tmp_path}/decisions.jsonl (segments of 1000 bytes, keeping up to 1 GiB)" in out
+
+
 # --- bad input -------------------------------------------------------------------------------
 
 

@@ -9,23 +9,26 @@ reload is rejected at seq 60; the run stops at 121 s.
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
+import zlib
 from collections import Counter
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 
+from controlplane.config import load_config
 from controlplane.replay import replay, replay_steps
 from controlplane.routing import filter_by_model, plan_route, ring_pool, unavailable_reason
-from dataplane.decisions import read_decisions
+from dataplane.decisions import TRUNCATED, read_decisions
 from events.log import encode_event
 from events.types import Checkpoint
 from fixtures import scenarios
 from interlock.cli import main
 from interlock.render import parse_time
-from interlock.timeline import time_ticks
+from interlock.timeline import reload_changes, time_ticks
 
 from harness import required_program
 
@@ -47,8 +50,13 @@ class Page(HTMLParser):
         self.marks: list[dict[str, str]] = []
         self.bands: list[dict[str, str]] = []
         self.strip: dict[str, str] | None = None
+        self.model_lanes: list[str] = []
+        self.gateway_events: list[dict[str, str]] = []
+        self.notes: list[str] = []
+        """The gateway row's labels."""
         self._open_mark: dict[str, str] | None = None
         self._in_title = False
+        self._in_note = False
         self.feed(text)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -56,6 +64,8 @@ class Page(HTMLParser):
         classes = element.get("class", "").split()
         lane = next((group["data-node"] for group in reversed(self.groups) if "lane" in group["class"].split()), "")
         element["lane"] = lane
+        model = (group for group in reversed(self.groups) if "model-lane" in group["class"].split())
+        element["model"] = next((group["data-model"] for group in model), "")
         if tag == "g":
             element.setdefault("class", "")
             self.groups.append(element)
@@ -66,10 +76,16 @@ class Page(HTMLParser):
                 self._open_mark = element
             if "strip" in classes:
                 self.strip = element
+            if "model-lane" in classes:
+                self.model_lanes.append(element["data-model"])
+            if "gateway-event" in classes:
+                self.gateway_events.append(element)
         elif tag == "rect" and "band" in classes:
             self.bands.append(element)
         elif tag == "title" and self._open_mark is not None:
             self._in_title = True
+        elif tag == "text" and "note" in classes:
+            self._in_note = True
 
     def handle_startendtag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         self.handle_starttag(tag, attrs)
@@ -82,10 +98,21 @@ class Page(HTMLParser):
                 self._open_mark = None
         elif tag == "title":
             self._in_title = False
+        elif tag == "text":
+            self._in_note = False
 
     def handle_data(self, data: str) -> None:
+        if self._in_note:
+            self.notes.append(data)
         if self._in_title:
             self._open_mark["data-tip"] = self._open_mark.get("data-tip", "") + data
+
+    def bands_of_model(self, model: str) -> list[tuple[str, float, float]]:
+        return [
+            (band["data-state"], float(band["data-start"]) - START, float(band["data-end"]) - START)
+            for band in self.bands
+            if band["model"] == model
+        ]
 
     def bands_of(self, node: str, row: str) -> list[tuple[str, float, float]]:
         return [
@@ -142,7 +169,57 @@ def test_the_page_shows_a_lane_per_node_and_a_mark_per_transition_in_chromium(tm
     decisions = list(read_decisions(DECISIONS))
     assert dom.strip is not None
     assert int(dom.strip["data-requests"]) == len(decisions)
-    assert int(dom.strip["data-errors"]) == sum(d.status is not None and d.status >= 500 for d in decisions) > 0
+    assert int(dom.strip["data-failures"]) == sum(d.status is not None and d.status >= 500 for d in decisions) > 0
+    # The reload that added 10.0.0.5 says so, on its line and in its tip.
+    [reload] = [event for event in dom.gateway_events if event["data-changes"]]
+    assert reload["data-changes"] == "nodes: +10.0.0.5 (gpu-node-5)"
+    assert reload["data-tip"].endswith("\nnodes: +10.0.0.5 (gpu-node-5)")
+    assert "reload: nodes +10.0.0.5 (gpu-node-5)" in dom.notes
+    assert dom.model_lanes == ["Qwen/Qwen2.5-32B-Instruct-Q4", "Qwen/Qwen2.5-7B-Instruct"]
+
+
+def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
+    """Width, height and rows of RGB(A) bytes of an 8-bit, non-interlaced PNG (chromium's screenshots)."""
+    data = path.read_bytes()
+    width, height, depth, colour = struct.unpack(">IIBB", data[16:26])
+    assert depth == 8 and colour in (2, 6), (depth, colour)
+    channels = 3 if colour == 2 else 4
+    chunks, offset = b"", 8
+    while offset < len(data):
+        length, kind = struct.unpack(">I4s", data[offset : offset + 8])
+        if kind == b"IDAT":
+            chunks += data[offset + 8 : offset + 8 + length]
+        offset += 12 + length
+    raw, stride, rows, previous = zlib.decompress(chunks), width * channels, [], bytearray(width * channels)
+    for y in range(height):
+        kind, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
+        for i in range(stride):
+            left = line[i - channels] if i >= channels else 0
+            up, up_left = previous[i], previous[i - channels] if i >= channels else 0
+            if kind == 1:
+                line[i] = (line[i] + left) & 255
+            elif kind == 2:
+                line[i] = (line[i] + up) & 255
+            elif kind == 3:
+                line[i] = (line[i] + (left + up) // 2) & 255
+            elif kind == 4:
+                guess = left + up - up_left
+                paeth = [(abs(guess - value), rank, value) for rank, value in enumerate((left, up, up_left))]
+                line[i] = (line[i] + min(paeth)[2]) & 255  # the nearest; ties: left, then up
+        rows.append(bytes(line))
+        previous = line
+    return width, height, [row[::channels] for row in rows]  # the red channel is enough for "white"
+
+
+def test_the_page_fits_a_1400_px_window_in_chromium(tmp_path, capsys):
+    page, _ = timeline(tmp_path, capsys, "--decisions", DECISIONS)
+    screenshot = tmp_path / "timeline.png"
+    chromium(tmp_path, f"--screenshot={screenshot}", "--window-size=1400,800", page.resolve().as_uri())
+    width, height, reds = png_pixels(screenshot)
+    assert (width, height) == (1400, 800)
+    # The page's right margin stays blank all the way down: nothing of the chart is cut by the window.
+    assert all(row[1400 - 20 :] == b"\xff" * 20 for row in reds)
+    assert any(row[1400 - 80 : 1400 - 20] != b"\xff" * 60 for row in reds)  # and the chart reaches near it
 
 
 # --- what the page says ----------------------------------------------------------------------
@@ -271,3 +348,47 @@ def test_each_sample_decision_is_what_routing_decides_on_the_replayed_state():
     statuses = Counter(decision.status for decision in decisions)
     assert set(statuses) == {200, 500, 503}
     assert sum(len(decision.attempts) == 2 for decision in decisions) == 2  # the two refused by 10.0.0.1
+
+
+def test_a_lane_per_model_shows_when_no_node_would_have_served_it(tmp_path, capsys):
+    dom = Page(timeline(tmp_path, capsys)[0].read_text())
+    at = {t.seq: t.at - START for t in replay([SCENARIO]).transitions}
+    end = scenarios.STOPPED_AT
+    # ring-a's 32B model: 10.0.0.4's listing expires (seq 145), 10.0.0.3 degrades and still serves
+    # (seq 159), then dies (seq 184): from then on no node would take a request for it.
+    assert dom.bands_of_model("Qwen/Qwen2.5-32B-Instruct-Q4") == [("served", 0.0, at[184]), ("no node", at[184], end)]
+    # The 7B model keeps a node throughout, 10.0.0.1's offline spells and 10.0.0.2's empty list included.
+    assert dom.bands_of_model("Qwen/Qwen2.5-7B-Instruct") == [("served", 0.0, end)]
+
+
+def test_a_stream_its_node_cut_short_counts_as_failed_in_the_strip(tmp_path, capsys):
+    records = [json.loads(line) for line in DECISIONS.read_text().splitlines()]
+    cut = [record for record in records if record["status"] == 200 and record["stream"]][:3]
+    for record in cut:  # as the proxy records a stream its node ended early: the client had its 200
+        record["attempts"][-1]["outcome"] = TRUNCATED
+    decisions = tmp_path / "decisions.jsonl"
+    decisions.write_text("".join(json.dumps(record) + "\n" for record in records))
+    dom = Page(timeline(tmp_path, capsys, "--decisions", decisions)[0].read_text())
+    answered_5xx = sum(record["status"] is not None and record["status"] >= 500 for record in records)
+    assert int(dom.strip["data-failures"]) == answered_5xx + 3
+
+
+def test_a_reload_says_what_it_changed_of_nodes_models_and_policies(tmp_path):
+    def config(text: str):
+        path = tmp_path / "gateway.toml"
+        path.write_text(text)
+        return load_config(path)
+
+    nodes = '[[nodes]]\nip = "10.0.0.1"\nname = "a"\n[[nodes]]\nip = "10.0.0.2"\n'
+    before = config(nodes + '[[models.available]]\nname = "m"\n')
+    after = config(
+        '[routing]\npolicy = "least_load"\n[[nodes]]\nip = "10.0.0.1"\nname = "a"\n[[nodes]]\nip = "10.0.0.3"\n'
+        '[[models.available]]\nname = "m"\npolicy = "prefix_affinity"\n[[models.available]]\nname = "n"\n'
+    )
+    assert reload_changes(before, after) == [
+        "nodes: +10.0.0.3 -10.0.0.2",
+        "models: +n",
+        "policy: round_robin → least_load",
+        "policy of m: round_robin → prefix_affinity",
+    ]
+    assert reload_changes(before, before) == []
