@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from controlplane.replay import replay_steps
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
-from dataplane.decisions import Decision, read_decisions
+from events.decisions import Decision, read_decisions
 from events.state import Discovery, Health, NodeState
 from events.types import Checkpoint, ConfigReloaded, ReloadRejected, RunStarted, RunStopped
 

@@ -24,7 +24,7 @@ from controlplane.appender import LogAppender, SegmentedFile
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.replay import replay
 from controlplane.runtime import segment_head
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from events.jsonl import list_segments, segment_lines
 from events.log import decode_event, encode_event, read_events
 from events.types import Checkpoint, HealthProbed, RunStarted, RunStopped

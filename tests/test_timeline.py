@@ -19,7 +19,7 @@ import pytest
 
 from controlplane.replay import replay, replay_steps
 from controlplane.routing import filter_by_model, plan_route, ring_pool, unavailable_reason
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from events.log import encode_event
 from events.types import Checkpoint
 from fixtures import scenarios

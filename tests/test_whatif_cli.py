@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import trio
 
-from dataplane.decisions import AttemptRecord, Decision, read_decisions
+from events.decisions import AttemptRecord, Decision, read_decisions
 from events.config import ModelEntry
 from events.jsonl import list_segments
 from events.log import encode_event
