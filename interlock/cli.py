@@ -37,6 +37,7 @@ from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, L
 from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
+    KINDS,
     explanation_to_builtins,
     parse_kinds,
     parse_time,
@@ -276,7 +277,7 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
         action="extend",
         type=_argument_type(parse_kinds),
         metavar="KIND[,KIND]",
-        help="only these kinds: run, reload, health, models, offline",
+        help=f"only these kinds: {KINDS}",
     )
     _add_skip_invalid(parser)
     parser.set_defaults(run=run_audit)
