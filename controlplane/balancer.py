@@ -30,7 +30,14 @@ class Balancer:
         self.prefixes = PrefixMemory()
 
     def select(
-        self, pool: Sequence[NodeState], policy: Policy, *, scored: bool, request_id: str, prefix: str, load_bound: float
+        self,
+        pool: Sequence[NodeState],
+        policy: Policy,
+        *,
+        scored: bool,
+        request_id: str,
+        prefix: str,
+        load_bound: float,
     ) -> Choice:
         """The data plane's pick from `pool` (not empty), with every candidate's score (`scored`,
         or any policy but round robin; round robin unscored is plinth's pick and nothing more)."""

@@ -20,8 +20,8 @@ from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
 from dataplane.proxy import COMPLETION_PATHS
-from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from dataplane.quart_apps import new_quart_app
+from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from events.state import Health, NodeState
 
 _encode = msgspec.json.Encoder()

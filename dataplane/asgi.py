@@ -2,10 +2,10 @@
 
 `POST /v1/chat/completions` and `POST /v1/completions` are the hot path, and Quart's request
 and response objects, contexts and routing cost a good share of what hypercorn itself does per
-small request (`bench/`'s floor rows show it). So they are answered here, straight from hypercorn's ASGI
-messages: steps 1-3 of plinth's pipeline (read the body within the limit, parse only `model`
-and `stream`, inject the default model), then the proxy (routing and the attempt loop), whose
-`Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
+small request (`bench/`'s two floor rows show how much). So they are answered here, straight
+from hypercorn's ASGI messages: steps 1-3 of plinth's pipeline (read the body within the limit,
+parse only `model` and `stream`, inject the default model), then the proxy (routing and the
+attempt loop), whose `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
 unchanged: `/health`, `/ready`, `/v1/models`, the 404s, and other methods on the completion
 paths (405).
 Each request reads the control plane's snapshot once and keeps it throughout.

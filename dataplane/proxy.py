@@ -191,7 +191,9 @@ class Proxy:
 
     # --- one attempt
 
-    async def _attempt(self, exchange: Exchange, ledger: Ledger, node: NodeState) -> Reply | tuple[Outcome, Reply | None]:
+    async def _attempt(
+        self, exchange: Exchange, ledger: Ledger, node: NodeState
+    ) -> Reply | tuple[Outcome, Reply | None]:
         """A committed reply (its relay ends the attempt), or how the attempt ended with the
         client's complete reply when it has one."""
         config = exchange.view.config
@@ -320,7 +322,8 @@ class Proxy:
     ) -> Reply:
         """The status and headers to send now; the body flows chunk by chunk as the node sends it
         (until `deadline`, for a non-streaming answer)."""
-        headers = client_headers(upstream, exchange.request_id, exchange.view.config.node_headers[node.ip], with_length=True)
+        served_by = exchange.view.config.node_headers[node.ip]
+        headers = client_headers(upstream, exchange.request_id, served_by, with_length=True)
         return Reply(upstream.status, headers, Relay(ledger, node.ip, upstream, first, deadline))
 
 
@@ -331,7 +334,9 @@ class Relay:
 
     __slots__ = ("_ledger", "_node", "_upstream", "_first", "_deadline")
 
-    def __init__(self, ledger: Ledger, node: str, upstream: UpstreamResponse, first: list[bytes], deadline: float) -> None:
+    def __init__(
+        self, ledger: Ledger, node: str, upstream: UpstreamResponse, first: list[bytes], deadline: float
+    ) -> None:
         self._ledger = ledger
         self._node = node
         self._upstream = upstream

@@ -32,8 +32,8 @@ import msgspec
 from controlplane.config import ConfigError, Overrides, UnknownKey, describe_config, load_config, parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
-from events.decisions import find_decisions, read_decisions
 from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, LOG_FORMATS, LOG_LEVELS
+from events.decisions import find_decisions, read_decisions
 from events.jsonl import LogFileError
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (

@@ -17,8 +17,8 @@ from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
-from events.decisions import AttemptOutcome, Decision
 from dataplane.errors import model_not_found
+from events.decisions import AttemptOutcome, Decision
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 

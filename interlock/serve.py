@@ -56,11 +56,11 @@ from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logg
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionLog, DecisionRecorder, open_decision_log
-from events.decisions import Decision
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
 from dataplane.views import SnapshotViews
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
+from events.decisions import Decision
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 
 EXIT_OK = 0

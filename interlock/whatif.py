@@ -45,8 +45,8 @@ from controlplane.balancer import Balancer
 from controlplane.reducer import INITIAL_STATE
 from controlplane.replay import replay_steps
 from controlplane.routing import Route, pick_pool
-from events.decisions import Decision
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
+from events.decisions import Decision
 from events.state import ClusterState, NodeState
 from interlock.render import format_table
 

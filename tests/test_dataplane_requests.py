@@ -15,12 +15,12 @@ from controlplane.logs import Throttle, clipped
 from controlplane.reducer import OFFLINE_SECONDS
 from controlplane.runtime import open_control_plane
 from dataplane.decisions import open_decision_log
-from events.decisions import AttemptRecord, read_decisions
-from dataplane.metrics import RequestMetrics
 from dataplane.exchange import Exchange
 from dataplane.headers import forward_headers
+from dataplane.metrics import RequestMetrics
 from dataplane.proxy import UNSERVED_WARNING_INTERVAL, Proxy, new_upstream_pool
 from dataplane.views import SnapshotViews
+from events.decisions import AttemptRecord, read_decisions
 from events.types import UpstreamFailed
 from fixtures.node import serve_nodes
 

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import trio
 
-from events.decisions import AttemptRecord, Decision, read_decisions
 from events.config import ModelEntry
+from events.decisions import AttemptRecord, Decision, read_decisions
 from events.jsonl import list_segments
 from events.log import encode_event
 from events.types import LoadScraped
