@@ -1,7 +1,7 @@
 """Interlock's benchmark: what it costs per request and per streamed chunk, side by side with
 references measured in the same run on the same machine.
 
-    python -m bench [--duration 10] [--quick] [--rows direct,floor,nginx,interlock,interlock-x2]
+    python -m bench [--duration 10] [--quick] [--rows direct,floor,asgi-floor,nginx,interlock,interlock-x2]
                     [--sections requests,sse,paced,replay,control-plane] [--out bench/results]
 
 Run it from the checkout with the project's virtualenv (`.venv/bin/python -m bench`) on a quiet
@@ -14,6 +14,8 @@ OpenAI-compatible server built to be much faster than anything in front of it):
 
 - direct:    the load straight to the upstream (it must do >= 5x interlock's requests/s);
 - floor:     a bare quart-trio app on hypercorn answering with the same canned bytes;
+- asgi-floor: a plain ASGI app (no Quart) on hypercorn answering the same: the stack's own floor
+             on the completion path, which Interlock answers in plain ASGI too;
 - nginx:     nginx as a plain reverse proxy to the upstream;
 - interlock: `interlock serve` with one node (the upstream), probes every second, metrics and
              the event log on.
@@ -235,6 +237,8 @@ def _start_row(name: str, processes: Processes, folder: Path, cores: CorePlan, u
         return upstream
     if name == "floor":
         return start_floor(processes, cores.server)
+    if name == "asgi-floor":
+        return start_floor(processes, cores.server, bare=True)
     if name == "nginx":
         return start_nginx(processes, folder, cores.server, upstream)
     if name == "interlock-x2":

@@ -32,7 +32,7 @@ import trio
 
 from bench.processes import Processes
 from bench.servers import start_gateway, start_simulated_nodes
-from dataplane.decisions import RETRIED, read_decisions
+from events.decisions import AttemptOutcome, read_decisions
 
 MODEL = "drill-model"
 
@@ -89,7 +89,7 @@ def run_setting(args: argparse.Namespace, retry_unanswered: bool) -> dict:
     retried_away = sum(
         1
         for decision in decisions
-        if any(attempt.node == killed.host and attempt.outcome == RETRIED for attempt in decision.attempts)
+        if any(attempt.node == killed.host and attempt.outcome == AttemptOutcome.RETRIED for attempt in decision.attempts)
         and decision.status == 200
     )
     return {

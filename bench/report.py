@@ -18,10 +18,11 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_FOLDER = PROJECT_ROOT / "bench" / "results"
 MIB = 1024 * 1024
 PACKAGES = ("interlock", "trio", "httpx", "h11", "hypercorn", "quart", "quart-trio", "msgspec", "prometheus-client")
-ROWS = ("direct", "floor", "nginx", "interlock", "interlock-x2")
+ROWS = ("direct", "floor", "asgi-floor", "nginx", "interlock", "interlock-x2")
 ROW_NOTES = {
     "direct": "the bench upstream itself, no proxy",
     "floor": "quart-trio + hypercorn answering with the same canned bytes",
+    "asgi-floor": "a plain ASGI app (no Quart) on hypercorn answering the same",
     "nginx": "nginx reverse proxy to the upstream (1 worker, keep-alive, no buffering)",
     "interlock": "interlock serve: 1 node (the upstream), probes every 1 s, metrics, event log",
     "interlock-x2": "interlock serve --workers 2: leader and 2 workers on every core, the load too",
@@ -179,6 +180,10 @@ def _get(row: dict, section: str, key: str) -> float | None:
     return measured.get(key) if measured else None
 
 
+def _ratio(ours: float, reference: float | None) -> str:
+    return f"{ours / reference:.2f}x" if reference else "-"
+
+
 # --- the table -----------------------------------------------------------------------------------
 
 
@@ -201,12 +206,14 @@ def render(results: dict) -> str:
 
     if any(row.get("requests") for row in rows.values()):
         floor_cpu = _get(rows.get("floor", {}), "requests", "cpu_per_request_us")
+        asgi_cpu = _get(rows.get("asgi-floor", {}), "requests", "cpu_per_request_us")
         lines += ["", f"Small POST /v1/chat/completions (wrk, {settings['connections']} connections)"]
-        lines.append(_columns("row", "req/s", "p50 ms", "p99 ms", "CPU us/req", "vs floor", "peak RSS MiB", "errors"))
+        lines.append(
+            _columns("row", "req/s", "p50 ms", "p99 ms", "CPU us/req", "vs floor", "vs asgi", "peak RSS MiB", "errors")
+        )
         for name, row in rows.items():
             measured = row.get("requests")
             if measured:
-                ratio = f"{measured['cpu_per_request_us'] / floor_cpu:.2f}x" if floor_cpu else "-"
                 lines.append(
                     _columns(
                         name,
@@ -214,7 +221,8 @@ def render(results: dict) -> str:
                         f"{measured['p50_ms']:.2f}",
                         f"{measured['p99_ms']:.2f}",
                         f"{measured['cpu_per_request_us']:,.0f}",
-                        ratio,
+                        _ratio(measured["cpu_per_request_us"], floor_cpu),
+                        _ratio(measured["cpu_per_request_us"], asgi_cpu),
                         _mib(row.get("peak_rss_bytes")),
                         f"{measured['errors']:,}",
                     )
@@ -226,7 +234,8 @@ def render(results: dict) -> str:
 
     if any(row.get("sse") for row in rows.values()):
         lines += ["", f"SSE, {settings['sse_chunks']} chunks per response, unpaced (wrk, {settings['connections']} connections)"]
-        lines.append(_columns("row", "streams/s", "chunks/s", "p50 ms", "p99 ms", "CPU us/chunk", "errors"))
+        asgi_chunk = _get(rows.get("asgi-floor", {}), "sse", "cpu_per_chunk_us")
+        lines.append(_columns("row", "streams/s", "chunks/s", "p50 ms", "p99 ms", "CPU us/chunk", "vs asgi", "errors"))
         for name, row in rows.items():
             measured = row.get("sse")
             if measured:
@@ -238,6 +247,7 @@ def render(results: dict) -> str:
                         f"{measured['p50_ms']:.2f}",
                         f"{measured['p99_ms']:.2f}",
                         f"{measured['cpu_per_chunk_us']:,.1f}",
+                        _ratio(measured["cpu_per_chunk_us"], asgi_chunk),
                         f"{measured['errors']:,}",
                     )
                 )

@@ -48,7 +48,7 @@ from bench.report import busy_note, load_average, machine_details, utc_now, writ
 from bench.servers import SimulatedNodeProcess, start_gateway, start_simulated_nodes
 from controlplane.policies import LEAST_LOAD, POLICIES, PREFIX_AFFINITY, ROUND_ROBIN
 from controlplane.probes import ProbeError, parse_vllm_load
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from interlock.whatif import what_if
 
 MODEL = "routing-model"

@@ -72,9 +72,11 @@ def start_upstream(processes: Processes, cores: frozenset[int] | None) -> Server
     return _launch(processes, "upstream", [sys.executable, "-m", "bench.upstream", "--host", HOST, "--port", str(port)], port, cores)
 
 
-def start_floor(processes: Processes, cores: frozenset[int] | None) -> Server:
+def start_floor(processes: Processes, cores: frozenset[int] | None, *, bare: bool = False) -> Server:
+    """The quart-trio floor, or with `bare` the plain ASGI one (`bench.floor_app`)."""
     port = free_port()
-    return _launch(processes, "floor", [sys.executable, "-m", "bench.floor_app", "--host", HOST, "--port", str(port)], port, cores)
+    argv = [sys.executable, "-m", "bench.floor_app", "--host", HOST, "--port", str(port), *(["--bare"] if bare else [])]
+    return _launch(processes, "asgi-floor" if bare else "floor", argv, port, cores)
 
 
 def nginx_config(prefix: Path, port: int, upstream: Server) -> str:

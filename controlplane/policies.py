@@ -41,9 +41,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
-import msgspec
-
-from events.config import POLICIES
+from events.config import DEFAULT_LOAD_BOUND, POLICIES, Policy
+from events.decisions import CandidateScore
 from events.state import NodeState
 
 ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY = POLICIES
@@ -51,23 +50,6 @@ ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY = POLICIES
 NOT_DRAWN = "not drawn"
 OVER_LOAD_BOUND = "load bound"
 """Notes on candidates passed over other than by their score."""
-
-
-class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
-    """One candidate of a choice: its score inputs and its score (lower is better)."""
-
-    node: str
-    score: float
-    in_flight: int = 0
-    """Requests the routing process had in flight to the node when it chose."""
-    running: float | None = None
-    waiting: float | None = None
-    """The node's own figures at its last scrape; None when its load is unknown."""
-    kv_cache_usage: float | None = None
-    seconds_per_token: float | None = None
-    """The node's time between tokens, when known: what prefix affinity's load bound weighs with."""
-    note: str = ""
-    """Why the candidate was passed over other than by its score (NOT_DRAWN, OVER_LOAD_BOUND)."""
 
 
 class Choice(NamedTuple):
@@ -103,14 +85,14 @@ class PrefixMemory:
 
 
 def choose(
-    policy: str,
+    policy: Policy,
     pool: Sequence[NodeState],
     *,
     rotation: int,
     in_flight: Mapping[str, int],
     request_id: str = "",
     prefix: str = "",
-    load_bound: float = 1.25,
+    load_bound: float = DEFAULT_LOAD_BOUND,
     remembered: str = "",
 ) -> Choice:
     """The node `policy` picks from `pool` (non-empty, in routing's order), with every

@@ -1,13 +1,17 @@
 """Which nodes may serve a model, and why the others may not (plinth §4.3 steps 4-6).
 
-The data plane and `interlock explain` both decide through these functions, so an explanation
-of a recorded moment is the decision the live gateway made.
+The data plane, `interlock explain` and `interlock whatif` all decide through these functions
+(`Route`, then `pick_pool`), so an explanation of a recorded moment is the decision the live
+gateway made; a policy (`controlplane.balancer`) then chooses within the pool.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Container, Sequence
+
 import msgspec
 
+from events.decisions import Exclusion
 from events.state import ClusterState, Discovery, Health, NodeState
 
 NOT_IN_RING = "not in ring"
@@ -57,14 +61,8 @@ def is_unknown_model(state: ClusterState, pool: list[NodeState], model: str) -> 
     return not any(node.models.state == Discovery.UNTRIED or model in node.models.listed for node in pool)
 
 
-def balancer_pool(candidates: list[NodeState]) -> list[NodeState]:
-    """plinth's balancer pool: the healthy candidates, else the degraded ones; dead never."""
-    healthy = [node for node in candidates if node.status == Health.HEALTHY]
-    return healthy or [node for node in candidates if node.status == Health.DEGRADED]
-
-
 def unavailable_reason(node: NodeState, now: float) -> str:
-    """Why the attempt loop skips a node the model filter kept (`dead` or `offline`), else ""."""
+    """Why a pick passes over a node the model filter kept (`dead` or `offline`), else ""."""
     if node.status == Health.DEAD:
         return EXCLUDED_DEAD
     if node.is_offline(now):
@@ -72,18 +70,59 @@ def unavailable_reason(node: NodeState, now: float) -> str:
     return ""
 
 
-def routable_nodes(candidates: list[NodeState], now: float) -> list[NodeState]:
-    """The nodes a request's first pick would be made from at `now`, among the candidates the
-    model filter kept: neither dead nor offline, the healthy ones, else the degraded ones."""
-    return balancer_pool([node for node in candidates if not unavailable_reason(node, now)])
+def pick_pool(
+    candidates: Sequence[NodeState],
+    now: float,
+    tried: Container[str] = (),
+    passed_over: Callable[[str, str], None] | None = None,
+) -> list[NodeState]:
+    """The nodes a pick chooses among (plinth's balancer pool), the one answer the data plane,
+    `explain` and `whatif` share: of the candidates the model filter kept, those not `tried` yet
+    and neither dead nor offline at `now`, the healthy ones, else the degraded ones. Each
+    candidate passed over as dead or offline is told to `passed_over` with its reason."""
+    healthy: list[NodeState] = []
+    degraded: list[NodeState] = []
+    for node in candidates:
+        if node.ip in tried:
+            continue
+        reason = unavailable_reason(node, now)
+        if reason:
+            if passed_over is not None:
+                passed_over(node.ip, reason)
+        elif node.status == Health.HEALTHY:
+            healthy.append(node)
+        elif not healthy:  # degraded, wanted only while no candidate is healthy
+            degraded.append(node)
+    return healthy or degraded
+
+
+class Route:
+    """One model's routing on one state, before any pick: its ring, the ring pool, the candidates
+    the model filter keeps and those it drops (with their reasons); when no candidate is left,
+    whether the model is unknown (`is_unknown_model`)."""
+
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
+
+    def __init__(self, state: ClusterState, model: str) -> None:
+        self.ring = model_ring(state, model)
+        pool = ring_members(state, self.ring)
+        candidates, dropped = filter_by_model(pool, model)
+        self.ring_pool = tuple(node.ip for node in pool)
+        self.candidates = candidates
+        self.unknown = not candidates and is_unknown_model(state, pool, model)
+        self.excluded = tuple(Exclusion(node.ip, reason) for node, reason in dropped)
+        counts: dict[str, int] = {}
+        for _, reason in dropped:
+            counts[reason] = counts.get(reason, 0) + 1
+        self.exclusion_counts = tuple(counts.items())
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):
     ip: str
     name: str
     ring: str
-    status: str
-    model_state: str
+    status: Health
+    model_state: Discovery
     kept: bool
     reason: str = ""
     """Why the node is excluded: not in ring, missing, empty, expired, dead or offline."""
@@ -103,11 +142,10 @@ class RoutePlan(msgspec.Struct, frozen=True, kw_only=True):
 
 def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
     """Every node's verdict for `model` at time `now`, in plinth's order of filters."""
-    ring = model_ring(state, model)
-    pool = ring_members(state, ring)
-    candidates, dropped = filter_by_model(pool, model)
-    model_reasons = {node.ip: reason for node, reason in dropped}
-    picks = {node.ip for node in routable_nodes(candidates, now)}
+    route = Route(state, model)
+    ring = route.ring
+    model_reasons = {exclusion.node: exclusion.reason for exclusion in route.excluded}
+    picks = {node.ip for node in pick_pool(route.candidates, now)}
     verdicts = []
     for node in state.nodes.values():
         if node.ring != ring:
@@ -134,8 +172,8 @@ def plan_route(state: ClusterState, model: str, now: float) -> RoutePlan:
     return RoutePlan(
         model=model,
         ring=ring,
-        ring_pool=tuple(node.ip for node in pool),
-        candidates=tuple(node.ip for node in candidates),
+        ring_pool=route.ring_pool,
+        candidates=tuple(node.ip for node in route.candidates),
         pick_pool=tuple(node.ip for node in state.nodes.values() if node.ip in picks),
         verdicts=tuple(verdicts),
     )

@@ -8,19 +8,26 @@ or stop probing one), never callables, so the reducer stays pure.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import msgspec
 
 from controlplane.logs import LINE_FORMATTERS
 from events.types import Event
 
-# Kinds of transition, for `interlock audit --kind`.
-RUN = "run"
-RELOAD = "reload"
-HEALTH = "health"
-MODELS = "models"
-OFFLINE = "offline"
-LOAD = "load"
-TRANSITION_KINDS = (RUN, RELOAD, HEALTH, MODELS, OFFLINE, LOAD)
+
+class TransitionKind(StrEnum):
+    """What a transition is about, for `interlock audit --kind` (JSON: the value)."""
+
+    RUN = "run"
+    RELOAD = "reload"
+    HEALTH = "health"
+    MODELS = "models"
+    OFFLINE = "offline"
+    LOAD = "load"
+
+
+RUN, RELOAD, HEALTH, MODELS, OFFLINE, LOAD = TransitionKind
 
 
 class Transition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -28,7 +35,7 @@ class Transition(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     seq: int
     at: float
-    kind: str
+    kind: TransitionKind
     level: str
     msg: str
     node: str = ""
@@ -76,7 +83,7 @@ class StepBuilder:
         self.transitions: list[Transition] = []
         self.effects: list[Effect] = []
 
-    def log(self, kind: str, level: str, msg: str, node: str = "", **fields: object) -> None:
+    def log(self, kind: TransitionKind, level: str, msg: str, node: str = "", **fields: object) -> None:
         pairs = tuple((key, str(value)) for key, value in fields.items())
         if node:
             pairs = (("node", node),) + pairs

@@ -19,8 +19,9 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
-from dataplane.proxy import COMPLETION_PATHS, ConfigView, SnapshotView, SnapshotViews
+from dataplane.proxy import COMPLETION_PATHS
 from dataplane.quart_apps import new_quart_app
+from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from events.state import Health, NodeState
 
 _encode = msgspec.json.Encoder()

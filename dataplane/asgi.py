@@ -1,11 +1,11 @@
 """The API listener's ASGI application: the completion routes in plain ASGI, the rest in Quart.
 
 `POST /v1/chat/completions` and `POST /v1/completions` are the hot path, and Quart's request
-and response objects, contexts and routing cost about a quarter of what hypercorn itself does
-per small request (measured here). So they are answered here, straight from hypercorn's ASGI
-messages: steps 1-3 of plinth's pipeline (read the body within the limit, parse only `model`
-and `stream`, inject the default model), then the proxy (routing and the attempt loop), whose
-`Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
+and response objects, contexts and routing cost a good share of what hypercorn itself does per
+small request (`bench/`'s two floor rows show how much). So they are answered here, straight
+from hypercorn's ASGI messages: steps 1-3 of plinth's pipeline (read the body within the limit,
+parse only `model` and `stream`, inject the default model), then the proxy (routing and the
+attempt loop), whose `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
 unchanged: `/health`, `/ready`, `/v1/models`, the 404s, and other methods on the completion
 paths (405).
 Each request reads the control plane's snapshot once and keeps it throughout.
@@ -45,17 +45,11 @@ from dataplane.errors import (
     Reply,
     error_reply,
 )
+from dataplane.exchange import Exchange
+from dataplane.headers import forward_headers, request_id_header
 from dataplane.hypercorn_receive import queued_message
-from dataplane.proxy import (
-    COMPLETION_PATHS,
-    ConfigView,
-    Exchange,
-    Proxy,
-    SnapshotView,
-    SnapshotViews,
-    forward_headers,
-    request_id_header,
-)
+from dataplane.proxy import COMPLETION_PATHS, Proxy
+from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from events.types import MAX_MODEL_NAME_LENGTH
 
 
@@ -129,7 +123,7 @@ class ApiApp:
             nursery.start_soon(watch.run)
             reply = await self._reply(scope, body, request_id, view, started)
             last = await _send_all_but_last(send, reply)
-            if reply.truncated:
+            if last is None:
                 # No last send: hypercorn then closes the connection without the body's end (the
                 # terminating chunk), and the client sees the response cut short, as it was.
                 nursery.cancel_scope.cancel()
@@ -257,7 +251,7 @@ class _DisconnectWatch:
 
     hypercorn queues `http.disconnect` during the last send at the latest, so the watch always
     ends by itself; once the request is `answered`, without cancelling anything (delivering a
-    cancellation costs about 50 µs of CPU here, a fiftieth of a whole proxied request).
+    cancellation costs CPU that a request answered whole need not spend).
     """
 
     __slots__ = ("_receive", "_work", "answered")
@@ -274,9 +268,10 @@ class _DisconnectWatch:
             self._work.cancel()
 
 
-async def _send_all_but_last(send, reply: Reply) -> bytes:
+async def _send_all_but_last(send, reply: Reply) -> bytes | None:
     """Send the status and headers and, for a flowing body, each piece as the node sends it;
-    what is left for the last send (a complete body, or nothing after a flowing one)."""
+    what is left for the last send (a complete body, or nothing after a flowing one), or None
+    when the node cut a flowing body short (the response must end without a last send)."""
     body = reply.body
     if isinstance(body, bytes):
         headers = reply.headers
@@ -284,15 +279,11 @@ async def _send_all_but_last(send, reply: Reply) -> bytes:
             headers = [*headers, (b"content-length", b"%d" % len(body))]
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         return body
-    try:
-        # The generator is started before anything else is awaited: closing a generator that
-        # never ran would skip its cleanup (closing the upstream response, the bookkeeping).
-        first = await anext(body, b"")
+
+    async def send_head() -> None:
         await send({"type": "http.response.start", "status": reply.status, "headers": reply.headers})
-        if first:
-            await send({"type": "http.response.body", "body": first, "more_body": True})
-        async for piece in body:
-            await send({"type": "http.response.body", "body": piece, "more_body": True})
-    finally:
-        await body.aclose()
-    return b""
+
+    async def send_piece(piece: bytes) -> None:
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+
+    return b"" if await body.relay(send_head, send_piece) else None

@@ -11,30 +11,38 @@ constant with its body and headers built once.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 
 from controlplane import routing
+from dataplane.headers import Headers
 from events.types import MAX_MODEL_NAME_LENGTH
 
-Headers = list[tuple[bytes, bytes]]
+
+class FlowingBody(Protocol):
+    """A body sent as the node sends it (`dataplane.proxy.Relay`)."""
+
+    async def relay(
+        self, send_head: Callable[[], Awaitable[None]], send_piece: Callable[[bytes], Awaitable[None]]
+    ) -> bool:
+        """Send the head, then each piece; whether the body ended whole (False: the response
+        must end without its last chunk, so that the client sees it cut short). Ends its
+        attempt whatever happens, a cancellation (the client gone) included."""
+        ...
 
 
 class Reply:
     """A response: status, headers as (name, value) bytes, and the body, either complete (sent
-    with its Content-Length) or flowing (sent piece by piece as the generator yields, and
-    closed early if the client leaves)."""
+    with its Content-Length) or flowing."""
 
-    __slots__ = ("status", "headers", "body", "truncated")
+    __slots__ = ("status", "headers", "body")
 
-    def __init__(self, status: int, headers: Headers, body: bytes | AsyncGenerator[bytes, None]) -> None:
+    def __init__(self, status: int, headers: Headers, body: bytes | FlowingBody) -> None:
         self.status = status
         self.headers = headers
         self.body = body
-        self.truncated = False
-        """Set by a flowing body the node cut short: the response must end without its last
-        chunk (the connection is closed), so that the client sees it incomplete."""
 
 
 class ApiError:

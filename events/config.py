@@ -8,7 +8,7 @@ the file).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from msgspec import Struct
 
@@ -33,9 +33,11 @@ LOG_FORMATS = ("json", "text")
 """`gateway.log_format`: plinth's JSON lines, or text for a terminal."""
 
 
-POLICIES = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
+Policy = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"]
 """`routing.policy` and a model's `policy`: how a node is chosen among those routing allows.
-plinth's round robin is the default; the others read load (`LoadScraped`, in-flight counts)."""
+plinth's round robin is the default; the others read load (`LoadScraped`, in-flight counts).
+The config's fields are plain strings, checked by the loader (its error names the choices)."""
+POLICIES: tuple[Policy, ...] = get_args(Policy)
 DEFAULT_LOAD_SCRAPE_INTERVAL = 2.0
 """Seconds between load scrapes of a node when a load-aware policy is configured and
 `routing.load_scrape_interval` is not set."""

@@ -38,8 +38,6 @@ from controlplane.gocompat import parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.reducer import RESTART_KEYS
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
-from controlplane.transitions import TRANSITION_KINDS
-from dataplane.decisions import find_decisions, read_decisions
 from events.config import (
     DEFAULT_FLEET_NAME,
     DEFAULT_LISTEN,
@@ -49,9 +47,11 @@ from events.config import (
     Config,
     FleetConfig,
 )
+from events.decisions import find_decisions, read_decisions
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
+    KINDS,
     explanation_to_builtins,
     parse_kinds,
     parse_time,
@@ -304,7 +304,7 @@ def add_audit(commands: argparse._SubParsersAction) -> None:
         action="extend",
         type=_argument_type(parse_kinds),
         metavar="KIND[,KIND]",
-        help=f"only these kinds: {', '.join(TRANSITION_KINDS)}",
+        help=f"only these kinds: {KINDS}",
     )
     parser.add_argument(
         "--log-format",

@@ -17,8 +17,8 @@ from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
-from dataplane.decisions import RETRIED, Decision
 from dataplane.errors import model_not_found
+from events.decisions import AttemptOutcome, Decision
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 
@@ -61,7 +61,7 @@ def final_status(decision: Decision) -> str:
         return "none: the client went away"
     if decision.status == 404 and not decision.attempts:
         return f'404 "{model_not_found(decision.model).message}"'
-    if decision.status == 503 and all(attempt.outcome == RETRIED for attempt in decision.attempts):
+    if decision.status == 503 and all(attempt.outcome == AttemptOutcome.RETRIED for attempt in decision.attempts):
         # plinth's two refusals: no candidate at all after the model filter, or none usable.
         filtered = {exclusion.node for exclusion in decision.excluded if exclusion.reason not in _KIND_BEHIND}
         candidates = [ip for ip in decision.ring_pool if ip not in filtered]

@@ -16,20 +16,23 @@ import msgspec
 from controlplane.logs import format_timestamp
 from controlplane.replay import Explanation, ReplayResult
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
-from controlplane.transitions import TRANSITION_KINDS, Transition
+from controlplane.transitions import Transition, TransitionKind
 from events.state import NodeLoad, NodeState
 
 # --- arguments -------------------------------------------------------------------------------
+
+KINDS = ", ".join(TransitionKind)
+"""The transition kinds `interlock audit --kind` takes, as its help and errors list them."""
 
 
 def parse_kinds(text: str) -> list[str]:
     """`health,models` → ["health", "models"]; raises ValueError naming an unknown kind."""
     kinds = [kind.strip() for kind in text.split(",") if kind.strip()]
     for kind in kinds:
-        if kind not in TRANSITION_KINDS:
-            raise ValueError(f"unknown kind {kind!r} (kinds: {', '.join(TRANSITION_KINDS)})")
+        if kind not in {kind.value for kind in TransitionKind}:
+            raise ValueError(f"unknown kind {kind!r} (kinds: {KINDS})")
     if not kinds:
-        raise ValueError(f"no kind given (kinds: {', '.join(TRANSITION_KINDS)})")
+        raise ValueError(f"no kind given (kinds: {KINDS})")
     return kinds
 
 

@@ -45,10 +45,12 @@ from controlplane.logs import JsonLog
 from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
-from dataplane.decisions import Decision, DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
+from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
-from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, SnapshotViews, new_upstream_pool
+from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
+from dataplane.views import SnapshotViews
 from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
+from events.decisions import Decision
 from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 from journal.writer import LogInUse

@@ -23,8 +23,8 @@ from typing import NamedTuple
 from controlplane.replay import replay_steps
 from controlplane.routing import plan_route
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
-from dataplane.decisions import TRUNCATED, Decision, read_decisions
 from events.config import Config
+from events.decisions import AttemptOutcome, Decision, read_decisions
 from events.state import ClusterState, Discovery, Health, NodeState
 from events.types import Checkpoint, ConfigReloaded, ReloadRejected, RunStarted, RunStopped
 
@@ -355,7 +355,7 @@ def _shows(lane: Lane, start: float, end: float) -> bool:
 def failed(decision: Decision) -> bool:
     """Whether the client got a failure: a 5xx, or an answer its node cut short."""
     answered_5xx = decision.status is not None and decision.status >= 500
-    return answered_5xx or any(attempt.outcome == TRUNCATED for attempt in decision.attempts)
+    return answered_5xx or any(attempt.outcome == AttemptOutcome.TRUNCATED for attempt in decision.attempts)
 
 
 def bin_requests(decisions: Iterable[Decision], start: float, end: float) -> Traffic:

@@ -2,9 +2,9 @@
 
 Each decision record names the snapshot it was routed on (its seq). The event log is folded
 through the reducer once, in order, and each request (ordered by seq, then arrival) is routed
-again on the state at its seq: the pool routing gives (`controlplane.routing`, as the data plane
-builds it: ring, model list, dead or offline at the request's arrival, healthy before degraded)
-and the policy's choice (`controlplane.policies.choose`, the data plane's function). Only the
+again on the state at its seq: the pool routing gives (`controlplane.routing.pick_pool`, the
+data plane's function: ring, model list, dead or offline at the request's arrival, healthy before
+degraded) and the policy's choice (`controlplane.balancer.Balancer`, the data plane's picker). Only the
 first pick is routed again: whether a retry would have happened elsewhere is not in the log.
 
 `--policy recorded` routes each request under the policy it was routed by, with the inputs its
@@ -41,12 +41,12 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from controlplane.policies import PREFIX_AFFINITY, PrefixMemory, choose
+from controlplane.balancer import Balancer
 from controlplane.reducer import INITIAL_STATE
 from controlplane.replay import replay_steps
-from controlplane.routing import balancer_pool, filter_by_model, ring_pool, unavailable_reason
-from dataplane.decisions import Decision
+from controlplane.routing import Route, pick_pool
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
+from events.decisions import Decision
 from events.state import ClusterState, NodeState
 from interlock.render import format_table
 
@@ -114,8 +114,8 @@ def what_if(
     states = _States(steps, _Progress(progress, progress_every, len(chosen)) if progress is not None else None)
     in_flight, recorded_in_flight = _InFlight(), _InFlight()
     load_changes: dict[tuple[str, float], int] = {}
-    prefixes: defaultdict[int, PrefixMemory] = defaultdict(PrefixMemory)
-    """Prefix affinity's memory of the what-if world, per worker."""
+    balancers: defaultdict[int, Balancer] = defaultdict(Balancer)
+    """The data plane's picker per worker: its memory of where each prefix went is the what-if world's."""
     seen_before, seen_after = _RecentPrefixes(cache_entries), _RecentPrefixes(cache_entries)
     before: Counter[str] = Counter()
     after: Counter[str] = Counter()
@@ -130,7 +130,7 @@ def what_if(
             report.beyond_log += 1
             continue
         recorded_node = _first_pick(decision)
-        pool = _pool(state, decision.model, decision.at)
+        pool = pick_pool(Route(state, decision.model).candidates, decision.at)
         if not pool:
             report.became_503 += recorded_node is not None
             continue
@@ -143,10 +143,10 @@ def what_if(
         else:
             counts = in_flight.of_worker(decision.worker, decision.at)
             pool = [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool]
-            remembered = prefixes[decision.worker].node_of(decision.prefix) if decision.prefix else ""
-        node = choose(
-            decision.policy if policy == RECORDED else policy,
+            remembered = None  # the what-if world's memory
+        node = balancers[decision.worker].choose(
             pool,
+            decision.policy if policy == RECORDED else policy,
             rotation=decision.rotation,
             in_flight=counts,
             request_id=decision.request_id,
@@ -154,8 +154,6 @@ def what_if(
             load_bound=state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND,
             remembered=remembered,
         ).node.ip
-        if policy == PREFIX_AFFINITY and decision.prefix:
-            prefixes[decision.worker].remember(decision.prefix, node)
         duration = _moved_duration(decision.duration, state, recorded_node, node)
         in_flight.add(decision.worker, decision.at, duration, node)
         recorded_in_flight.add(decision.worker, decision.at, decision.duration, recorded_node)
@@ -189,12 +187,6 @@ def _first_pick(decision: Decision) -> str | None:
     if decision.candidates:
         return decision.candidates[0].node
     return decision.attempts[0].node if decision.attempts else None
-
-
-def _pool(state: ClusterState, model: str, at: float) -> list:
-    """The nodes the first pick chooses among, as the data plane builds the pool."""
-    candidates, _ = filter_by_model(ring_pool(state, model), model)
-    return balancer_pool([node for node in candidates if not unavailable_reason(node, at)])
 
 
 def _with_what_if_load(

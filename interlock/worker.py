@@ -23,7 +23,7 @@ import trio
 
 from controlplane.follower import Follower, OutOfStep
 from controlplane.logs import JsonLog
-from dataplane.decisions import Decision
+from events.decisions import Decision
 from events.log import decode_event
 from events.types import Checkpoint
 from interlock.serve import api_application, serve_on_socket

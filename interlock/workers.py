@@ -36,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
-from dataplane.decisions import Decision
+from events.decisions import Decision
 from events.log import encode_event
 from events.state import ClusterState
 from events.types import Checkpoint, Event, UpstreamFailed, UpstreamRecovered

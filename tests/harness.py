@@ -28,7 +28,7 @@ import trio
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
-from dataplane.decisions import Decision, read_decisions
+from events.decisions import Decision, read_decisions
 from events.state import Discovery, NodeState
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes
 from interlock.serve import Listening, serve

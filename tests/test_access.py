@@ -19,7 +19,7 @@ import trio
 
 from controlplane.config import ConfigError, load_config
 from controlplane.replay import replay
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from events.log import read_events
 from fixtures.node import NodeSpec, serve_nodes
 from interlock.describe import describe_config

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from controlplane.config import ConfigError, Overrides, load_config
-from controlplane.transitions import TRANSITION_KINDS
+from controlplane.transitions import TransitionKind
 from events.log import read_events
 from fixtures.node import serve_nodes
 
@@ -225,8 +225,8 @@ def test_audit_help_lists_every_transition_kind_and_serve_help_the_settings_a_re
         completed = subprocess.run(run, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=True)
         return " ".join(completed.stdout.split())
 
-    assert f"only these kinds: {', '.join(TRANSITION_KINDS)}" in help_of("audit")
-    assert "load" in TRANSITION_KINDS
+    assert f"only these kinds: {', '.join(TransitionKind)}" in help_of("audit")
+    assert "load" in set(TransitionKind)
     serve_help = help_of("serve")
     assert "(nodes, models, routing, keys, log_level, log_format) but these gateway settings" in serve_help
     for key in ("listen", "event_log", "decision_log", "workers"):

@@ -14,16 +14,13 @@ from prometheus_client import CollectorRegistry
 from controlplane.logs import Throttle, clipped
 from controlplane.reducer import OFFLINE_SECONDS
 from controlplane.runtime import open_control_plane
-from dataplane.decisions import AttemptRecord, open_decision_log, read_decisions
+from dataplane.decisions import open_decision_log
+from dataplane.exchange import Exchange
+from dataplane.headers import forward_headers
 from dataplane.metrics import RequestMetrics
-from dataplane.proxy import (
-    UNSERVED_WARNING_INTERVAL,
-    Exchange,
-    Proxy,
-    SnapshotViews,
-    forward_headers,
-    new_upstream_pool,
-)
+from dataplane.proxy import UNSERVED_WARNING_INTERVAL, Proxy, new_upstream_pool
+from dataplane.views import SnapshotViews
+from events.decisions import AttemptRecord, read_decisions
 from events.types import UpstreamFailed
 from fixtures.node import serve_nodes
 

@@ -13,7 +13,7 @@ import httpx
 import msgspec
 import trio
 
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from events.log import decode_event
 from fixtures.node import serve_nodes
 from harness import MODEL, PROJECT_ROOT, chat, decision_records, node_specs

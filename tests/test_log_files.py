@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.replay import replay
 from controlplane.runtime import segment_head
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from events.log import decode_event, encode_event, read_events
 from events.types import Checkpoint, HealthProbed, RunStarted, RunStopped
 from fixtures.node import serve_nodes

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from controlplane.policies import OVER_LOAD_BOUND
-from dataplane.prefix import prompt_prefix
+from controlplane.prefix import prompt_prefix
 from fixtures.node import SimulatedNode
 from interlock.cli import main
 

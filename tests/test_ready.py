@@ -13,7 +13,7 @@ import pytest
 from controlplane.follower import Follower
 from controlplane.reducer import INITIAL_STATE
 from dataplane.app import NOTHING_ROUTABLE
-from dataplane.proxy import ConfigView, SnapshotView
+from dataplane.views import ConfigView, SnapshotView
 from events.config import ModelEntry, NodeConfig
 from events.types import Checkpoint, HealthProbed, ModelsListed, UpstreamFailed
 

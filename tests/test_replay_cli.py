@@ -539,6 +539,13 @@ def test_bad_arguments_exit_2_with_one_clear_line(capsys, argv, culprit):
     assert culprit in line
 
 
+def test_audit_help_names_every_transition_kind(capsys):
+    code, out, _ = run_cli(capsys, "audit", "--help")
+    assert code == 0
+    help_text = " ".join(out.split())
+    assert "only these kinds: run, reload, health, models, offline, load" in help_text
+
+
 def test_bad_line_in_the_middle_names_file_and_line(capsys, tmp_path):
     log = tmp_path / "events.jsonl"
     lines = SCENARIO.read_bytes().splitlines(keepends=True)

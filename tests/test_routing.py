@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
-from controlplane.routing import NOT_IN_RING, balancer_pool, filter_by_model, is_unknown_model, plan_route, ring_pool
+from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NOT_IN_RING, filter_by_model, is_unknown_model, pick_pool, plan_route, ring_pool
 from events.config import ModelEntry, NodeConfig
 from events.state import Discovery, Health, ModelDiscovery, NodeState
 from events.types import HealthProbed, ModelsListed, UpstreamFailed
@@ -127,7 +128,7 @@ def test_a_model_is_unknown_unless_configured_listed_last_by_a_node_of_its_pool_
     assert not is_unknown_model(state, [*pool, node("10.0.0.5")], "nowhere")  # 10.0.0.5 is untried
 
 
-# --- balancer_pool -------------------------------------------------------------------------------
+# --- pick_pool -----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -139,9 +140,19 @@ def test_a_model_is_unknown_unless_configured_listed_last_by_a_node_of_its_pool_
         ([], []),
     ],
 )
-def test_balancer_pool(statuses, picked):
+def test_pick_pool_prefers_healthy_nodes(statuses, picked):
     candidates = [node(f"10.0.0.{i}", status=status) for i, status in enumerate(statuses)]
-    assert balancer_pool(candidates) == [candidates[i] for i in picked]
+    assert pick_pool(candidates, 0.0) == [candidates[i] for i in picked]
+
+
+def test_pick_pool_leaves_out_the_tried_and_names_the_dead_and_offline():
+    offline = msgspec.structs.replace(node("10.0.0.2"), offline_until=20.0)
+    candidates = [node("10.0.0.0"), node("10.0.0.1", status=Health.DEAD), offline, node("10.0.0.3", status=Health.DEGRADED)]
+    passed: list[tuple[str, str]] = []
+    pool = pick_pool(candidates, 10.0, tried={"10.0.0.0"}, passed_over=lambda ip, why: passed.append((ip, why)))
+    assert pool == [candidates[3]]  # the only healthy one was tried: the degraded one is left
+    assert passed == [("10.0.0.1", EXCLUDED_DEAD), ("10.0.0.2", EXCLUDED_OFFLINE)]
+    assert pick_pool(candidates, 30.0, tried={"10.0.0.0"}) == [offline]  # its offline mark has ended
 
 
 # --- plan_route ----------------------------------------------------------------------------------

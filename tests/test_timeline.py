@@ -22,7 +22,7 @@ import pytest
 from controlplane.config import load_config
 from controlplane.replay import replay, replay_steps
 from controlplane.routing import filter_by_model, plan_route, ring_pool, unavailable_reason
-from dataplane.decisions import TRUNCATED, read_decisions
+from events.decisions import AttemptOutcome, read_decisions
 from events.log import encode_event
 from events.types import Checkpoint
 from fixtures import scenarios
@@ -365,7 +365,7 @@ def test_a_stream_its_node_cut_short_counts_as_failed_in_the_strip(tmp_path, cap
     records = [json.loads(line) for line in DECISIONS.read_text().splitlines()]
     cut = [record for record in records if record["status"] == 200 and record["stream"]][:3]
     for record in cut:  # as the proxy records a stream its node ended early: the client had its 200
-        record["attempts"][-1]["outcome"] = TRUNCATED
+        record["attempts"][-1]["outcome"] = AttemptOutcome.TRUNCATED
     decisions = tmp_path / "decisions.jsonl"
     decisions.write_text("".join(json.dumps(record) + "\n" for record in records))
     dom = Page(timeline(tmp_path, capsys, "--decisions", decisions)[0].read_text())

@@ -12,8 +12,8 @@ import pytest
 import trio
 from test_policy_routing import held_requests, scraped_idle, seen_busy, served_by, system_prompt
 
-from dataplane.decisions import AttemptRecord, Decision, read_decisions
 from events.config import ModelEntry
+from events.decisions import AttemptRecord, Decision, read_decisions
 from events.log import encode_event
 from events.types import LoadScraped
 from interlock.cli import main

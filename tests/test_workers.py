@@ -23,7 +23,7 @@ import httpx
 import trio
 
 from controlplane.replay import replay
-from dataplane.decisions import read_decisions
+from events.decisions import read_decisions
 from events.types import Checkpoint
 from fixtures.node import serve_nodes
 from interlock.serve import SHUTDOWN_GRACE_SECONDS

@@ -1,0 +1,98 @@
+"""Choosing the node for each pick: plinth's round-robin counter (§3), one for every model and
+every retry, and the policies of `controlplane.policies`, fed with the routing process's in-flight
+counts and, for prefix affinity, the node each prefix last went to. The data plane picks with
+`Balancer.select`; `interlock whatif` with `Balancer.choose`, the same code fed with a record's
+inputs or the what-if world's."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from controlplane.policies import PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
+from events.config import Policy
+from events.state import NodeState
+
+
+class Balancer:
+    """Picks from a pool (`routing.pick_pool`) under a request's policy.
+
+    The counter starts at 0 and advances on every pick, whatever the policy (round robin, and
+    the ties of the others, follow it). `in_flight` counts the attempts this process has in
+    progress to each node; the request's ledger keeps it. `prefixes` remembers where prefix
+    affinity sent each prefix last (retries included). The data plane runs in one trio thread,
+    so none of them needs a lock.
+    """
+
+    def __init__(self) -> None:
+        self.rotation = 0
+        """The counter the next pick is made with."""
+        self.in_flight: dict[str, int] = {}
+        self.prefixes = PrefixMemory()
+
+    def select(
+        self,
+        pool: Sequence[NodeState],
+        policy: Policy,
+        *,
+        scored: bool,
+        request_id: str,
+        prefix: str,
+        load_bound: float,
+    ) -> Choice:
+        """The data plane's pick from `pool` (not empty), with every candidate's score (`scored`,
+        or any policy but round robin; round robin unscored is plinth's pick and nothing more)."""
+        rotation = self.rotation
+        self.rotation += 1
+        if policy == ROUND_ROBIN and not scored:
+            return Choice(pool[rotation % len(pool)], (), None)
+        return self.choose(
+            pool,
+            policy,
+            rotation=rotation,
+            in_flight=self.in_flight,
+            request_id=request_id,
+            prefix=prefix,
+            load_bound=load_bound,
+        )
+
+    def choose(
+        self,
+        pool: Sequence[NodeState],
+        policy: Policy,
+        *,
+        rotation: int,
+        in_flight: Mapping[str, int],
+        request_id: str,
+        prefix: str,
+        load_bound: float,
+        remembered: str | None = None,
+    ) -> Choice:
+        """`policy`'s choice from `pool` (not empty), scored. Prefix affinity starts from the
+        node the prefix last went to (`remembered` when given: a recorded pick's), and
+        remembers the one it chose."""
+        affine = policy == PREFIX_AFFINITY and bool(prefix)
+        if remembered is None:
+            remembered = self.prefixes.node_of(prefix) if affine else ""
+        choice = choose(
+            policy,
+            pool,
+            rotation=rotation,
+            in_flight=in_flight,
+            request_id=request_id,
+            prefix=prefix,
+            load_bound=load_bound,
+            remembered=remembered,
+        )
+        if affine:
+            self.prefixes.remember(prefix, choice.node.ip)
+        return choice
+
+    def attempt_started(self, ip: str) -> None:
+        self.in_flight[ip] = self.in_flight.get(ip, 0) + 1
+
+    def attempt_ended(self, ip: str) -> None:
+        left = self.in_flight[ip] - 1
+        if left:
+            self.in_flight[ip] = left
+        else:
+            del self.in_flight[ip]

@@ -1,0 +1,62 @@
+"""A completion request as the proxy takes it, and how one of its attempts ended: plain data."""
+
+from __future__ import annotations
+
+from dataplane.headers import Headers
+from dataplane.views import SnapshotView
+from events.decisions import AttemptOutcome
+
+
+class Exchange:
+    """A completion request past its body checks (`dataplane.asgi`), on its way to a node."""
+
+    __slots__ = ("request_id", "path", "model", "stream", "body", "headers", "view", "at", "started")
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        path: str,
+        model: str,
+        stream: bool,
+        body: bytes,
+        headers: Headers,
+        view: SnapshotView,
+        at: float,
+        started: float,
+    ) -> None:
+        self.request_id = request_id
+        self.path = path
+        self.model = model
+        self.stream = stream
+        self.body = body
+        """Forwarded as it is (with the default model set in it when the client named none)."""
+        self.headers = headers
+        """As forwarded (`headers.forward_headers`)."""
+        self.view = view
+        """The snapshot it is routed on, from its start to its end."""
+        self.at = at
+        """When it arrived, on the control plane's clock."""
+        self.started = started
+        """When it arrived, on `time.perf_counter` (its duration's start)."""
+
+
+class Outcome:
+    """How one attempt ended: `kind` is the decision record's outcome; `status` is the node's,
+    when it answered; `error` what went wrong; `committed`: the client had the node's status and
+    headers before the attempt ended."""
+
+    __slots__ = ("kind", "status", "error", "committed")
+
+    def __init__(
+        self,
+        kind: AttemptOutcome,
+        *,
+        status: int | None = None,
+        error: BaseException | str | None = None,
+        committed: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.status = status
+        self.error = error
+        self.committed = committed

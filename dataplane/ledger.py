@@ -1,0 +1,211 @@
+"""One request's bookkeeping, in one place: what each ended attempt leaves behind, and what the
+request's end does.
+
+A `Ledger` is created per request by the proxy. `attempt_ended` is the one place that records how
+an attempt ended (its log line, its metrics, what the control plane learns about the node, the
+balancer's in-flight count, the decision record's entry); `request_ended` the request's one
+duration and status in the metrics, and its decision record. Where all of it goes (metrics,
+log, balancer, control plane, decision log) is the process's `Books`, shared by every request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from controlplane.balancer import Balancer
+from controlplane.logs import JsonLog
+from controlplane.policies import Choice
+from controlplane.routing import Route
+from dataplane.control import ControlPlaneView
+from dataplane.decisions import DecisionRecorder
+from dataplane.exchange import Exchange, Outcome
+from dataplane.metrics import RequestMetrics
+from events.config import Policy
+from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion
+from events.types import UpstreamFailed, UpstreamRecovered
+from transport.http11 import WriteFailed
+
+COMPLETED, TRUNCATED, RETRIED, FAILED, CLIENT_GONE = (
+    AttemptOutcome.COMPLETED,
+    AttemptOutcome.TRUNCATED,
+    AttemptOutcome.RETRIED,
+    AttemptOutcome.FAILED,
+    AttemptOutcome.CLIENT_GONE,
+)
+
+
+class Books:
+    """Where every request's bookkeeping goes, one per process."""
+
+    __slots__ = ("control_plane", "metrics", "log", "balancer", "decisions")
+
+    def __init__(
+        self,
+        control_plane: ControlPlaneView,
+        metrics: RequestMetrics,
+        log: JsonLog,
+        balancer: Balancer,
+        decisions: DecisionRecorder | None,
+    ) -> None:
+        self.control_plane = control_plane
+        self.metrics = metrics
+        self.log = log
+        self.balancer = balancer
+        self.decisions = decisions
+
+
+class Ledger:
+    """One request's bookkeeping: its routing (what its decision record says), its attempts as
+    they end, and its end."""
+
+    __slots__ = (
+        "_books", "exchange", "route", "policy", "prefix", "metric_model", "attempts", "passed",
+        "first_choice", "rotation", "attempt_started",
+    )  # fmt: skip
+
+    def __init__(self, books: Books, exchange: Exchange, route: Route, policy: Policy, prefix: str) -> None:
+        self._books = books
+        self.exchange = exchange
+        self.route = route
+        self.policy = policy
+        self.prefix = prefix
+        """The prompt prefix's hash (`controlplane.prefix`), when the policy or the decision log needs it."""
+        self.metric_model = exchange.view.metric_model(exchange.model)
+        self.attempts: list[AttemptRecord] = []
+        self.passed: list[Exclusion] = []
+        """The candidates the picks passed over (dead or offline when picked), once each."""
+        self.first_choice: Choice | None = None
+        """The first pick, with its candidates' scores when they were computed."""
+        self.rotation = 0
+        """The round-robin counter of the first pick."""
+        self.attempt_started = exchange.started
+        """When the attempt in progress began (attempts are made one after another)."""
+
+    # --- picks
+
+    def passed_over(self, ip: str, reason: str) -> None:
+        for exclusion in self.passed:
+            if exclusion.node == ip:
+                return
+        self.passed.append(Exclusion(ip, reason))
+
+    def picked(self, choice: Choice, rotation: int) -> None:
+        if self.first_choice is None:
+            self.first_choice = choice
+            self.rotation = rotation
+        self._books.metrics.picked(self.policy)
+
+    # --- attempts
+
+    def attempt_began(self, ip: str) -> None:
+        self.attempt_started = time.perf_counter()
+        self._books.metrics.node_attempt_started(ip)
+        self._books.balancer.attempt_started(ip)
+
+    def committed(self, ip: str) -> None:
+        """The node's answer is flowing to the client: the node answers (the attempt ends later)."""
+        self._mark_online(ip)
+
+    def attempt_ended(self, ip: str, outcome: Outcome) -> None:
+        """What an ended attempt leaves behind: its log line, its metrics, what the control plane
+        learns about the node, and its entry in the decision record."""
+        books = self._books
+        log, metrics = books.log, books.metrics
+        kind = outcome.kind
+        error = _describe(outcome.error)
+        if kind == RETRIED:
+            if self.exchange.stream:
+                log.info("retrying after streaming failure before first chunk", node=ip, error=error)
+            else:
+                log.info("retrying after connection failure", node=ip, error=error)
+            metrics.retried(ip)
+            self._mark_offline(ip, error)
+        elif kind == FAILED:
+            log.error("node response truncated or connection lost", node=ip, error=error)
+            if isinstance(outcome.error, WriteFailed):
+                self._mark_offline(ip, error)  # a stale keep-alive reset while sending
+        elif kind == COMPLETED and not outcome.committed:
+            self._mark_online(ip)
+        elif kind == TRUNCATED:
+            metrics.truncated(ip)
+            if self.exchange.stream:
+                log.error("stream terminated by upstream failure", node=ip, error=error)
+            else:
+                log.error("response truncated after commit", node=ip, error=error)
+        elif kind == CLIENT_GONE and outcome.committed:
+            log.error("client write failed after commit", node=ip, error=error)
+            metrics.client_write_failure(self.metric_model)
+        metrics.node_attempt_ended(ip)
+        books.balancer.attempt_ended(ip)
+        if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
+            status = outcome.status or 502
+            metrics.attempt(self.metric_model, status)
+            metrics.node_attempt(ip, status, time.perf_counter() - self.attempt_started)
+        self.attempts.append(AttemptRecord(ip, kind, outcome.status, error))
+
+    # --- the request's end
+
+    def request_ended(self, status: int) -> None:
+        """The request's one duration and status in the metrics, and its decision record."""
+        exchange = self.exchange
+        self._books.metrics.request_done(self.metric_model, status, time.perf_counter() - exchange.started)
+        self._record(status)
+
+    def client_left(self) -> None:
+        """The client went away before anything was sent: no answer, no metrics (plinth); the record says so."""
+        self._record(None)
+
+    def _record(self, status: int | None) -> None:
+        decisions = self._books.decisions
+        exchange = self.exchange
+        if decisions is None or not exchange.view.config.decision_log:
+            return
+        route = self.route
+        choice = self.first_choice
+        decisions.record(
+            Decision(
+                request_id=exchange.request_id,
+                at=exchange.at,
+                path=exchange.path,
+                model=exchange.model,
+                stream=exchange.stream,
+                seq=exchange.view.snapshot.seq,
+                ring=route.ring,
+                ring_pool=route.ring_pool,
+                excluded=route.excluded + tuple(self.passed),
+                attempts=tuple(self.attempts),
+                status=status,
+                duration=time.perf_counter() - exchange.started,
+                policy=self.policy,
+                prefix=self.prefix,
+                rotation=self.rotation,
+                candidates=choice.candidates if choice else (),
+                margin=choice.margin if choice else None,
+                remembered=choice.remembered if choice else "",
+            )
+        )
+
+    # --- what the control plane learns
+
+    def _mark_offline(self, ip: str, error: str) -> None:
+        """Tell the control plane, unless the current snapshot already has the node offline."""
+        control_plane = self._books.control_plane
+        now = control_plane.now()
+        node = control_plane.snapshot.nodes.get(ip)
+        if node is not None and not node.is_offline(now):
+            control_plane.observe(UpstreamFailed(node=ip, error=error, at=now))
+
+    def _mark_online(self, ip: str) -> None:
+        """Tell the control plane the node answered, only if it is offline (not one event per request)."""
+        control_plane = self._books.control_plane
+        now = control_plane.now()
+        node = control_plane.snapshot.nodes.get(ip)
+        if node is not None and node.is_offline(now):
+            control_plane.observe(UpstreamRecovered(node=ip, at=now))
+
+
+def _describe(error: BaseException | str | None) -> str:
+    if error is None or isinstance(error, str):
+        return error or ""
+    text = str(error)
+    return text if text else type(error).__name__

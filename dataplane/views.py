@@ -1,0 +1,161 @@
+"""What a control-plane snapshot gives every request, computed once per snapshot and shared by
+its requests: the config's part (node ports, limits, headers, the default model), each model's
+`Route`, what `/ready` counts, the metrics' model labels."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import msgspec
+
+from controlplane.keyfiles import upstream_authorizations
+from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
+from controlplane.routing import Route, pick_pool
+from dataplane.control import ControlPlaneView
+from dataplane.headers import node_header
+from events.config import Config
+from events.state import ClusterState
+from events.types import Checkpoint
+
+
+class ConfigView:
+    """What requests need from one config: node ports, limits, the default model."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        gateway = config.gateway
+        self.default_model = config.models.default
+        self.body_limit = gateway.request_body_limit
+        self.body_timeout = gateway.request_body_timeout
+        self.body_idle_timeout = gateway.request_body_idle_timeout
+        self.response_body_timeout = gateway.response_body_timeout
+        self.buffer_limit = gateway.response_buffer_limit
+        self.decision_log = bool(gateway.decision_log)
+        routing = config.routing
+        self.cluster_policy = routing.policy
+        self.model_policies = {model.name: config.model_policy(model.name) for model in config.models.available}
+        self.prefix_messages = routing.prefix_messages
+        self.prefix_bytes = routing.prefix_bytes
+        self.load_bound = routing.load_bound
+        self.retry_unanswered = gateway.retry_unanswered
+        self.ports = {node.ip: node.vllm_port for node in config.nodes}
+        self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
+        self.health_open = not gateway.health_requires_api_key
+        self.health_hides_errors = gateway.health_hides_errors
+        self.health_shows_load = config.load_scrape_interval() > 0
+        """/health shows each node's load only when it is scraped (plinth's body stays as it is)."""
+        self.upstream_authorizations = upstream_authorizations(config)
+        """The `Authorization` each node with a key gets instead of the client's."""
+        self.node_headers = {node.ip: node_header(node) for node in config.nodes}
+        """The header naming the node that served a request (a node's own header may say anything)."""
+        listed = [
+            {"id": model.name, "object": "model", "created": MODEL_CREATED, "owned_by": "cluster"}
+            for model in config.models.available
+        ]
+        self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
+        """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
+        self.model_bodies = {model["id"]: msgspec.json.encode(model) for model in listed}
+        """`GET /v1/models/{id}`: each configured model's object, as the list has it."""
+
+
+MODEL_CREATED = 0
+"""A configured model's `created` (OpenAI's schema requires one): 0, as a name in the config has no
+creation time, and a fixed value keeps every replica's and every reload's listing byte for byte alike."""
+
+
+class SnapshotView:
+    """One snapshot and what is derived from it, computed once and shared by its requests."""
+
+    MAX_ROUTES = 1024
+    """Routes cached per snapshot; requests for ever new model names are routed uncached."""
+
+    def __init__(self, snapshot: ClusterState, config: ConfigView) -> None:
+        self.snapshot = snapshot
+        self.config = config
+        self._routes: dict[str, Route] = {}
+        self._routable: tuple[tuple[str, ...], float] | None = None
+        """`routable_models`' last answer, and the moment until which it holds."""
+
+    def route(self, model: str) -> Route:
+        route = self._routes.get(model)
+        if route is None:
+            route = Route(self.snapshot, model)
+            if len(self._routes) < self.MAX_ROUTES:
+                self._routes[model] = route
+        return route
+
+    def routable_models(self, now: float) -> tuple[str, ...]:
+        """The models `/ready` counts (the configured ones; with none configured, those the
+        nodes list) that have a node a request's first pick would be made from at `now`.
+
+        On one snapshot the answer changes only when an offline mark ends, so it is kept until
+        the first such moment among the models' candidates."""
+        cached = self._routable
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        routable = []
+        holds_until = math.inf
+        for model in self._readiness_models:
+            candidates = self.route(model).candidates
+            if pick_pool(candidates, now):
+                routable.append(model)
+            for node in candidates:
+                if node.is_offline(now):
+                    holds_until = min(holds_until, node.offline_until)
+        self._routable = tuple(routable), holds_until
+        return self._routable[0]
+
+    @functools.cached_property
+    def _readiness_models(self) -> tuple[str, ...]:
+        configured = dict.fromkeys(model.name for model in self.snapshot.config.models.available)
+        if configured:
+            return tuple(configured)
+        return tuple(sorted({name for node in self.snapshot.node_list() for name in node.models.names or ()}))
+
+    def metric_model(self, model: str) -> str:
+        """`model` as the metrics' `model` label: itself when it has a label of its own
+        (`controlplane.metrics.metric_models`), else OTHER_MODELS."""
+        return model if model in self.metric_models else OTHER_MODELS
+
+    @functools.cached_property
+    def metric_models(self) -> frozenset[str]:
+        return metric_models(self.snapshot)
+
+    @functools.cached_property
+    def state_digest(self) -> str:
+        """The snapshot's `Checkpoint.digest`: processes that followed the same events agree on it."""
+        return Checkpoint.of(self.snapshot).digest()
+
+
+class SnapshotViews:
+    """The view of the control plane's current snapshot, rebuilt only when the snapshot changes
+    (and its config part only when the config does)."""
+
+    def __init__(self, control_plane: ControlPlaneView) -> None:
+        self._control_plane = control_plane
+        self._view: SnapshotView | None = None
+
+    def current(self) -> SnapshotView:
+        snapshot = self._control_plane.snapshot
+        view = self._view
+        if view is None or view.snapshot is not snapshot:
+            same_config = view is not None and view.config.config is snapshot.config
+            previous, view = view, SnapshotView(snapshot, view.config if same_config else ConfigView(snapshot.config))
+            if same_config and "metric_models" in vars(previous) and _same_lists(previous.snapshot, snapshot):
+                view.metric_models = previous.metric_models
+            self._view = view
+        return view
+
+
+def _same_lists(before: ClusterState, after: ClusterState) -> bool:
+    """Whether every node lists what it listed before (most events change no list, and the
+    labelled models cost a pass over every list)."""
+    if len(before.nodes) != len(after.nodes):
+        return False
+    for old, new in zip(before.nodes.values(), after.nodes.values()):
+        if old.ip != new.ip:
+            return False
+        if old.models is not new.models and labelled_list(old.models) != labelled_list(new.models):
+            return False
+    return True
