@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from controlplane.keyfiles import UpstreamKeys
 from controlplane.reducer import INITIAL_STATE, reduce
 from events.state import ClusterState
 from events.types import Checkpoint, Event
@@ -29,11 +30,16 @@ class Follower:
         self._clock = now
         self._snapshot = INITIAL_STATE
         self._stale = ""
+        self.upstream_keys = UpstreamKeys()
 
     @property
     def snapshot(self) -> ClusterState:
         """The current state: read it once per decision; it is replaced, never mutated."""
         return self._snapshot
+
+    @property
+    def upstream_authorizations(self) -> dict[str, bytes]:
+        return self.upstream_keys.in_force
 
     def now(self) -> float:
         return self._clock()
@@ -59,8 +65,11 @@ class Follower:
 
     def apply(self, event: Event) -> None:
         """Apply the leader's next event: a checkpoint replaces the state, any other event must
-        carry the next seq. Raises OutOfStep otherwise."""
+        carry the next seq. Raises OutOfStep otherwise. An event that puts a config in force
+        needs that config's keys read first (`upstream_keys.read_before`)."""
         state = self._snapshot
         if not isinstance(event, Checkpoint) and event.seq != state.seq + 1:
             raise OutOfStep(f"event seq {event.seq} does not follow seq {state.seq}")
         self._snapshot, _ = reduce(state, event)
+        if self._snapshot.config is not state.config:
+            self.upstream_keys.take_up(self._snapshot.config)

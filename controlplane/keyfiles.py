@@ -1,12 +1,19 @@
 """The key files a config names: client key digests (`gateway.api_key_file`) and the keys sent
 to nodes (`gateway.upstream_api_key_file`, `nodes[].api_key_file`). Errors are ValueErrors
-naming the file, never a key; the loader adds the config file and the key."""
+naming the file, never a key; the loader adds the config file and the key.
+
+The loader reads them all (in its thread) to check them, and keeps the client digests in the
+config. The upstream keys stay in their files, so that no key enters an event: each process
+reads them once per config it takes up (`UpstreamKeys`), off the event loop, never on a request."""
 
 from __future__ import annotations
 
 import re
 
+import trio
+
 from events.config import Config
+from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 NOT_A_DIGEST = "not a SHA-256 hex digest (64 hex digits: printf %s KEY | sha256sum)"
@@ -46,10 +53,12 @@ def read_upstream_key(key_file: str) -> str:
     return key.decode("ascii")
 
 
-def upstream_authorizations(config: Config) -> dict[str, bytes]:
+def upstream_authorizations(config: Config | None) -> dict[str, bytes]:
     """The `Authorization` header value to send each node that has a key file, by IP. A file
     that became unreadable since the config was loaded sends no key (the node answers 401,
     which the model listing reports)."""
+    if config is None:
+        return {}
     authorizations = {}
     for ip, key_file in config.upstream_key_files().items():
         try:
@@ -57,3 +66,36 @@ def upstream_authorizations(config: Config) -> dict[str, bytes]:
         except ValueError:
             continue
     return authorizations
+
+
+class UpstreamKeys:
+    """A process's upstream keys: those of the config in force (`in_force`), and those read for
+    the config it is about to take up. A process `read`s (in a thread) before it applies the
+    event that puts a config in force, and its apply step calls `take_up` with no await between
+    the new snapshot and the new keys, so a request never sees one config with another's keys."""
+
+    def __init__(self) -> None:
+        self.in_force: dict[str, bytes] = {}
+        """The `Authorization` each node with a key file gets under the config in force, by IP."""
+        self._read: tuple[Config | None, dict[str, bytes]] = (None, {})
+
+    async def read(self, config: Config | None) -> None:
+        """Read the key files `config` names, off the event loop, for `take_up`."""
+        self._read = config, await trio.to_thread.run_sync(upstream_authorizations, config)
+
+    async def read_before(self, event: Event) -> None:
+        """`read` the config `event` puts in force, if it puts one (a follower's step before
+        applying an event of its leader's)."""
+        if isinstance(event, (RunStarted, ConfigReloaded, Checkpoint)):
+            await self.read(event.config)
+
+    def take_up(self, config: Config | None) -> None:
+        """`config` has just been put in force: its keys, as `read` read them. A config that
+        names no key file needs no read."""
+        read_for, authorizations = self._read
+        if read_for is not config:
+            if config is not None and config.upstream_key_files():
+                raise RuntimeError("a config was put in force before its upstream key files were read")
+            authorizations = {}
+        self.in_force = authorizations
+        self._read = (None, {})

@@ -37,7 +37,7 @@ import trio
 
 from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
 from controlplane.journals import open_configured_log
-from controlplane.keyfiles import upstream_authorizations
+from controlplane.keyfiles import UpstreamKeys
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
 from controlplane.probes import ProbeClient, check_node, list_models, scrape_load
@@ -111,6 +111,7 @@ class ControlPlane:
         self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
         self.metrics = ControlPlaneMetrics(self.registry)
         self._snapshot: ClusterState = INITIAL_STATE
+        self.upstream_keys = UpstreamKeys()
         self._queue_in, self._queue_out = trio.open_memory_channel[tuple[Event, trio.Event | None]](EVENT_QUEUE_SIZE)
         self._listeners: list[Listener] = []
         self._seq = 0
@@ -126,6 +127,11 @@ class ControlPlane:
     def snapshot(self) -> ClusterState:
         """The current state: read it once per decision; it is replaced, never mutated."""
         return self._snapshot
+
+    @property
+    def upstream_authorizations(self) -> dict[str, bytes]:
+        """The `Authorization` each node with a key file gets under the snapshot's config."""
+        return self.upstream_keys.in_force
 
     def now(self) -> float:
         """The clock events are stamped with."""
@@ -176,6 +182,7 @@ class ControlPlane:
             config = self._initial_config
             if config is None:
                 config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
+            await self.upstream_keys.read(config)
             gateway = config.gateway
             if gateway.event_log:
                 self._event_log = await self._open_event_log(gateway)
@@ -244,6 +251,7 @@ class ControlPlane:
             except ConfigError as exc:
                 event: Event = ReloadRejected(at=self.now(), config_path=self.config_path, error=str(exc))
             else:
+                await self.upstream_keys.read(config)
                 event = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config)
             applied = trio.Event()
             try:
@@ -344,11 +352,14 @@ class ControlPlane:
     def apply_numbered(self, event: Event) -> None:
         """Apply an event that already has its number (this process's, or a fleet leader's):
         reduce, publish the snapshot, then hand the step to the logs, metrics, listeners and
-        prober. Called by the reducer task only."""
+        prober. Called by the reducer task only, once the keys of a config it puts in force are
+        read (`UpstreamKeys.read`)."""
         self._seq = event.seq
         before = self._snapshot
         state, step = reduce(before, event)
         self._snapshot = state
+        if state.config is not before.config:
+            self.upstream_keys.take_up(state.config)
         if self._event_log is not None:
             self._event_log.submit(encode_event(event), base=before)
         if isinstance(event, (RunStarted, ConfigReloaded)):
@@ -440,7 +451,6 @@ class Prober:
         self._load_in_flight: set[str] = set()
         self._config_changed = trio.Event()
         """Set when a reload is applied, for the load ticker to read the new interval."""
-        self._authorizations: tuple[Config | None, dict[str, bytes]] = (None, {})
         """The upstream key headers, read from their files once per config."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -581,12 +591,7 @@ class Prober:
         return self._control_plane.snapshot.config.gateway.probe_timeout
 
     def _authorization(self, ip: str) -> bytes:
-        config = self._control_plane.snapshot.config
-        read_for, authorizations = self._authorizations
-        if read_for is not config:
-            authorizations = upstream_authorizations(config)
-            self._authorizations = (config, authorizations)
-        return authorizations.get(ip, b"")
+        return self._control_plane.upstream_authorizations.get(ip, b"")
 
 
 _HEALTH, _MODELS, _LOAD = "health", "models", "load"

@@ -19,6 +19,12 @@ class ControlPlaneView(Protocol):
     def snapshot(self) -> ClusterState:
         """The current state: read it once per decision; it is replaced, never mutated."""
 
+    @property
+    def upstream_authorizations(self) -> dict[str, bytes]:
+        """The `Authorization` each node with a key file gets under the snapshot's config, by IP:
+        read off the event loop when this process took the config up, never on a request.
+        Replaced together with the snapshot."""
+
     def now(self) -> float:
         """The clock events are stamped with."""
 

@@ -9,7 +9,6 @@ import math
 
 import msgspec
 
-from controlplane.keyfiles import upstream_authorizations
 from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import Route, pick_pool
 from dataplane.control import ControlPlaneView
@@ -20,9 +19,10 @@ from events.types import Checkpoint
 
 
 class ConfigView:
-    """What requests need from one config: node ports, limits, the default model."""
+    """What requests need from one config: node ports, limits, the default model, the keys
+    sent to nodes (`upstream_authorizations`, as the process read them when it took the config up)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, upstream_authorizations: dict[str, bytes]) -> None:
         self.config = config
         gateway = config.gateway
         self.default_model = config.models.default
@@ -45,7 +45,7 @@ class ConfigView:
         self.health_hides_errors = gateway.health_hides_errors
         self.health_shows_load = config.load_scrape_interval() > 0
         """/health shows each node's load only when it is scraped (plinth's body stays as it is)."""
-        self.upstream_authorizations = upstream_authorizations(config)
+        self.upstream_authorizations = upstream_authorizations
         """The `Authorization` each node with a key gets instead of the client's."""
         self.node_headers = {node.ip: node_header(node) for node in config.nodes}
         """The header naming the node that served a request (a node's own header may say anything)."""
@@ -141,7 +141,8 @@ class SnapshotViews:
         view = self._view
         if view is None or view.snapshot is not snapshot:
             same_config = view is not None and view.config.config is snapshot.config
-            previous, view = view, SnapshotView(snapshot, view.config if same_config else ConfigView(snapshot.config))
+            config = view.config if same_config else ConfigView(snapshot.config, self._control_plane.upstream_authorizations)
+            previous, view = view, SnapshotView(snapshot, config)
             if same_config and "metric_models" in vars(previous) and _same_lists(previous.snapshot, snapshot):
                 view.metric_models = previous.metric_models
             self._view = view

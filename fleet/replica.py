@@ -126,7 +126,9 @@ class FleetControlPlane(ControlPlane):
         self._started = True
         try:
             own = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=self._own_config)
+            await self.upstream_keys.read(self._own_config)
             self._snapshot, _ = reduce(INITIAL_STATE, own)  # seq 0: routes on its own config until the fleet's
+            self.upstream_keys.take_up(self._own_config)
             self.log.configure(self._own_config.gateway)
             async with open_asyncio_thread(self._asyncio_failed) as bridge, ProbeClient() as client:
                 self._link = FleetLink(bridge, self.fleet)
@@ -213,7 +215,7 @@ class FleetControlPlane(ControlPlane):
                 if seq > expected:
                     self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=seq)
                     return
-                self._apply_fleet_event(decode_event(data))
+                await self._apply_fleet_event(decode_event(data))
                 self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - appended_at))
         finally:
             send.close()
@@ -230,11 +232,13 @@ class FleetControlPlane(ControlPlane):
         if line is not None:
             checkpoint = decode_event(line)
             if checkpoint.seq >= self._snapshot.seq:
-                self._apply_fleet_event(checkpoint)
+                await self._apply_fleet_event(checkpoint)
                 self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq)
         return self._snapshot.seq + 1
 
-    def _apply_fleet_event(self, event: Event) -> None:
+    async def _apply_fleet_event(self, event: Event) -> None:
+        """Apply an event of the stream, the keys of a config it puts in force read first."""
+        await self.upstream_keys.read_before(event)
         self.apply_numbered(event)
         self._applied_at = time.monotonic()
         self._applied.set()

@@ -93,6 +93,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
     if not isinstance(first, Checkpoint):
         log.error("worker got no checkpoint from the leader")
         return EXIT_OUT_OF_STEP
+    await follower.upstream_keys.read_before(first)
     follower.apply(first)
     _follow_log_settings(log, follower)
     stop = trio.Event()
@@ -106,10 +107,13 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         stop.set()
 
     async def follow() -> None:
-        """Apply the leader's events; the log follows the config in force, as the leader's does."""
+        """Apply the leader's events in order, each config's upstream keys read (in a thread)
+        before the event that puts it in force; the log follows the config in force, as the
+        leader's does."""
         nonlocal exit_code
         try:
             async for event in events:
+                await follower.upstream_keys.read_before(event)
                 config = follower.snapshot.config
                 follower.apply(event)
                 if follower.snapshot.config is not config:

@@ -272,6 +272,34 @@ async def test_a_reload_reads_a_rotated_upstream_key(tmp_path):
         assert completions_to(node)[-1].header("authorization") == f"Bearer {NODE_KEY}"
 
 
+async def test_upstream_keys_are_read_when_a_config_is_taken_up_never_on_a_request(tmp_path):
+    """The gateway reads an upstream key file when it takes up a config (start, SIGHUP), not
+    when a request first needs the key: removed after a reload, the file is not missed; a
+    reload while it is missing is rejected (the key in force stays), and a rotated key is sent
+    only once a reload has read it."""
+    key_file = tmp_path / "upstream-key"
+    key_file.write_text(UPSTREAM_KEY)
+    specs = [NodeSpec(name="n1", host="127.0.0.2", models=[MODEL], api_key=UPSTREAM_KEY)]
+    async with nodes_and_gateway(tmp_path, specs, upstream_api_key_file=str(key_file)) as ([node], gateway):
+        await gateway.discovered()
+        assert await gateway.control_plane.reload()
+        key_file.unlink()  # before any request under the reloaded config
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        assert completions_to(node)[-1].header("authorization") == f"Bearer {UPSTREAM_KEY}"
+
+        assert not await gateway.control_plane.reload()
+        [rejected] = [line for line in gateway.log.lines() if "config reload failed" in line]
+        assert "gateway.upstream_api_key_file" in rejected and str(key_file) in rejected
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+
+        key_file.write_text(NODE_KEY)
+        node.spec.api_key = NODE_KEY  # the node restarted with the rotated key
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 401
+        assert await gateway.control_plane.reload()
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        assert completions_to(node)[-1].header("authorization") == f"Bearer {NODE_KEY}"
+
+
 # --- the real CLI, with workers -----------------------------------------------------------------
 
 
@@ -314,6 +342,12 @@ async def test_serve_with_workers_checks_client_keys_and_sends_upstream_keys(tmp
                 for _ in range(10):
                     headers = {**bearer(CLIENT_KEY), "Connection": "close"}
                     assert (await http.post(url + CHAT, json=chat(), headers=headers)).status_code == 401
+                # Each worker took up the reloaded config (it answered the rotated client key) and
+                # read the upstream key then: its requests do not read the file.
+                upstream_key.unlink()
+                for _ in range(10):
+                    headers = {**bearer(OTHER_CLIENT_KEY), "Connection": "close"}
+                    assert (await http.post(url + CHAT, json=chat(), headers=headers)).status_code == 200
         finally:
             gateway.send_signal(signal.SIGTERM)
             with trio.move_on_after(20):

@@ -35,7 +35,7 @@ RING_CONFIG = make_config(
 
 def routable(events, config=RING_CONFIG, *, now: float = T0 + 1) -> tuple[str, ...]:
     state, _, _ = apply([run_started(config), *events])
-    return SnapshotView(state, ConfigView(state.config)).routable_models(now)
+    return SnapshotView(state, ConfigView(state.config, {})).routable_models(now)
 
 
 def listed(index: int, *models: str) -> ModelsListed:
@@ -68,7 +68,7 @@ def test_degraded_nodes_make_a_model_routable_when_no_healthy_node_serves_it():
 def test_an_offline_mark_makes_a_model_unroutable_until_it_ends_on_the_same_snapshot():
     marks = [UpstreamFailed(at=T0, node=node_ip(i), error="connection refused") for i in (1, 2)]
     state, _, _ = apply([run_started(RING_CONFIG), *LISTINGS, *marks])
-    view = SnapshotView(state, ConfigView(state.config))
+    view = SnapshotView(state, ConfigView(state.config, {}))
     until = state.nodes[node_ip(1)].offline_until
     assert view.routable_models(T0) == ("b",)
     assert view.routable_models(until - 0.001) == ("b",)
