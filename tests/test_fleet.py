@@ -8,6 +8,7 @@ a leader paused past its lease steps down and follows.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -129,13 +130,20 @@ async def fleet_of(
 
 @asynccontextmanager
 async def running_fleet(
-    tmp_path: Path, nats_count: int
+    tmp_path: Path, nats_count: int, *, upstream_key: str = ""
 ) -> AsyncIterator[tuple[list[NatsServer], list[SimulatedNode], list[Replica], httpx.AsyncClient]]:
-    """`nats_count` NATS servers, two simulated nodes, three replicas and an HTTP client."""
+    """`nats_count` NATS servers, two simulated nodes, three replicas and an HTTP client. With
+    `upstream_key`, the nodes run with vLLM's `--api-key` and every replica names its key file."""
+    specs = [dataclasses.replace(spec, api_key=upstream_key) for spec in node_specs(2)]
+    gateway = ()
+    if upstream_key:
+        key_file = tmp_path / "upstream-key"
+        key_file.write_text(upstream_key)
+        gateway = [{"upstream_api_key_file": str(key_file)}] * 3
     async with (
         nats_servers(tmp_path, nats_count) as servers,
-        serve_nodes(node_specs(2)) as nodes,
-        fleet_of(tmp_path, nodes, servers) as replicas,
+        serve_nodes(specs) as nodes,
+        fleet_of(tmp_path, nodes, servers, gateway=gateway) as replicas,
         httpx.AsyncClient() as http,
     ):
         yield servers, nodes, replicas, http
@@ -207,11 +215,11 @@ def assert_gapless(messages: list[tuple[int, bytes]]) -> None:
 
 
 async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
-    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+    async with running_fleet(tmp_path, 3, upstream_key="vllm-fleet-key") as (servers, nodes, replicas, http):
         observed = Observed()
         state = await agreed(http, replicas, observed)
         assert state.leader in {"r1", "r2", "r3"}
-        for replica in replicas:  # a request through each replica reaches a node
+        for replica in replicas:  # a request through each replica reaches a node, with the key it read
             response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
             assert response.status_code == 200, response.text
         state = await agreed(http, replicas, observed)
