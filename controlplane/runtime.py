@@ -451,7 +451,6 @@ class Prober:
         self._load_in_flight: set[str] = set()
         self._config_changed = trio.Event()
         """Set when a reload is applied, for the load ticker to read the new interval."""
-        """The upstream key headers, read from their files once per config."""
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         try:
