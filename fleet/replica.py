@@ -51,6 +51,10 @@ CHECKPOINT_SECONDS = 30.0
 FOLLOW_BUFFER = 65_536
 """Delivered events waiting to be applied; beyond that the follower resubscribes."""
 
+BEHIND_TOLERATED = 10
+"""Events a replica may be behind the stream's last seq and still call itself current (the
+events in flight between the leader's append and this replica's apply)."""
+
 NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSError)
 
 
@@ -62,6 +66,11 @@ class FleetMetrics:
             registry=registry,
         )
         self.seconds_since_applied.set_function(replica.seconds_since_applied)
+        self.events_behind = prometheus_client.Gauge(
+            "interlock_fleet_events_behind",
+            "Events of the fleet's stream (its last seq, as last read) this replica has not applied",
+            registry=registry,
+        )
         self.leader = prometheus_client.Gauge(
             "interlock_fleet_leader", "1 while this replica is the fleet's leader", registry=registry
         )
@@ -91,6 +100,13 @@ class FleetControlPlane(ControlPlane):
         self._applied = trio.Event()
         self._stopped = trio.Event()
         self._revision = 0
+        self._following: trio.CancelScope | None = None
+        """The follower's current subscription (cancelled by the watch when it stalls)."""
+        self._subscribed_at = 0.0
+        self.stream_last_seq = 0
+        """The stream's last seq as the watch last read it."""
+        self._behind_since: float | None = None
+        self._leaderless_since: float | None = None
         self.fleet_metrics = FleetMetrics(self.registry, self)
 
     # --- what serve and the data plane see --------------------------------------------------
@@ -99,10 +115,21 @@ class FleetControlPlane(ControlPlane):
         """Seconds since the last event of the fleet was applied (inf before the first)."""
         return float("inf") if self._applied_at is None else time.monotonic() - self._applied_at
 
-    @property
-    def current(self) -> bool:
-        """Connected to NATS and applying the stream (what a readiness check asks)."""
-        return self._link is not None and self._link.is_connected and self.snapshot.seq > 0
+    def stale_reason(self) -> str:
+        """Why this replica may not be routing on the fleet's current state ("" when it is):
+        from what the follower and the watch last saw, never waiting on NATS."""
+        if self._link is None or not self._link.is_connected:
+            return "not connected to NATS"
+        if self._snapshot.seq == 0:
+            return "no event of the fleet applied yet"
+        lease = self.fleet.lease
+        now = time.monotonic()
+        if self._behind_since is not None and now - self._behind_since > lease:
+            behind = self.stream_last_seq - self._snapshot.seq
+            return f"{behind} events behind the fleet's stream for more than the lease ({lease:g}s)"
+        if self._leaderless_since is not None and now - self._leaderless_since > lease:
+            return f"no replica has held the fleet's lease for more than the lease ({lease:g}s)"
+        return ""
 
     def fleet_headers(self) -> dict[str, str]:
         return {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
@@ -128,6 +155,7 @@ class FleetControlPlane(ControlPlane):
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._connect)
                         nursery.start_soon(self._follow)
+                        nursery.start_soon(self._watch)
                         nursery.start_soon(self._campaign, client)
                         task_status.started()
                         await self._stopped.wait()
@@ -180,14 +208,16 @@ class FleetControlPlane(ControlPlane):
     # --- following --------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        """Apply the stream in order, for good; resubscribe after a gap."""
+        """Apply the stream in order, for good; resubscribe after a gap, or when the watch
+        finds the subscription stalled."""
         while True:
             await self._link.connected.wait()
-            try:
-                await self._follow_once()
-            except NATS_ERRORS as error:
-                self.log.warn("fleet: following the event stream failed; again", error=str(error) or repr(error))
-                await trio.sleep(CONNECT_RETRY_SECONDS)
+            with trio.CancelScope() as self._following:
+                try:
+                    await self._follow_once()
+                except NATS_ERRORS as error:
+                    self.log.warn("fleet: following the event stream failed; again", error=str(error) or repr(error))
+                    await trio.sleep(CONNECT_RETRY_SECONDS)
 
     async def _follow_once(self) -> None:
         start = await self._starting_seq()
@@ -198,6 +228,7 @@ class FleetControlPlane(ControlPlane):
                 send.send_nowait((seq, data))  # a dropped event shows as a gap: resubscribe
 
         subscription = await self._link.follow_events(start, deliver)
+        self._subscribed_at = time.monotonic()
         try:
             async for seq, data in receive:
                 expected = self._snapshot.seq + 1
@@ -232,6 +263,41 @@ class FleetControlPlane(ControlPlane):
         self._applied.set()
         self._applied = trio.Event()
 
+    async def _watch(self) -> None:
+        """Every `lease_renewal`, read the stream's last seq and the lease holder: the events
+        this replica is behind, whether a leader holds the lease, and whether the follower has
+        stalled (behind, and nothing applied for a lease since it subscribed): then it
+        resubscribes. Nothing on the data path waits for this."""
+        while True:
+            await trio.sleep(self.fleet.lease_renewal)
+            if not self._link.connected.is_set():
+                continue
+            try:
+                last = await self._link.last_event_seq()
+                holder = self.replica if self.is_leader else await self._link.lease_holder()
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: reading the stream's state failed", error=str(error) or repr(error))
+                continue
+            now = time.monotonic()
+            self.stream_last_seq = last
+            behind = max(0, last - self._snapshot.seq)
+            self.fleet_metrics.events_behind.set(behind)
+            if behind <= BEHIND_TOLERATED:
+                self._behind_since = None
+            elif self._behind_since is None:
+                self._behind_since = now
+            self.leader = holder
+            if holder:
+                self._leaderless_since = None
+            elif self._leaderless_since is None:
+                self._leaderless_since = now
+            quiet_since = max(self._applied_at or 0.0, self._subscribed_at)
+            if behind and self._following is not None and now - quiet_since > self.fleet.lease:
+                self.log.warn(
+                    "fleet: the follower stalled; resubscribing", applied=self._snapshot.seq, stream_last=last
+                )
+                self._following.cancel()
+
     async def _applied_through(self, seq: int) -> None:
         while self._snapshot.seq < seq:
             await self._applied.wait()
@@ -251,8 +317,6 @@ class FleetControlPlane(ControlPlane):
                     self._revision = await self._link.take_lease(self.replica)
             except nats.js.errors.KeyWrongLastSequenceError:
                 self._revision = 0
-                with contextlib.suppress(*NATS_ERRORS):
-                    self.leader = await self._link.lease_holder()
                 await trio.sleep(renewal)
                 continue
             except NATS_ERRORS as error:

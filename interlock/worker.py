@@ -24,10 +24,9 @@ import trio
 from controlplane.follower import Follower, OutOfStep
 from controlplane.logs import JsonLog
 from dataplane.decisions import Decision
-from events.log import decode_event
 from events.types import Checkpoint
 from interlock.serve import api_application, serve_on_socket
-from interlock.workers import DecisionMade, Report, encode_report
+from interlock.workers import DecisionMade, ReplicaStatus, Report, decode_from_leader, encode_report
 
 REPORT_BACKLOG = 10_000
 """Reports waiting to go to the leader; beyond that they are dropped (and counted in the log)."""
@@ -77,12 +76,13 @@ class _Reports:
 
 
 async def _events(leader: trio.SocketStream):
-    """The leader's events, decoded, until its end closes."""
+    """The leader's events (and, from a fleet replica, its `ReplicaStatus`), decoded, until its
+    end closes."""
     buffered = b""
     while data := await _receive(leader):
         *lines, buffered = (buffered + data).split(b"\n")
         for line in lines:
-            yield decode_event(line)
+            yield decode_from_leader(line)
 
 
 async def _receive(leader: trio.SocketStream) -> bytes:
@@ -119,6 +119,9 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         nonlocal exit_code
         try:
             async for event in events:
+                if isinstance(event, ReplicaStatus):
+                    follower.follow_replica(event.headers, event.stale)
+                    continue
                 config = follower.snapshot.config
                 follower.apply(event)
                 if follower.snapshot.config is not config:
