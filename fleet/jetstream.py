@@ -16,6 +16,7 @@ names all start with the fleet's `name` (N below):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,8 +35,9 @@ OPERATION_SECONDS = 5.0
 EVENT_RETENTION_SECONDS = 7 * 24 * 3600.0
 EVENT_RETENTION_BYTES = 4 * 1024**3
 CHECKPOINTS_KEPT = 16
-MAX_REPLICAS = 3
-"""Copies JetStream keeps of each stream: one per configured server, up to three."""
+MAX_DERIVED_REPLICAS = 3
+"""The copies JetStream keeps of each stream unless `fleet.stream_replicas` says: one per
+server of the cluster, up to three (a quorum survives one server lost)."""
 
 LEASE_KEY = "leader"
 WRONG_LAST_SEQUENCE = 10071
@@ -86,9 +88,12 @@ class FleetLink:
         return self._nc is not None and self._nc.is_connected
 
     async def connect(self, *, create: bool = True) -> None:
-        """Connect (nats-py reconnects by itself after that) and create the streams and the
-        lease bucket, or find them (not with `create` false: a reader). Raises on failure; the
-        caller retries."""
+        """Connect (nats-py reconnects by itself after that) and find the streams and the lease
+        bucket, creating those missing (not with `create` false: a reader), kept
+        `stream_replicas` times. An existing stream is used as it is, so replicas need not agree
+        on their URL lists. Raises on failure; the caller retries."""
+        if self._nc is not None and not self._nc.is_closed:
+            await self.close()  # a connection left from a `create=False` connect
         mark_connected = self._bridge.to_trio(self._connection_changed)
 
         async def changed() -> None:
@@ -107,7 +112,7 @@ class FleetLink:
         self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
         if not create:
             return
-        replicas = min(MAX_REPLICAS, len(self._fleet.nats))
+        replicas = self._fleet.stream_replicas or self.derived_stream_replicas()
         names = self.names
         for config in (
             StreamConfig(
@@ -124,11 +129,22 @@ class FleetLink:
                 num_replicas=replicas,
             ),
         ):
-            await self._call(self._js.add_stream, config)
-        self._kv = await self._call(
-            self._js.create_key_value, bucket=names.lease, ttl=self._fleet.lease, history=1, replicas=replicas
-        )
+            try:
+                await self._call(self._js.stream_info, config.name)
+            except nats.js.errors.NotFoundError:
+                await self._call(self._js.add_stream, config)
+        try:
+            self._kv = await self._call(self._js.key_value, names.lease)
+        except nats.js.errors.BucketNotFoundError:
+            self._kv = await self._call(
+                self._js.create_key_value, bucket=names.lease, ttl=self._fleet.lease, history=1, replicas=replicas
+            )
         self.connected.set()
+
+    def derived_stream_replicas(self) -> int:
+        """The servers this connection knows (configured, and told of by the cluster), up to
+        MAX_DERIVED_REPLICAS."""
+        return min(MAX_DERIVED_REPLICAS, len({server.netloc for server in self._nc.servers}))
 
     def _connection_changed(self) -> None:
         if self.is_connected:
@@ -208,14 +224,21 @@ class FleetLink:
         with trio.move_on_after(OPERATION_SECONDS):
             await self._bridge.call(subscription.unsubscribe)
 
-    async def read_events(self, start_seq: int, end_seq: int):
-        """The stream's messages from `start_seq` to `end_seq` in order, as (seq, data) (export)."""
-        for seq in range(start_seq, end_seq + 1):
-            try:
-                message = await self._call(self._js.get_msg, self.names.events, seq)
-            except nats.js.errors.NotFoundError:
-                continue  # removed by retention
-            yield seq, message.data
+    async def read_events(self, start_seq: int, end_seq: int) -> list[tuple[int, bytes]]:
+        """The stream's messages from `start_seq` through `end_seq` in order, as (seq, data), as
+        one ordered consumer delivers them (export). Fails when none arrives for
+        OPERATION_SECONDS."""
+        send, receive = trio.open_memory_channel[tuple[int, bytes]](math.inf)
+        subscription = await self.follow_events(start_seq, lambda seq, data: send.send_nowait((seq, data)))
+        messages: list[tuple[int, bytes]] = []
+        try:
+            while not messages or messages[-1][0] < end_seq:
+                with trio.fail_after(OPERATION_SECONDS):
+                    messages.append(await receive.receive())
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.unsubscribe(subscription)
+        return messages
 
     # --- checkpoints and observations -----------------------------------------------------
 

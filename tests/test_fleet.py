@@ -19,14 +19,16 @@ from pathlib import Path
 import httpx
 import msgspec
 import nats
+import nats.errors
 import pytest
 import trio
 
-from events.config import FleetConfig
-from events.log import decode_event
-from events.types import ConfigReloaded, HealthProbed
+from events.config import Config, FleetConfig
+from events.log import decode_event, encode_event
+from events.types import ConfigReloaded, HealthProbed, RunStarted, UpstreamRecovered
 from fixtures.node import SimulatedNode, serve_nodes
 from fleet.bridge import open_asyncio_thread
+from fleet.export import export_events
 from fleet.jetstream import AppendRefused, FleetLink
 from harness import MODEL, PROJECT_ROOT, chat, config_text, node_specs
 from nats_cluster import NatsServer, free_port, nats_servers
@@ -245,11 +247,7 @@ async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
 async def test_an_append_against_a_stale_last_seq_is_refused(tmp_path):
     """The fence itself: of two replicas appending after the same seq, the second is refused."""
     fleet = FleetConfig(nats=(), name="fence", replica="r", lease=2.0, lease_renewal=0.5)
-
-    def unexpected(error: BaseException) -> None:
-        raise AssertionError(error)
-
-    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
         fleet = msgspec.structs.replace(fleet, nats=(server.url,))
         first, second = FleetLink(bridge, fleet), FleetLink(bridge, fleet)
         await first.connect()
@@ -303,3 +301,50 @@ async def test_each_node_is_probed_by_the_leader_alone(tmp_path):
         messages = await fleet_events(servers[0].url)
         for node, answered in zip(nodes, checks):
             assert probes_on_the_stream(messages, node) <= answered <= probes_on_the_stream(messages, node) + 1
+
+
+def failing_bridge(error: BaseException) -> None:
+    raise AssertionError(error)
+
+
+async def test_the_export_reads_a_long_stream_in_order(tmp_path):
+    """A few thousand events, exported through one consumer, are the log `replay` reads."""
+    count = 3000
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
+        fleet = FleetConfig(nats=(server.url,), name="long", replica="r", lease=2.0, lease_renewal=0.5)
+        link = FleetLink(bridge, fleet)
+        await link.connect()
+        await link.append(encode_event(RunStarted(at=1.0, version="test", config_path="gateway.toml", config=Config(), seq=1)), 0)
+        for seq in range(2, count + 1):
+            await link.append(encode_event(UpstreamRecovered(at=float(seq), node="10.0.0.1", seq=seq)), seq - 1)
+        await link.close()
+        path, written = await export_events(fleet, tmp_path / "export")
+    assert written == count
+    assert [decode_event(line).seq for line in path.read_bytes().splitlines()] == list(range(1, count + 1))
+
+
+async def test_a_stream_is_kept_by_every_server_of_the_cluster_and_found_by_any_url_list(tmp_path):
+    """The first replica creates the streams with one copy per server it learns of (three
+    here, though it lists one URL); a replica listing other URLs uses them as they are."""
+    async with nats_servers(tmp_path, 3) as servers, open_asyncio_thread(failing_bridge) as bridge:
+        fleet = FleetConfig(nats=(servers[0].url,), name="sized", replica="r1", lease=2.0, lease_renewal=0.5)
+        with trio.fail_after(WAIT):
+            while True:  # the cluster's routes form, and JetStream elects its leader, after the servers start
+                first = FleetLink(bridge, fleet)
+                try:
+                    await first.connect(create=False)
+                    if first.derived_stream_replicas() == 3:
+                        await first.connect()
+                        break
+                except (nats.errors.Error, trio.TooSlowError):
+                    pass
+                await first.close()
+                await trio.sleep(0.2)
+        second = FleetLink(bridge, msgspec.structs.replace(fleet, nats=(servers[1].url, servers[2].url), replica="r2"))
+        await second.connect()
+        assert await first.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0) == 1
+        assert await second.last_event_seq() == 1
+        info = await first._call(first._js.stream_info, first.names.events)
+        assert info.config.num_replicas == 3
+        await first.close()
+        await second.close()
