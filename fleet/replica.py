@@ -198,7 +198,7 @@ class FleetControlPlane(ControlPlane):
             try:
                 await self._link.connect()
             except NATS_ERRORS as error:
-                self.log.warn("fleet: cannot reach NATS; routing on the last state", error=str(error) or repr(error))
+                self.log.warn("fleet: cannot reach NATS; routing on the last state", error=described(error))
                 await self._link.close()
                 await trio.sleep(CONNECT_RETRY_SECONDS)
                 continue
@@ -216,7 +216,7 @@ class FleetControlPlane(ControlPlane):
                 try:
                     await self._follow_once()
                 except NATS_ERRORS as error:
-                    self.log.warn("fleet: following the event stream failed; again", error=str(error) or repr(error))
+                    self.log.warn("fleet: following the event stream failed; again", error=described(error))
                     await trio.sleep(CONNECT_RETRY_SECONDS)
 
     async def _follow_once(self) -> None:
@@ -276,7 +276,7 @@ class FleetControlPlane(ControlPlane):
                 last = await self._link.last_event_seq()
                 holder = self.replica if self.is_leader else await self._link.lease_holder()
             except NATS_ERRORS as error:
-                self.log.warn("fleet: reading the stream's state failed", error=str(error) or repr(error))
+                self.log.warn("fleet: reading the stream's state failed", error=described(error))
                 continue
             now = time.monotonic()
             self.stream_last_seq = last
@@ -320,7 +320,7 @@ class FleetControlPlane(ControlPlane):
                 await trio.sleep(renewal)
                 continue
             except NATS_ERRORS as error:
-                self.log.warn("fleet: lease request failed", error=str(error) or repr(error))
+                self.log.warn("fleet: lease request failed", error=described(error))
                 await trio.sleep(renewal)
                 continue
             await self._lead(client, lease_ends=started + self.fleet.lease)
@@ -355,7 +355,7 @@ class FleetControlPlane(ControlPlane):
                 term.cancel()
                 return
             except NATS_ERRORS as error:
-                self.log.warn("fleet: lease renewal failed", error=str(error) or repr(error))
+                self.log.warn("fleet: lease renewal failed", error=described(error))
                 continue  # the term ends when the lease runs out
             term.deadline = sent + self.fleet.lease
 
@@ -385,12 +385,12 @@ class FleetControlPlane(ControlPlane):
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._link.unsubscribe(observations)
-        except AppendRefused as refusal:
+        except* AppendRefused as refusals:  # except*: the appends run beside the prober, in a nursery
             self.fleet_metrics.appends_refused.inc()
-            self.log.warn("fleet: append refused: another replica leads", error=str(refusal))
+            self.log.warn("fleet: append refused: another replica leads", error=described(refusals))
             self._revision = 0
-        except NATS_ERRORS as error:
-            self.log.warn("fleet: append failed; standing for the lease again", error=str(error) or repr(error))
+        except* NATS_ERRORS as errors:
+            self.log.warn("fleet: append failed; standing for the lease again", error=described(errors))
         term.cancel()
 
     def _observed(self, line: bytes) -> None:
@@ -405,4 +405,14 @@ class FleetControlPlane(ControlPlane):
     async def _checkpoints(self) -> None:
         while True:
             await trio.sleep(CHECKPOINT_SECONDS)
-            await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+            try:
+                await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: publishing a checkpoint failed", error=described(error))
+
+
+def described(error: BaseException) -> str:
+    """A NATS failure for the log (the first of a group)."""
+    if isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return str(error) or repr(error)

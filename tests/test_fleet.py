@@ -83,6 +83,15 @@ class Replica:
             digest=headers["X-Interlock-State-Digest"],
         )
 
+    async def ready(self, http: httpx.AsyncClient) -> tuple[int, dict]:
+        response = await http.get(self.url + "/ready", timeout=5)
+        return response.status_code, response.json()
+
+    async def metric(self, http: httpx.AsyncClient, name: str) -> float:
+        response = await http.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)
+        [value] = [line.split()[-1] for line in response.text.splitlines() if line.startswith(name + " ")]
+        return float(value)
+
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.returncode is None:
             self.process.send_signal(signum)
@@ -135,6 +144,39 @@ async def running_fleet(
         httpx.AsyncClient() as http,
     ):
         yield servers, nodes, replicas, http
+
+
+@asynccontextmanager
+async def steady_load(http: httpx.AsyncClient, replicas: Sequence[Replica]) -> AsyncIterator[list[str]]:
+    """Requests through every replica, one after another on each, for the block; yields the
+    list of failures (none expected), each naming the replica and what went wrong."""
+    failures: list[str] = []
+
+    async def through(replica: Replica) -> None:
+        while True:
+            try:
+                response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
+            except httpx.HTTPError as error:
+                failures.append(f"{replica.name}: {error!r}")
+            else:
+                if response.status_code != 200:
+                    failures.append(f"{replica.name}: {response.status_code} {response.text}")
+            await trio.sleep(0.02)
+
+    async with trio.open_nursery() as nursery:
+        for replica in replicas:
+            nursery.start_soon(through, replica)
+        yield failures
+        nursery.cancel_scope.cancel()
+
+
+async def until(condition, what: str) -> None:
+    """Wait (WAIT at most) until the async `condition()` is true."""
+    with trio.move_on_after(WAIT):
+        while not await condition():
+            await trio.sleep(0.1)
+        return
+    raise AssertionError(f"not within {WAIT}s: {what}")
 
 
 def named(replicas: Sequence[Replica], name: str) -> Replica:
@@ -348,3 +390,92 @@ async def test_a_stream_is_kept_by_every_server_of_the_cluster_and_found_by_any_
         assert info.config.num_replicas == 3
         await first.close()
         await second.close()
+
+
+async def test_one_nats_server_killed_under_load_loses_no_request_and_no_event(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        async with steady_load(http, replicas) as failures:
+            await servers[0].kill()
+            # the leader goes on appending on the two servers left (a quorum of three)
+            await until(
+                lambda: _seq_passed(http, replicas, before.seq + 10), "every replica applying events past the kill"
+            )
+        after = await agreed(http, replicas, observed)
+        assert failures == []
+        assert after.seq > before.seq
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[1].url))
+
+
+async def _seq_passed(http: httpx.AsyncClient, replicas: Sequence[Replica], seq: int) -> bool:
+    answers = [await replica.health(http) for replica in replicas]
+    return all(answer is not None and answer.seq > seq for answer in answers)
+
+
+async def test_without_nats_the_replicas_serve_on_their_last_state_and_catch_up(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        async with steady_load(http, replicas) as failures:
+            for server in servers:
+                await server.kill()
+
+            async def all_stale() -> bool:
+                answers = [await replica.ready(http) for replica in replicas]
+                return all(status == 503 and body["reason"] == "not connected to NATS" for status, body in answers)
+
+            await until(all_stale, "/ready 503 on every replica, not connected to NATS")
+            cut_off = [await replica.metric(http, "interlock_fleet_seconds_since_applied") for replica in replicas]
+
+            async def growing() -> bool:
+                now = [await replica.metric(http, "interlock_fleet_seconds_since_applied") for replica in replicas]
+                return all(later > earlier + 1 for earlier, later in zip(cut_off, now))
+
+            await until(growing, "seconds since applied growing on every replica")
+            for server in servers:
+                await server.start()
+            await until(lambda: _seq_passed(http, replicas, before.seq + 5), "every replica applying events again")
+
+            async def all_ready() -> bool:
+                return [(await replica.ready(http))[0] for replica in replicas] == [200] * len(replicas)
+
+            await until(all_ready, "/ready 200 on every replica")
+        assert failures == []
+        await agreed(http, replicas, observed)
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[0].url))
+
+
+async def test_a_restarted_replica_catches_up_from_a_checkpoint(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        follower = next(replica for replica in replicas if replica.name != before.leader)
+        follower.signal(signal.SIGKILL)
+        await follower.process.wait()
+        starts = follower.messages().count("fleet: starting from a checkpoint")
+        others = [replica for replica in replicas if replica is not follower]
+        await until(lambda: _seq_passed(http, others, before.seq + 5), "the others going on")
+        await follower.start()
+        after = await agreed(http, replicas, observed)
+        assert after.seq > before.seq + 5
+        assert follower.messages().count("fleet: starting from a checkpoint") == starts + 1
+        assert observed.disagreements() == {}
+
+
+async def test_a_killed_node_is_avoided_by_every_replica(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        await agreed(http, replicas, observed)
+        nodes[0].behaviour.refuse = True
+        await agreed(http, replicas, observed)
+        served_before = len(nodes[1].requests)
+        for _ in range(5):
+            for replica in replicas:
+                response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
+                assert response.status_code == 200, (replica.name, response.text)
+        completions = [request for request in list(nodes[1].requests)[served_before:] if request.path == "/v1/chat/completions"]
+        assert len(completions) == 15
+        assert observed.disagreements() == {}
