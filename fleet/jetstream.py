@@ -16,6 +16,7 @@ names all start with the fleet's `name` (N below):
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,8 +154,10 @@ class FleetLink:
             self.connected = trio.Event()
 
     async def close(self) -> None:
+        """Close the connection; a failure to flush what was pending (the server gone) is
+        not one to report: the connection is closed all the same."""
         if self._nc is not None:
-            with trio.move_on_after(OPERATION_SECONDS):
+            with trio.move_on_after(OPERATION_SECONDS), contextlib.suppress(nats.errors.Error, OSError):
                 await self._bridge.call(self._nc.close)
 
     async def _call(self, fn, *args, **kwargs):

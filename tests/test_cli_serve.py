@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from events.log import read_events
 from fixtures.node import serve_nodes
 
 from harness import MODEL, chat, config_text, free_port, node_specs
+from nats_cluster import nats_servers
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (INFO |WARN |ERROR) \S.*")
@@ -229,3 +231,34 @@ def test_an_override_that_collides_with_the_file_is_refused_by_the_loader(tmp_pa
     config_path.write_text('[gateway]\nmetrics_listen = ":9090"\n[[nodes]]\nip = "10.0.0.1"\n')
     with pytest.raises(ConfigError, match='metrics_listen: metrics_listen ":9090" and listen ":9090" both bind'):
         load_config(config_path, overrides=Overrides(port=9090))
+
+
+async def test_serve_fleet_joins_a_fleet_and_its_workers_answer_for_the_replica(tmp_path):
+    """`--fleet URL` without a [fleet] table: the replica is named after the host and, alone,
+    leads; its workers' /health names it and the leader, and their /ready follows the
+    replica's: 503 "not connected to NATS" once its NATS server is gone."""
+    api = free_port()
+    async with nats_servers(tmp_path) as [server], serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes, health_interval="1s", workers=2))
+        options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--fleet", server.url)
+        async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False) as client:
+            await gateway.read_until('"api server listening"')
+            host = socket.gethostname()
+            with trio.fail_after(60):
+                while True:
+                    response = await client.get(f"http://127.0.0.1:{api}/ready")
+                    if response.status_code == 200:
+                        break
+                    await trio.sleep(0.1)
+            response = await client.get(f"http://127.0.0.1:{api}/health")
+            assert response.headers["X-Interlock-Worker"] in ("1", "2")
+            assert (response.headers["X-Interlock-Replica"], response.headers["X-Interlock-Leader"]) == (host, host)
+            assert (await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat(MODEL))).status_code == 200
+            await server.kill()
+            with trio.fail_after(60):
+                while (await client.get(f"http://127.0.0.1:{api}/ready")).json().get("reason") != "not connected to NATS":
+                    await trio.sleep(0.1)
+            assert (await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat(MODEL))).status_code == 200
+            code, output, errors = await gateway.stop()
+    assert code == 0, errors
