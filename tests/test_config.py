@@ -721,7 +721,7 @@ def test_example_config_documents_the_limits() -> None:
     assert "# max_buffered_response_bytes = 8388608  # 8 MiB; -1 = unlimited" in text
     assert "# max_request_body_bytes = 33554432  # 32 MiB; no unlimited setting" in text
     assert "data[].id" in text
-    for key in GatewayConfig.__struct_fields__ + RoutingConfig.__struct_fields__:
+    for key in GatewayConfig.__struct_fields__ + RoutingConfig.__struct_fields__ + FleetConfig.__struct_fields__:
         assert key in text
     assert "#   policy " in text  # a model's own
     assert "interlock whatif" in text  # why load may be scraped under round robin
