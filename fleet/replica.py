@@ -8,10 +8,16 @@ itself. Its tasks (children of `run`):
   replica's workers follow it as they follow a single-host gateway), starting from the newest
   checkpoint. Until the first fleet event arrives the replica routes on its own config (the
   state at seq 0), so the data plane never waits on NATS;
+- the watch reads, every `lease_renewal`, the stream's last seq and the lease holder: what
+  `/ready` (`stale_reason`), `interlock_fleet_events_behind` and `X-Interlock-Leader` answer
+  with, and whether the follower has stalled (behind the stream, nothing applied for a lease
+  since it subscribed: an ordered consumer can stay silent with no gap to show it), which
+  then resubscribes;
 - the campaign takes the lease when no one holds it (`kv.create`) and, once leader, renews it
   against its last revision every `lease_renewal`. The term ends when a renewal is refused, an
-  append is refused, or the lease runs out without a renewal (a cancel scope whose deadline is
-  the lease's end, moved on by each renewal);
+  append is refused or fails (a NATS failure ends the term, never the process), or the lease
+  runs out without a renewal (a cancel scope whose deadline is the lease's end, moved on by
+  each renewal);
 - while leader, the term catches up to the stream's last seq, appends its config (`RunStarted`
   on an empty stream, else `ConfigReloaded`: the config in force is the leader's, and this first
   append fences off a deposed leader), publishes a checkpoint, then probes the nodes and appends
@@ -103,7 +109,7 @@ class FleetControlPlane(ControlPlane):
         self._following: trio.CancelScope | None = None
         """The follower's current subscription (cancelled by the watch when it stalls)."""
         self._subscribed_at = 0.0
-        self.stream_last_seq = 0
+        self._stream_last_seq = 0
         """The stream's last seq as the watch last read it."""
         self._behind_since: float | None = None
         self._leaderless_since: float | None = None
@@ -125,7 +131,7 @@ class FleetControlPlane(ControlPlane):
         lease = self.fleet.lease
         now = time.monotonic()
         if self._behind_since is not None and now - self._behind_since > lease:
-            behind = self.stream_last_seq - self._snapshot.seq
+            behind = self._stream_last_seq - self._snapshot.seq
             return f"{behind} events behind the fleet's stream for more than the lease ({lease:g}s)"
         if self._leaderless_since is not None and now - self._leaderless_since > lease:
             return f"no replica has held the fleet's lease for more than the lease ({lease:g}s)"
@@ -279,7 +285,7 @@ class FleetControlPlane(ControlPlane):
                 self.log.warn("fleet: reading the stream's state failed", error=described(error))
                 continue
             now = time.monotonic()
-            self.stream_last_seq = last
+            self._stream_last_seq = last
             behind = max(0, last - self._snapshot.seq)
             self.fleet_metrics.events_behind.set(behind)
             if behind <= BEHIND_TOLERATED:
