@@ -74,9 +74,15 @@ class Names:
 class FleetLink:
     """One replica's connection to the fleet's JetStream (trio side; see the module docstring)."""
 
-    def __init__(self, bridge: AsyncioThread, fleet: FleetConfig) -> None:
+    def __init__(
+        self, bridge: AsyncioThread, fleet: FleetConfig, on_error: Callable[[str], None] = lambda _: None
+    ) -> None:
+        """`on_error(description)` is called on the trio thread with what the client reports in
+        the background (a reconnection refused, a connection cut), once per change of it."""
         self._bridge = bridge
         self._fleet = fleet
+        self._on_error = on_error
+        self._last_error = ""
         self.names = Names(fleet.name)
         self._nc = None
         self._js = None
@@ -100,6 +106,11 @@ class FleetLink:
         async def changed() -> None:
             mark_connected()
 
+        report_error = self._bridge.to_trio(self._client_error)
+
+        async def error(error: Exception) -> None:
+            report_error(str(error) or repr(error))
+
         self._nc = await self._call(
             nats.connect,
             list(self._fleet.nats),
@@ -109,6 +120,7 @@ class FleetLink:
             max_reconnect_attempts=-1,
             disconnected_cb=changed,
             reconnected_cb=changed,
+            error_cb=error,
         )
         self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
         if not create:
@@ -147,8 +159,14 @@ class FleetLink:
         MAX_DERIVED_REPLICAS."""
         return min(MAX_DERIVED_REPLICAS, len({server.netloc for server in self._nc.servers}))
 
+    def _client_error(self, description: str) -> None:
+        if description != self._last_error:
+            self._last_error = description
+            self._on_error(description)
+
     def _connection_changed(self) -> None:
         if self.is_connected:
+            self._last_error = ""
             self.connected.set()
         elif self.connected.is_set():
             self.connected = trio.Event()

@@ -156,7 +156,7 @@ class FleetControlPlane(ControlPlane):
             self._snapshot, _ = reduce(INITIAL_STATE, own)  # seq 0: routes on its own config until the fleet's
             self.log.configure(self._own_config.gateway)
             async with open_asyncio_thread(self._asyncio_failed) as bridge, ProbeClient() as client:
-                self._link = FleetLink(bridge, self.fleet)
+                self._link = FleetLink(bridge, self.fleet, self._nats_client_error)
                 try:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._connect)
@@ -195,6 +195,9 @@ class FleetControlPlane(ControlPlane):
         if self.is_leader:
             await self.emit(ConfigReloaded(at=self.now(), config_path=self.config_path, config=config))
         return True
+
+    def _nats_client_error(self, description: str) -> None:
+        self.log.warn("fleet: NATS client error", error=description)
 
     def _asyncio_failed(self, error: BaseException) -> None:
         self.log.warn("fleet: NATS call failed", error=f"{type(error).__name__}: {error}")
