@@ -3,7 +3,11 @@ times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulate
 
 Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
 is replaced and the seqs go on without gap or duplicate; an append after a stale seq is refused;
-a leader paused past its lease steps down and follows.
+a leader paused past its lease steps down and follows. One NATS server killed under load loses
+no request and no event; with all of NATS gone the replicas serve on their last state, say so
+on /ready, and catch up when it is back; a restarted replica catches up from a checkpoint; a
+node killed is avoided through every replica. The export reads a long stream in order; the
+streams are kept once per server of the cluster, whatever URLs a replica lists.
 """
 
 from __future__ import annotations
