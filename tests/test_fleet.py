@@ -34,8 +34,8 @@ from fixtures.node import SimulatedNode, serve_nodes
 from fleet.bridge import open_asyncio_thread
 from fleet.export import export_events
 from fleet.jetstream import AppendRefused, FleetLink
-from harness import MODEL, PROJECT_ROOT, chat, config_text, node_specs
-from nats_cluster import NatsServer, free_port, nats_servers
+from harness import MODEL, PROJECT_ROOT, chat, config_text, free_port, node_specs
+from nats_cluster import NatsServer, nats_servers
 
 LEASE = "2s"
 LEASE_RENEWAL = "500ms"
