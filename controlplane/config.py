@@ -515,6 +515,10 @@ _FLEET_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _REPLICA_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
+MAX_STREAM_REPLICAS = 5
+"""JetStream's own bound on a stream's replicas."""
+
+
 def _check_fleet(invalid: Callable[[str, str], ConfigError], fleet: FleetConfig | None) -> None:
     """The [fleet] table (defaults applied): servers, names, and a renewal well inside the lease."""
     if fleet is None:
@@ -533,6 +537,10 @@ def _check_fleet(invalid: Callable[[str, str], ConfigError], fleet: FleetConfig 
         )
     if fleet.lease <= 0:
         raise invalid("fleet.lease", "lease must be greater than zero")
+    if not 0 <= fleet.stream_replicas <= MAX_STREAM_REPLICAS:
+        raise invalid(
+            "fleet.stream_replicas", f"stream_replicas must be 1 to {MAX_STREAM_REPLICAS}, or 0 for one per server up to 3"
+        )
     if not 0 < fleet.lease_renewal <= fleet.lease / 2:
         raise invalid(
             "fleet.lease_renewal",

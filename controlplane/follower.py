@@ -31,6 +31,8 @@ class Follower:
         self._snapshot = INITIAL_STATE
         self._stale = ""
         self.upstream_keys = UpstreamKeys()
+        self._replica_headers: dict[str, str] = {}
+        self._replica_stale = ""
 
     @property
     def snapshot(self) -> ClusterState:
@@ -45,10 +47,11 @@ class Follower:
         return self._clock()
 
     def stale_reason(self) -> str:
-        """Current from the leader's first checkpoint on, until `mark_stale` says otherwise."""
+        """Current from the leader's first checkpoint on, until `mark_stale` says otherwise, and
+        while its leader, when a fleet replica, is current itself."""
         if self._snapshot.config is None:
             return "no checkpoint from the leader yet"
-        return self._stale
+        return self._stale or self._replica_stale
 
     def mark_stale(self, reason: str) -> None:
         """Whether the leader's events still reach this follower: `reason` why they may not
@@ -56,8 +59,14 @@ class Follower:
         self._stale = reason
 
     def fleet_headers(self) -> dict[str, str]:
-        """None: a worker names its process in `X-Interlock-Worker`; its replica's leader does the rest."""
-        return {}
+        """Its leader's, when that is a fleet replica (`follow_replica`); none otherwise."""
+        return self._replica_headers
+
+    def follow_replica(self, headers: dict[str, str], stale: str) -> None:
+        """What its leader, a fleet replica, says of itself: the `/health` headers naming the
+        replica and the fleet's leader, and why the replica's state may not be current ("")."""
+        self._replica_headers = headers
+        self._replica_stale = stale
 
     def observe(self, event: Event) -> None:
         """Report a data-plane observation to the leader; never blocks."""

@@ -197,6 +197,9 @@ class FleetConfig(Struct, frozen=True, kw_only=True):
     """Seconds the leader's lease lasts unless renewed (the loader's default: DEFAULT_FLEET_LEASE)."""
     lease_renewal: float = 0.0
     """Seconds between the leader's renewals, at most half the lease (DEFAULT_FLEET_LEASE_RENEWAL)."""
+    stream_replicas: int = 0
+    """Copies JetStream keeps of the fleet's streams, set when the first replica creates them;
+    0: one per server of the cluster the replica knows, up to three."""
 
 
 class Config(Struct, frozen=True, kw_only=True):

@@ -40,8 +40,8 @@ async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]
                 raise ExportError(f"the stream starts at seq {first} and no checkpoint reaches back to it")
             lines.append(checkpoint)
             first = decode_event(checkpoint).seq + 1
-        async for _, data in link.read_events(first, last):
-            lines.append(data)
+        if first <= last:
+            lines.extend(data for _, data in await link.read_events(first, last))
     path = _write(directory / "events.jsonl", b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
     return path, len(lines)
 

@@ -18,6 +18,8 @@ names all start with the fleet's `name` (N below):
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,8 +38,9 @@ OPERATION_SECONDS = 5.0
 EVENT_RETENTION_SECONDS = 7 * 24 * 3600.0
 EVENT_RETENTION_BYTES = 4 * 1024**3
 CHECKPOINTS_KEPT = 16
-MAX_REPLICAS = 3
-"""Copies JetStream keeps of each stream: one per configured server, up to three."""
+MAX_DERIVED_REPLICAS = 3
+"""The copies JetStream keeps of each stream unless `fleet.stream_replicas` says: one per
+server of the cluster, up to three (a quorum survives one server lost)."""
 
 NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSError)
 """What a call to NATS may raise when NATS is unreachable, slow or refuses it."""
@@ -83,9 +86,15 @@ class Names:
 class FleetLink:
     """One replica's connection to the fleet's JetStream (trio side; see the module docstring)."""
 
-    def __init__(self, bridge: AsyncioThread, fleet: FleetConfig) -> None:
+    def __init__(
+        self, bridge: AsyncioThread, fleet: FleetConfig, on_error: Callable[[str], None] = lambda _: None
+    ) -> None:
+        """`on_error(description)` is called on the trio thread with what the client reports in
+        the background (a reconnection refused, a connection cut), once per change of it."""
         self._bridge = bridge
         self._fleet = fleet
+        self._on_error = on_error
+        self._last_error = ""
         self.names = Names(fleet.name)
         self._nc = None
         self._js = None
@@ -98,13 +107,21 @@ class FleetLink:
         return self._nc is not None and self._nc.is_connected
 
     async def connect(self, *, create: bool = True) -> None:
-        """Connect (nats-py reconnects by itself after that) and create the streams and the
-        lease bucket, or find them (not with `create` false: a reader). Raises on failure; the
-        caller retries."""
+        """Connect (nats-py reconnects by itself after that) and find the streams and the lease
+        bucket, creating those missing (not with `create` false: a reader), kept
+        `stream_replicas` times. An existing stream is used as it is, so replicas need not agree
+        on their URL lists. Raises on failure; the caller retries."""
+        if self._nc is not None and not self._nc.is_closed:
+            await self.close()  # a connection left from a `create=False` connect
         mark_connected = self._bridge.to_trio(self._connection_changed)
 
         async def changed() -> None:
             mark_connected()
+
+        report_error = self._bridge.to_trio(self._client_error)
+
+        async def error(error: Exception) -> None:
+            report_error(str(error) or repr(error))
 
         self._nc = await self._call(
             nats.connect,
@@ -115,11 +132,12 @@ class FleetLink:
             max_reconnect_attempts=-1,
             disconnected_cb=changed,
             reconnected_cb=changed,
+            error_cb=error,
         )
         self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
         if not create:
             return
-        replicas = min(MAX_REPLICAS, len(self._fleet.nats))
+        replicas = self._fleet.stream_replicas or self.derived_stream_replicas()
         names = self.names
         for config in (
             StreamConfig(
@@ -143,21 +161,40 @@ class FleetLink:
                 num_replicas=replicas,
             ),
         ):
-            await self._call(self._js.add_stream, config)
-        self._kv = await self._call(
-            self._js.create_key_value, bucket=names.lease, ttl=self._fleet.lease, history=1, replicas=replicas
-        )
+            try:
+                await self._call(self._js.stream_info, config.name)
+            except nats.js.errors.NotFoundError:
+                await self._call(self._js.add_stream, config)
+        try:
+            self._kv = await self._call(self._js.key_value, names.lease)
+        except nats.js.errors.BucketNotFoundError:
+            self._kv = await self._call(
+                self._js.create_key_value, bucket=names.lease, ttl=self._fleet.lease, history=1, replicas=replicas
+            )
         self.connected.set()
+
+    def derived_stream_replicas(self) -> int:
+        """The servers this connection knows (configured, and told of by the cluster), up to
+        MAX_DERIVED_REPLICAS."""
+        return min(MAX_DERIVED_REPLICAS, len({server.netloc for server in self._nc.servers}))
+
+    def _client_error(self, description: str) -> None:
+        if description != self._last_error:
+            self._last_error = description
+            self._on_error(description)
 
     def _connection_changed(self) -> None:
         if self.is_connected:
+            self._last_error = ""
             self.connected.set()
         elif self.connected.is_set():
             self.connected = trio.Event()
 
     async def close(self) -> None:
+        """Close the connection; a failure to flush what was pending (the server gone) is
+        not one to report: the connection is closed all the same."""
         if self._nc is not None:
-            with trio.move_on_after(OPERATION_SECONDS):
+            with trio.move_on_after(OPERATION_SECONDS), contextlib.suppress(nats.errors.Error, OSError):
                 await self._bridge.call(self._nc.close)
 
     async def _call(self, fn, *args, **kwargs):
@@ -229,14 +266,21 @@ class FleetLink:
         with trio.move_on_after(OPERATION_SECONDS):
             await self._bridge.call(subscription.unsubscribe)
 
-    async def read_events(self, start_seq: int, end_seq: int):
-        """The stream's messages from `start_seq` to `end_seq` in order, as (seq, data) (export)."""
-        for seq in range(start_seq, end_seq + 1):
-            try:
-                message = await self._call(self._js.get_msg, self.names.events, seq)
-            except nats.js.errors.NotFoundError:
-                continue  # removed by retention
-            yield seq, message.data
+    async def read_events(self, start_seq: int, end_seq: int) -> list[tuple[int, bytes]]:
+        """The stream's messages from `start_seq` through `end_seq` in order, as (seq, data), as
+        one ordered consumer delivers them (export). Fails when none arrives for
+        OPERATION_SECONDS."""
+        send, receive = trio.open_memory_channel[tuple[int, bytes]](math.inf)
+        subscription = await self.follow_events(start_seq, lambda seq, data, _appended_at: send.send_nowait((seq, data)))
+        messages: list[tuple[int, bytes]] = []
+        try:
+            while not messages or messages[-1][0] < end_seq:
+                with trio.fail_after(OPERATION_SECONDS):
+                    messages.append(await receive.receive())
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.unsubscribe(subscription)
+        return messages
 
     # --- checkpoints and observations -----------------------------------------------------
 

@@ -8,10 +8,16 @@ itself. Its tasks (children of `run`):
   replica's workers follow it as they follow a single-host gateway), starting from the newest
   checkpoint. Until the first fleet event arrives the replica routes on its own config (the
   state at seq 0), so the data plane never waits on NATS;
+- the watch reads, every `lease_renewal`, the stream's last seq and the lease holder: what
+  `/ready` (`stale_reason`), `interlock_fleet_events_behind` and `X-Interlock-Leader` answer
+  with, and whether the follower has stalled (behind the stream, nothing applied for a lease
+  since it subscribed: an ordered consumer can stay silent with no gap to show it), which
+  then resubscribes;
 - the campaign takes the lease when no one holds it (`kv.create`) and, once leader, renews it
   against its last revision every `lease_renewal`. The term ends when a renewal is refused, an
-  append is refused, or the lease runs out without a renewal (a cancel scope whose deadline is
-  the lease's end, moved on by each renewal);
+  append is refused or fails (a NATS failure ends the term, never the process), or the lease
+  runs out without a renewal (a cancel scope whose deadline is the lease's end, moved on by
+  each renewal);
 - while leader, the term catches up to the stream's last seq, appends its config (`RunStarted`
   on an empty stream, else `ConfigReloaded`: the config in force is the leader's, and this first
   append fences off a deposed leader), publishes a checkpoint, then probes the nodes and appends
@@ -51,6 +57,10 @@ CHECKPOINT_SECONDS = 30.0
 FOLLOW_BUFFER = 65_536
 """Delivered events waiting to be applied; beyond that the follower resubscribes."""
 
+BEHIND_TOLERATED = 10
+"""Events a replica may be behind the stream's last seq and still call itself current (the
+events in flight between the leader's append and this replica's apply)."""
+
 
 class FleetMetrics:
     def __init__(self, registry: prometheus_client.CollectorRegistry, replica: FleetControlPlane) -> None:
@@ -60,6 +70,11 @@ class FleetMetrics:
             registry=registry,
         )
         self.seconds_since_applied.set_function(replica.seconds_since_applied)
+        self.events_behind = prometheus_client.Gauge(
+            "interlock_fleet_events_behind",
+            "Events of the fleet's stream (its last seq, as last read) this replica has not applied",
+            registry=registry,
+        )
         self.leader = prometheus_client.Gauge(
             "interlock_fleet_leader", "1 while this replica is the fleet's leader", registry=registry
         )
@@ -95,6 +110,13 @@ class FleetControlPlane(ControlPlane):
         self._applied = trio.Event()
         self._stopped = trio.Event()
         self._revision = 0
+        self._following: trio.CancelScope | None = None
+        """The follower's current subscription (cancelled by the watch when it stalls)."""
+        self._subscribed_at = 0.0
+        self._stream_last_seq = 0
+        """The stream's last seq as the watch last read it."""
+        self._behind_since: float | None = None
+        self._leaderless_since: float | None = None
         self.fleet_metrics = FleetMetrics(self.registry, self)
         self.decisions = FleetDecisions(self.replica, self.log, self.registry)
         """Where this replica's decision records go: the fleet's decision stream."""
@@ -105,10 +127,21 @@ class FleetControlPlane(ControlPlane):
         """Seconds since the last event of the fleet was applied (inf before the first)."""
         return float("inf") if self._applied_at is None else time.monotonic() - self._applied_at
 
-    @property
-    def current(self) -> bool:
-        """Connected to NATS and applying the stream (what a readiness check asks)."""
-        return self._link is not None and self._link.is_connected and self.snapshot.seq > 0
+    def stale_reason(self) -> str:
+        """Why this replica may not be routing on the fleet's current state ("" when it is):
+        from what the follower and the watch last saw, never waiting on NATS."""
+        if self._link is None or not self._link.is_connected:
+            return "not connected to NATS"
+        if self._snapshot.seq == 0:
+            return "no event of the fleet applied yet"
+        lease = self.fleet.lease
+        now = time.monotonic()
+        if self._behind_since is not None and now - self._behind_since > lease:
+            behind = self._stream_last_seq - self._snapshot.seq
+            return f"{behind} events behind the fleet's stream for more than the lease ({lease:g}s)"
+        if self._leaderless_since is not None and now - self._leaderless_since > lease:
+            return f"no replica has held the fleet's lease for more than the lease ({lease:g}s)"
+        return ""
 
     def fleet_headers(self) -> dict[str, str]:
         return {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
@@ -131,11 +164,12 @@ class FleetControlPlane(ControlPlane):
             self.upstream_keys.take_up(self._own_config)
             self.log.configure(self._own_config.gateway)
             async with open_asyncio_thread(self._asyncio_failed) as bridge, ProbeClient() as client:
-                self._link = FleetLink(bridge, self.fleet)
+                self._link = FleetLink(bridge, self.fleet, self._nats_client_error)
                 try:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._connect)
                         nursery.start_soon(self._follow)
+                        nursery.start_soon(self._watch)
                         nursery.start_soon(self._campaign, client)
                         nursery.start_soon(self.decisions.run, self._link)
                         task_status.started()
@@ -171,6 +205,9 @@ class FleetControlPlane(ControlPlane):
             await self.emit(ConfigReloaded(at=self.now(), config_path=self.config_path, config=config))
         return True
 
+    def _nats_client_error(self, description: str) -> None:
+        self.log.warn("fleet: NATS client error", error=description)
+
     def _asyncio_failed(self, error: BaseException) -> None:
         self.log.warn("fleet: NATS call failed", error=f"{type(error).__name__}: {error}")
 
@@ -179,7 +216,7 @@ class FleetControlPlane(ControlPlane):
             try:
                 await self._link.connect()
             except NATS_ERRORS as error:
-                self.log.warn("fleet: cannot reach NATS; routing on the last state", error=str(error) or repr(error))
+                self.log.warn("fleet: cannot reach NATS; routing on the last state", error=described(error))
                 await self._link.close()
                 await trio.sleep(CONNECT_RETRY_SECONDS)
                 continue
@@ -189,14 +226,16 @@ class FleetControlPlane(ControlPlane):
     # --- following --------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        """Apply the stream in order, for good; resubscribe after a gap."""
+        """Apply the stream in order, for good; resubscribe after a gap, or when the watch
+        finds the subscription stalled."""
         while True:
             await self._link.connected.wait()
-            try:
-                await self._follow_once()
-            except NATS_ERRORS as error:
-                self.log.warn("fleet: following the event stream failed; again", error=str(error) or repr(error))
-                await trio.sleep(CONNECT_RETRY_SECONDS)
+            with trio.CancelScope() as self._following:
+                try:
+                    await self._follow_once()
+                except NATS_ERRORS as error:
+                    self.log.warn("fleet: following the event stream failed; again", error=described(error))
+                    await trio.sleep(CONNECT_RETRY_SECONDS)
 
     async def _follow_once(self) -> None:
         start = await self._starting_seq()
@@ -207,6 +246,7 @@ class FleetControlPlane(ControlPlane):
                 send.send_nowait((seq, data, appended_at))  # a dropped event shows as a gap: resubscribe
 
         subscription = await self._link.follow_events(start, deliver)
+        self._subscribed_at = time.monotonic()
         try:
             async for seq, data, appended_at in receive:
                 expected = self._snapshot.seq + 1
@@ -244,6 +284,41 @@ class FleetControlPlane(ControlPlane):
         self._applied.set()
         self._applied = trio.Event()
 
+    async def _watch(self) -> None:
+        """Every `lease_renewal`, read the stream's last seq and the lease holder: the events
+        this replica is behind, whether a leader holds the lease, and whether the follower has
+        stalled (behind, and nothing applied for a lease since it subscribed): then it
+        resubscribes. Nothing on the data path waits for this."""
+        while True:
+            await trio.sleep(self.fleet.lease_renewal)
+            if not self._link.connected.is_set():
+                continue
+            try:
+                last = await self._link.last_event_seq()
+                holder = self.replica if self.is_leader else await self._link.lease_holder()
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: reading the stream's state failed", error=described(error))
+                continue
+            now = time.monotonic()
+            self._stream_last_seq = last
+            behind = max(0, last - self._snapshot.seq)
+            self.fleet_metrics.events_behind.set(behind)
+            if behind <= BEHIND_TOLERATED:
+                self._behind_since = None
+            elif self._behind_since is None:
+                self._behind_since = now
+            self.leader = holder
+            if holder:
+                self._leaderless_since = None
+            elif self._leaderless_since is None:
+                self._leaderless_since = now
+            quiet_since = max(self._applied_at or 0.0, self._subscribed_at)
+            if behind and self._following is not None and now - quiet_since > self.fleet.lease:
+                self.log.warn(
+                    "fleet: the follower stalled; resubscribing", applied=self._snapshot.seq, stream_last=last
+                )
+                self._following.cancel()
+
     async def _applied_through(self, seq: int) -> None:
         while self._snapshot.seq < seq:
             await self._applied.wait()
@@ -263,12 +338,10 @@ class FleetControlPlane(ControlPlane):
                     self._revision = await self._link.take_lease(self.replica)
             except nats.js.errors.KeyWrongLastSequenceError:
                 self._revision = 0
-                with contextlib.suppress(*NATS_ERRORS):
-                    self.leader = await self._link.lease_holder()
                 await trio.sleep(renewal)
                 continue
             except NATS_ERRORS as error:
-                self.log.warn("fleet: lease request failed", error=str(error) or repr(error))
+                self.log.warn("fleet: lease request failed", error=described(error))
                 await trio.sleep(renewal)
                 continue
             await self._lead(client, lease_ends=started + self.fleet.lease)
@@ -303,7 +376,7 @@ class FleetControlPlane(ControlPlane):
                 term.cancel()
                 return
             except NATS_ERRORS as error:
-                self.log.warn("fleet: lease renewal failed", error=str(error) or repr(error))
+                self.log.warn("fleet: lease renewal failed", error=described(error))
                 continue  # the term ends when the lease runs out
             term.deadline = sent + self.fleet.lease
 
@@ -333,12 +406,12 @@ class FleetControlPlane(ControlPlane):
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._link.unsubscribe(observations)
-        except AppendRefused as refusal:
+        except* AppendRefused as refusals:  # except*: the appends run beside the prober, in a nursery
             self.fleet_metrics.appends_refused.inc()
-            self.log.warn("fleet: append refused: another replica leads", error=str(refusal))
+            self.log.warn("fleet: append refused: another replica leads", error=described(refusals))
             self._revision = 0
-        except NATS_ERRORS as error:
-            self.log.warn("fleet: append failed; standing for the lease again", error=str(error) or repr(error))
+        except* NATS_ERRORS as errors:
+            self.log.warn("fleet: append failed; standing for the lease again", error=described(errors))
         term.cancel()
 
     def _observed(self, line: bytes) -> None:
@@ -353,4 +426,14 @@ class FleetControlPlane(ControlPlane):
     async def _checkpoints(self) -> None:
         while True:
             await trio.sleep(CHECKPOINT_SECONDS)
-            await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+            try:
+                await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: publishing a checkpoint failed", error=described(error))
+
+
+def described(error: BaseException) -> str:
+    """A NATS failure for the log (the first of a group)."""
+    if isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return str(error) or repr(error)

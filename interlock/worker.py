@@ -24,10 +24,9 @@ import trio
 from controlplane.follower import Follower, OutOfStep
 from controlplane.logs import JsonLog
 from events.decisions import Decision
-from events.log import decode_event
 from events.types import Checkpoint
 from interlock.serve import api_application, serve_on_socket
-from interlock.workers import DecisionMade, Report, encode_report
+from interlock.workers import DecisionMade, ReplicaStatus, Report, decode_from_leader, encode_report
 from journal.stream import frame_lines, receive_lines
 
 REPORT_BACKLOG = 10_000
@@ -78,9 +77,10 @@ class _Reports:
 
 
 async def _events(leader: trio.SocketStream):
-    """The leader's events, decoded, until its end closes."""
+    """The leader's events (and, from a fleet replica, its `ReplicaStatus`), decoded, until its
+    end closes."""
     async for line in receive_lines(leader):
-        yield decode_event(line)
+        yield decode_from_leader(line)
 
 
 async def run_worker(index: int, api_socket: socket.socket, leader_socket: socket.socket, log: JsonLog) -> int:
@@ -113,6 +113,9 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         nonlocal exit_code
         try:
             async for event in events:
+                if isinstance(event, ReplicaStatus):
+                    follower.follow_replica(event.headers, event.stale)
+                    continue
                 await follower.upstream_keys.read_before(event)
                 config = follower.snapshot.config
                 follower.apply(event)

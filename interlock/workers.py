@@ -11,7 +11,9 @@ connections to workers whatever their load, and drop the ones queued on a dying 
 Each worker has a socketpair to the leader. Down it, the leader sends a checkpoint (its state at
 the moment the worker is registered) and then every numbered event after it, in order, encoded
 as in the event log; the worker applies them with the same `reduce`, so it holds the leader's
-state at every seq. Up it, the worker sends what its requests observed (a node refused a
+state at every seq. A leader that is a fleet replica also sends its `ReplicaStatus` whenever it
+changes (its name, the fleet's leader, why its state may not be current), which the worker's
+`/health` and `/ready` answer with. Up it, the worker sends what its requests observed (a node refused a
 connection, or answered again), which the leader numbers like any event, and its decision
 records, which the leader appends to the one decision log.
 
@@ -48,6 +50,9 @@ RESTART_PAUSE_SECONDS = 1.0
 MAX_LAG_EVENTS = 100_000
 """Events a worker may fall behind before the leader restarts it (it catches up from a checkpoint)."""
 
+REPLICA_STATUS_SECONDS = 0.5
+"""How often the leader looks whether its `ReplicaStatus` has changed."""
+
 STOP_GRACE_SECONDS = 15.0
 """How long the leader waits for its workers to drain after SIGTERM before it kills them
 (longer than a worker's own drain, `interlock.serve.SHUTDOWN_GRACE_SECONDS`)."""
@@ -59,11 +64,24 @@ class DecisionMade(msgspec.Struct, frozen=True, tag="decision", tag_field="type"
     record: Decision
 
 
+class ReplicaStatus(msgspec.Struct, frozen=True, tag="replica_status", tag_field="type"):
+    """What a leader that is a fleet replica says of itself to its workers: the `/health`
+    headers naming it and the fleet's leader, and why its state may not be current ("")."""
+
+    headers: dict[str, str]
+    stale: str
+
+
+NOT_IN_A_FLEET = ReplicaStatus(headers={}, stale="")
+
 Report = UpstreamFailed | UpstreamRecovered | DecisionMade
 """What a worker sends its leader."""
 
 encode_report = msgspec.json.Encoder().encode
 decode_report = msgspec.json.Decoder(Report).decode
+encode_status = msgspec.json.Encoder().encode
+decode_from_leader = msgspec.json.Decoder(Event | ReplicaStatus).decode
+"""A line down a worker's socketpair: an event (as in the event log) or a `ReplicaStatus`."""
 
 
 def usable_cores() -> int:
@@ -158,6 +176,8 @@ class WorkerPool:
         self._processes: dict[int, trio.Process] = {}
         self._stopping = False
         self._finished = trio.Event()
+        self._status = NOT_IN_A_FLEET
+        self._sharing_status = trio.CancelScope()
         control_plane.add_listener(self._fan_out)
 
     def _fan_out(self, event: Event, state: ClusterState, step: object) -> None:
@@ -166,6 +186,19 @@ class WorkerPool:
             line = encode_event(event)
             for link in self._links.values():
                 link.push(line)
+
+    async def _share_replica_status(self) -> None:
+        """Send the control plane's `ReplicaStatus` to every worker when it changes (never off
+        a fleet: a single host's is always NOT_IN_A_FLEET once it runs)."""
+        with self._sharing_status:
+            while True:
+                status = ReplicaStatus(self._control_plane.fleet_headers(), self._control_plane.stale_reason())
+                if status != self._status:
+                    self._status = status
+                    line = encode_status(status) + b"\n"
+                    for link in self._links.values():
+                        link.push(line)
+                await trio.sleep(REPLICA_STATUS_SECONDS)
 
     def _handle_report(self, report: Report) -> None:
         if isinstance(report, DecisionMade):
@@ -177,6 +210,7 @@ class WorkerPool:
         """Keep `count` workers running until `stop()`; `started` once each has been launched."""
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._share_replica_status)
                 for index in range(1, self._count + 1):
                     await nursery.start(self._supervise, index)
                 task_status.started()
@@ -186,6 +220,7 @@ class WorkerPool:
     async def stop(self) -> None:
         """Drain every worker (SIGTERM), killing those still running after STOP_GRACE_SECONDS."""
         self._stopping = True
+        self._sharing_status.cancel()
         for process in self._processes.values():
             _signal(process, signal.SIGTERM)
         with trio.move_on_after(STOP_GRACE_SECONDS):
@@ -213,6 +248,8 @@ class WorkerPool:
         # No checkpoint between reading the snapshot and registering: the worker gets the state
         # at seq S, then every event after S.
         link.push(encode_event(Checkpoint.of(self._control_plane.snapshot)))
+        if self._status != NOT_IN_A_FLEET:
+            link.push(encode_status(self._status) + b"\n")
         self._links[index] = link
         try:
             with worker_end:

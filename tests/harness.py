@@ -49,11 +49,20 @@ def required_program(name: str, install: str) -> str:
     return path
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port of 127.0.0.1 free at the moment (for a listen address a subprocess must be given)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A port of 127.0.0.1 free at the moment (for a listen address a subprocess must be given),
+    never one handed out before in this process: a port probed and released can come back at
+    the next probe, and a gateway given one port for both its listeners does not start."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def node_specs(count: int, *, serving: Sequence[str] = (MODEL,), **behaviour) -> list[NodeSpec]:

@@ -3,7 +3,6 @@ with JetStream on and its own store directory, on free ports; killed at the end 
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,15 +11,9 @@ from pathlib import Path
 
 import trio
 
-from harness import required_program
+from harness import free_port, required_program
 
 START_TIMEOUT = 15.0
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

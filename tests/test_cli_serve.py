@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from events.log import read_events
 from fixtures.node import serve_nodes
 
 from harness import MODEL, chat, config_text, free_port, node_specs
+from nats_cluster import nats_servers
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 TEXT_LINE = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ (INFO |WARN |ERROR) \S.*")
@@ -332,3 +334,35 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_onl
             code, _, errors = await gateway.stop()
     assert (code, errors) == (0, "")
     assert list((tmp_path / "var").glob("events*.jsonl"))  # the event log explain reads
+
+
+async def test_serve_fleet_joins_a_fleet_and_its_workers_answer_for_the_replica(tmp_path):
+    """`--fleet URL` without a [fleet] table: the replica is named after the host and, alone,
+    leads; its workers' /health names it and the leader, and their /ready follows the
+    replica's: 503 "not connected to NATS" once its NATS server is gone."""
+    api = free_port()
+    async with nats_servers(tmp_path) as [server], serve_nodes(node_specs(1)) as nodes:
+        config_path = tmp_path / "gateway.toml"
+        config_path.write_text(config_text(nodes, health_interval="1s", workers=2))
+        options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--fleet", server.url)
+        async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False) as client:
+            await gateway.read_until('"api server listening"')
+            host = socket.gethostname()
+            with trio.fail_after(60):
+                while True:
+                    response = await client.get(f"http://127.0.0.1:{api}/ready")
+                    if response.status_code == 200:
+                        break
+                    await trio.sleep(0.1)
+            response = await client.get(f"http://127.0.0.1:{api}/health")
+            assert response.headers["X-Interlock-Worker"] in ("1", "2")
+            assert (response.headers["X-Interlock-Replica"], response.headers["X-Interlock-Leader"]) == (host, host)
+            assert (await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat(MODEL))).status_code == 200
+            await server.kill()
+            with trio.fail_after(60):
+                while (await client.get(f"http://127.0.0.1:{api}/ready")).json().get("reason") != "not connected to NATS":
+                    await trio.sleep(0.1)
+            assert (await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat(MODEL))).status_code == 200
+            code, output, errors = await gateway.stop()
+    assert (code, errors) == (0, "")
+    assert "fleet: NATS client error" in output  # once, not a traceback per reconnection attempt

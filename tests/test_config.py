@@ -713,7 +713,7 @@ def test_example_config_documents_the_limits() -> None:
     assert "# max_buffered_response_bytes = 8388608  # 8 MiB; -1 = unlimited" in text
     assert "# max_request_body_bytes = 33554432  # 32 MiB; no unlimited setting" in text
     assert "data[].id" in text
-    for key in GatewayConfig.__struct_fields__ + RoutingConfig.__struct_fields__:
+    for key in GatewayConfig.__struct_fields__ + RoutingConfig.__struct_fields__ + FleetConfig.__struct_fields__:
         assert key in text
     assert "#   policy " in text  # a model's own
     assert "interlock whatif" in text  # why load may be scraped under round robin
@@ -929,10 +929,15 @@ def test_fleet_defaults(tmp_path: Path) -> None:
 def test_fleet_durations_and_names(tmp_path: Path) -> None:
     text = ONE_NODE + (
         '[fleet]\nnats = ["nats://a:4222", "tls://b:4222"]\nname = "prod-eu"\nreplica = "gw-2.example"\n'
-        'lease = "10s"\nlease_renewal = "2500ms"\n'
+        'lease = "10s"\nlease_renewal = "2500ms"\nstream_replicas = 5\n'
     )
     assert load_text(tmp_path, text).fleet == FleetConfig(
-        nats=("nats://a:4222", "tls://b:4222"), name="prod-eu", replica="gw-2.example", lease=10.0, lease_renewal=2.5
+        nats=("nats://a:4222", "tls://b:4222"),
+        name="prod-eu",
+        replica="gw-2.example",
+        lease=10.0,
+        lease_renewal=2.5,
+        stream_replicas=5,
     )
 
 
@@ -959,6 +964,7 @@ def test_serve_fleet_sets_the_servers_with_or_without_a_table(tmp_path: Path) ->
             "fleet.lease_renewal",
             "lease_renewal must be greater than zero and at most half the lease (1s)",
         ),
+        ('nats = ["nats://a:1"]\nstream_replicas = 6', "fleet.stream_replicas", "stream_replicas must be 1 to 5"),
     ],
 )
 def test_fleet_errors_name_the_key(tmp_path: Path, lines: str, key: str, message: str) -> None:

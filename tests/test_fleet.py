@@ -3,7 +3,11 @@ times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulate
 
 Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
 is replaced and the seqs go on without gap or duplicate; an append after a stale seq is refused;
-a leader paused past its lease steps down and follows.
+a leader paused past its lease steps down and follows. One NATS server killed under load loses
+no request and no event; with all of NATS gone the replicas serve on their last state, say so
+on /ready, and catch up when it is back; a restarted replica catches up from a checkpoint; a
+node killed is avoided through every replica. The export reads a long stream in order; the
+streams are kept once per server of the cluster, whatever URLs a replica lists.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ from pathlib import Path
 import httpx
 import msgspec
 import nats
+import nats.errors
 import pytest
 import trio
 
-from events.config import FleetConfig
-from events.log import decode_event
-from events.types import ConfigReloaded, HealthProbed
+from events.config import Config, FleetConfig
+from events.log import decode_event, encode_event
+from events.types import ConfigReloaded, HealthProbed, RunStarted, UpstreamRecovered
 from fixtures.node import SimulatedNode, serve_nodes
 from fleet.bridge import open_asyncio_thread
+from fleet.export import export_events
 from fleet.jetstream import AppendRefused, FleetLink
-from harness import MODEL, PROJECT_ROOT, chat, config_text, node_specs
-from nats_cluster import NatsServer, free_port, nats_servers
+from harness import MODEL, PROJECT_ROOT, chat, config_text, free_port, node_specs
+from nats_cluster import NatsServer, nats_servers
 
 LEASE = "2s"
 LEASE_RENEWAL = "500ms"
@@ -81,6 +87,15 @@ class Replica:
             seq=int(headers["X-Interlock-Seq"]),
             digest=headers["X-Interlock-State-Digest"],
         )
+
+    async def ready(self, http: httpx.AsyncClient) -> tuple[int, dict]:
+        response = await http.get(self.url + "/ready", timeout=5)
+        return response.status_code, response.json()
+
+    async def metric(self, http: httpx.AsyncClient, name: str) -> float:
+        response = await http.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5)
+        [value] = [line.split()[-1] for line in response.text.splitlines() if line.startswith(name + " ")]
+        return float(value)
 
     def signal(self, signum: int) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -147,6 +162,39 @@ async def running_fleet(
         httpx.AsyncClient() as http,
     ):
         yield servers, nodes, replicas, http
+
+
+@asynccontextmanager
+async def steady_load(http: httpx.AsyncClient, replicas: Sequence[Replica]) -> AsyncIterator[list[str]]:
+    """Requests through every replica, one after another on each, for the block; yields the
+    list of failures (none expected), each naming the replica and what went wrong."""
+    failures: list[str] = []
+
+    async def through(replica: Replica) -> None:
+        while True:
+            try:
+                response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
+            except httpx.HTTPError as error:
+                failures.append(f"{replica.name}: {error!r}")
+            else:
+                if response.status_code != 200:
+                    failures.append(f"{replica.name}: {response.status_code} {response.text}")
+            await trio.sleep(0.02)
+
+    async with trio.open_nursery() as nursery:
+        for replica in replicas:
+            nursery.start_soon(through, replica)
+        yield failures
+        nursery.cancel_scope.cancel()
+
+
+async def until(condition, what: str) -> None:
+    """Wait (WAIT at most) until the async `condition()` is true."""
+    with trio.move_on_after(WAIT):
+        while not await condition():
+            await trio.sleep(0.1)
+        return
+    raise AssertionError(f"not within {WAIT}s: {what}")
 
 
 def named(replicas: Sequence[Replica], name: str) -> Replica:
@@ -259,11 +307,7 @@ async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
 async def test_an_append_against_a_stale_last_seq_is_refused(tmp_path):
     """The fence itself: of two replicas appending after the same seq, the second is refused."""
     fleet = FleetConfig(nats=(), name="fence", replica="r", lease=2.0, lease_renewal=0.5)
-
-    def unexpected(error: BaseException) -> None:
-        raise AssertionError(error)
-
-    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
         fleet = msgspec.structs.replace(fleet, nats=(server.url,))
         first, second = FleetLink(bridge, fleet), FleetLink(bridge, fleet)
         await first.connect()
@@ -317,3 +361,139 @@ async def test_each_node_is_probed_by_the_leader_alone(tmp_path):
         messages = await fleet_events(servers[0].url)
         for node, answered in zip(nodes, checks):
             assert probes_on_the_stream(messages, node) <= answered <= probes_on_the_stream(messages, node) + 1
+
+
+def failing_bridge(error: BaseException) -> None:
+    raise AssertionError(error)
+
+
+async def test_the_export_reads_a_long_stream_in_order(tmp_path):
+    """A few thousand events, exported through one consumer, are the log `replay` reads."""
+    count = 3000
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
+        fleet = FleetConfig(nats=(server.url,), name="long", replica="r", lease=2.0, lease_renewal=0.5)
+        link = FleetLink(bridge, fleet)
+        await link.connect()
+        await link.append(encode_event(RunStarted(at=1.0, version="test", config_path="gateway.toml", config=Config(), seq=1)), 0)
+        for seq in range(2, count + 1):
+            await link.append(encode_event(UpstreamRecovered(at=float(seq), node="10.0.0.1", seq=seq)), seq - 1)
+        await link.close()
+        path, written = await export_events(fleet, tmp_path / "export")
+    assert written == count
+    assert [decode_event(line).seq for line in path.read_bytes().splitlines()] == list(range(1, count + 1))
+
+
+async def test_a_stream_is_kept_by_every_server_of_the_cluster_and_found_by_any_url_list(tmp_path):
+    """The first replica creates the streams with one copy per server it learns of (three
+    here, though it lists one URL); a replica listing other URLs uses them as they are."""
+    async with nats_servers(tmp_path, 3) as servers, open_asyncio_thread(failing_bridge) as bridge:
+        fleet = FleetConfig(nats=(servers[0].url,), name="sized", replica="r1", lease=2.0, lease_renewal=0.5)
+        with trio.fail_after(WAIT):
+            while True:  # the cluster's routes form, and JetStream elects its leader, after the servers start
+                first = FleetLink(bridge, fleet)
+                try:
+                    await first.connect(create=False)
+                    if first.derived_stream_replicas() == 3:
+                        await first.connect()
+                        break
+                except (nats.errors.Error, trio.TooSlowError):
+                    pass
+                await first.close()
+                await trio.sleep(0.2)
+        second = FleetLink(bridge, msgspec.structs.replace(fleet, nats=(servers[1].url, servers[2].url), replica="r2"))
+        await second.connect()
+        assert await first.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0) == 1
+        assert await second.last_event_seq() == 1
+        info = await first._call(first._js.stream_info, first.names.events)
+        assert info.config.num_replicas == 3
+        await first.close()
+        await second.close()
+
+
+async def test_one_nats_server_killed_under_load_loses_no_request_and_no_event(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        async with steady_load(http, replicas) as failures:
+            await servers[0].kill()
+            # the leader goes on appending on the two servers left (a quorum of three)
+            await until(
+                lambda: _seq_passed(http, replicas, before.seq + 10), "every replica applying events past the kill"
+            )
+        after = await agreed(http, replicas, observed)
+        assert failures == []
+        assert after.seq > before.seq
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[1].url))
+
+
+async def _seq_passed(http: httpx.AsyncClient, replicas: Sequence[Replica], seq: int) -> bool:
+    answers = [await replica.health(http) for replica in replicas]
+    return all(answer is not None and answer.seq > seq for answer in answers)
+
+
+async def test_without_nats_the_replicas_serve_on_their_last_state_and_catch_up(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        async with steady_load(http, replicas) as failures:
+            for server in servers:
+                await server.kill()
+
+            async def all_stale() -> bool:
+                answers = [await replica.ready(http) for replica in replicas]
+                return all(status == 503 and body["reason"] == "not connected to NATS" for status, body in answers)
+
+            await until(all_stale, "/ready 503 on every replica, not connected to NATS")
+            cut_off = [await replica.metric(http, "interlock_fleet_seconds_since_applied") for replica in replicas]
+
+            async def growing() -> bool:
+                now = [await replica.metric(http, "interlock_fleet_seconds_since_applied") for replica in replicas]
+                return all(later > earlier + 1 for earlier, later in zip(cut_off, now))
+
+            await until(growing, "seconds since applied growing on every replica")
+            for server in servers:
+                await server.start()
+            await until(lambda: _seq_passed(http, replicas, before.seq + 5), "every replica applying events again")
+
+            async def all_ready() -> bool:
+                return [(await replica.ready(http))[0] for replica in replicas] == [200] * len(replicas)
+
+            await until(all_ready, "/ready 200 on every replica")
+        assert failures == []
+        await agreed(http, replicas, observed)
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[0].url))
+
+
+async def test_a_restarted_replica_catches_up_from_a_checkpoint(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        follower = next(replica for replica in replicas if replica.name != before.leader)
+        follower.signal(signal.SIGKILL)
+        await follower.process.wait()
+        starts = follower.messages().count("fleet: starting from a checkpoint")
+        others = [replica for replica in replicas if replica is not follower]
+        await until(lambda: _seq_passed(http, others, before.seq + 5), "the others going on")
+        await follower.start()
+        after = await agreed(http, replicas, observed)
+        assert after.seq > before.seq + 5
+        assert follower.messages().count("fleet: starting from a checkpoint") == starts + 1
+        assert observed.disagreements() == {}
+
+
+async def test_a_killed_node_is_avoided_by_every_replica(tmp_path):
+    async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
+        observed = Observed()
+        await agreed(http, replicas, observed)
+        nodes[0].behaviour.refuse = True
+        await agreed(http, replicas, observed)
+        served_before = len(nodes[1].requests)
+        for _ in range(5):
+            for replica in replicas:
+                response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
+                assert response.status_code == 200, (replica.name, response.text)
+        completions = [request for request in list(nodes[1].requests)[served_before:] if request.path == "/v1/chat/completions"]
+        assert len(completions) == 15
+        assert observed.disagreements() == {}
