@@ -62,6 +62,21 @@ IN_FLIGHT_SLACK_SECONDS = 10.0
 request arrived (a scrape's moment lies at most a scrape interval back)."""
 
 
+MOVED_SHOWN = 20
+"""Requests whose pick changes named in the report; the rest are counted."""
+
+
+class Moved(msgspec.Struct, frozen=True):
+    """A request the what-if sends elsewhere."""
+
+    request_id: str
+    recorded: str
+    routed_again: str
+    margin: float | None
+    """How much better the what-if policy scores its pick than the recorded node (its score's
+    lead, lower is better); None when the recorded node is not among its candidates."""
+
+
 class WhatIfReport(msgspec.Struct, kw_only=True):
     policy: str
     decisions: int
@@ -70,6 +85,10 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     """Records whose first pick was routed again (both the recording and the what-if have one)."""
     changed: int
     """Of those, picks that went to another node."""
+    agreement: float | None
+    """The share of picks routed again to the recorded node, in per cent (None: none routed again)."""
+    moved: list[Moved]
+    """The first MOVED_SHOWN requests whose pick changed."""
     became_503: int
     """Requests that got a node, whose pool is empty when routed again (only a change of the
     routing code, or of its reading of the log, can do this: a policy only chooses within the pool)."""
@@ -89,6 +108,8 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     prefix_seen_after: int
     """Of those, the requests whose node had seen their prefix among its last `cache_entries`."""
     cache_entries: int
+    share_delta: dict[str, float]
+    """Each node's share of the picks routed again minus its recorded share, in percentage points."""
 
 
 def what_if(
@@ -120,9 +141,9 @@ def what_if(
     before: Counter[str] = Counter()
     after: Counter[str] = Counter()
     report = WhatIfReport(
-        policy=policy, decisions=len(chosen), routed_again=0, changed=0, became_503=0, stopped_503=0,
-        beyond_log=0, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0, prefix_seen_after=0,
-        cache_entries=cache_entries,
+        policy=policy, decisions=len(chosen), routed_again=0, changed=0, agreement=None, moved=[], became_503=0,
+        stopped_503=0, beyond_log=0, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0,
+        prefix_seen_after=0, cache_entries=cache_entries, share_delta={},
     )  # fmt: skip
     for decision in chosen:
         state = states.at(decision.seq)
@@ -139,9 +160,9 @@ def what_if(
             continue
         process = process_of(decision)
         if policy == RECORDED:
-            node = recorded_choice(balancers[process], decision, pool, state).node.ip
+            choice = recorded_choice(balancers[process], decision, pool, state)
         else:
-            node = balancers[process].choose(
+            choice = balancers[process].choose(
                 [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
                 policy,
                 rotation=decision.rotation,
@@ -149,12 +170,16 @@ def what_if(
                 request_id=decision.request_id,
                 prefix=decision.prefix,
                 load_bound=_load_bound(state),
-            ).node.ip  # remembered: the what-if world's memory
+            )  # remembered: the what-if world's memory
+        node = choice.node.ip
         duration = _moved_duration(decision.duration, state, recorded_node, node)
         in_flight.add(process, decision.at, duration, node)
         recorded_in_flight.add(process, decision.at, decision.duration, recorded_node)
         report.routed_again += 1
-        report.changed += node != recorded_node
+        if node != recorded_node:
+            report.changed += 1
+            if len(report.moved) < MOVED_SHOWN:
+                report.moved.append(Moved(decision.request_id, recorded_node, node, _lead(choice, recorded_node)))
         before[recorded_node] += 1
         after[node] += 1
         for ip in (recorded_node, node):
@@ -165,7 +190,17 @@ def what_if(
             report.prefix_seen_before += seen_before.saw(recorded_node, decision.prefix)
             report.prefix_seen_after += seen_after.saw(node, decision.prefix)
     report.before, report.after = dict(sorted(before.items())), dict(sorted(after.items()))
+    routed = report.routed_again
+    if routed:
+        report.agreement = 100 * (routed - report.changed) / routed
+        report.share_delta = {ip: 100 * (after[ip] - before[ip]) / routed for ip in sorted(report.nodes)}
     return report
+
+
+def _lead(choice: Choice, recorded: str) -> float | None:
+    """The chosen candidate's score lead over `recorded` (None: not a candidate)."""
+    score = next((candidate.score for candidate in choice.candidates if candidate.node == recorded), None)
+    return None if score is None else score - choice.candidates[0].score
 
 
 Process = tuple[str, int]
@@ -352,10 +387,12 @@ class _RecentPrefixes:
 
 def render_report(report: WhatIfReport) -> str:
     routed = report.routed_again
+    agreement = "-" if report.agreement is None else f"{report.agreement:.1f}%"
     lines = [
         f"{report.decisions} recorded requests, {routed} routed again under "
-        + ("the policy each was routed by" if report.policy == RECORDED else report.policy),
-        f"{report.changed} would have gone to another node ({_share(report.changed, routed)})",
+        + ("the policy each was routed by" if report.policy == RECORDED else report.policy)
+        + " (open-loop: later load is as recorded, not as the new picks would have made it)",
+        f"agreement {agreement}: {report.changed} would have gone to another node ({_share(report.changed, routed)})",
         f"{report.became_503} would have become 503, {report.stopped_503} would have stopped being 503",
     ]
     if report.beyond_log:
@@ -363,10 +400,18 @@ def render_report(report: WhatIfReport) -> str:
     lines.append("")
     rows = [
         [report.nodes.get(ip, ip), ip, f"{report.before.get(ip, 0)} ({_share(report.before.get(ip, 0), routed)})",
-         f"{report.after.get(ip, 0)} ({_share(report.after.get(ip, 0), routed)})"]
+         f"{report.after.get(ip, 0)} ({_share(report.after.get(ip, 0), routed)})",
+         f"{report.share_delta.get(ip, 0.0):+.1f}"]
         for ip in sorted(report.nodes)
     ]  # fmt: skip
-    lines += format_table(["NODE", "IP", "RECORDED", "ROUTED AGAIN"], rows) if rows else ["no request routed again"]
+    headers = ["NODE", "IP", "RECORDED", "ROUTED AGAIN", "SHARE Δ (POINTS)"]
+    lines += format_table(headers, rows) if rows else ["no request routed again"]
+    if report.moved:
+        lines += ["", f"requests whose pick changes (the first {len(report.moved)} of {report.changed}):", ""]
+        lines += format_table(
+            ["REQUEST ID", "RECORDED", "ROUTED AGAIN", "MARGIN"],
+            [[m.request_id, m.recorded, m.routed_again, "-" if m.margin is None else f"{m.margin:g}"] for m in report.moved],
+        )
     if report.prefixed:
         lines += [
             "",

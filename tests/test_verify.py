@@ -12,6 +12,7 @@ import pytest
 import trio
 from test_whatif_cli import Run, record_run
 
+from fixtures.scenarios import DECISIONS_PATH, SCENARIO_PATH
 from journal.segments import list_segments
 
 POLICIES = ("round_robin", "least_load", "power_of_two", "prefix_affinity")
@@ -119,3 +120,25 @@ def test_records_beyond_the_event_log_fail(run, tmp_path):
     result = verify(cut, run.decisions)
     assert result.returncode == 1
     assert "12 records not verified: the event log does not hold their snapshot" in result.stdout
+
+
+def test_the_shipped_sample_holds_every_policy_input_and_warns_no_more():
+    verified = verify(SCENARIO_PATH, DECISIONS_PATH)
+    assert (verified.returncode, verified.stderr) == (0, "")
+    assert "432 verified in full, 0 lacking policy inputs, 0 beyond the event log" in verified.stdout
+    same = interlock("whatif", SCENARIO_PATH, "--decisions", DECISIONS_PATH, "--json")
+    assert (same.returncode, same.stderr) == (0, "")
+    assert (json.loads(same.stdout)["changed"], json.loads(same.stdout)["agreement"]) == (0, 100.0)
+
+
+def test_whatif_says_what_it_is_agreement_moves_with_margins_share_deltas_open_loop():
+    shifted = interlock("whatif", SCENARIO_PATH, "--decisions", DECISIONS_PATH, "--policy", "least_load")
+    assert (shifted.returncode, shifted.stderr) == (0, "")
+    lines = shifted.stdout.splitlines()
+    assert "open-loop" in lines[0]
+    assert lines[1].startswith("agreement 84.1%: 62 would have gone to another node")
+    assert "SHARE Δ (POINTS)" in shifted.stdout
+    assert "requests whose pick changes (the first 20 of 62):" in lines
+    assert lines[lines.index("requests whose pick changes (the first 20 of 62):") + 2].split() == [
+        "REQUEST", "ID", "RECORDED", "ROUTED", "AGAIN", "MARGIN"
+    ]  # fmt: skip
