@@ -142,3 +142,43 @@ def test_whatif_says_what_it_is_agreement_moves_with_margins_share_deltas_open_l
     assert lines[lines.index("requests whose pick changes (the first 20 of 62):") + 2].split() == [
         "REQUEST", "ID", "RECORDED", "ROUTED", "AGAIN", "MARGIN"
     ]  # fmt: skip
+
+
+GOLDEN = Path(__file__).resolve().parent.parent / "fixtures" / "logs" / "golden"
+
+
+def test_the_golden_run_is_decided_today_as_it_was_recorded():
+    """The gate: a change of routing or policy code that alters a past decision fails here
+    until `python -m fixtures.golden` records the run again (on purpose)."""
+    result = verify(GOLDEN / "events.jsonl", GOLDEN / "decisions.jsonl", options=("--json",))
+    report = json.loads(result.stdout)
+    assert (result.returncode, result.stderr, report["divergences"]) == (0, "", [])
+    assert report["verified"] == report["decisions"] >= 200
+    assert len(report["processes"]) == 2  # two workers
+
+
+def test_an_edited_golden_record_fails_and_is_named(tmp_path):
+    lines = (GOLDEN / "decisions.jsonl").read_text().splitlines()
+    number = next(i for i, line in enumerate(lines) if len(json.loads(line)["candidates"]) > 1)
+    record = json.loads(lines[number])
+    swap_the_pick(record)
+    lines[number] = json.dumps(record)
+    decisions = tmp_path / "decisions.jsonl"
+    decisions.write_text("\n".join(lines) + "\n")
+    result = verify(GOLDEN / "events.jsonl", decisions)
+    assert result.returncode == 1
+    assert any(line.startswith(record["request_id"]) for line in result.stdout.splitlines())
+
+
+def test_the_golden_run_is_recorded_again_by_one_command_and_verifies(tmp_path):
+    made = subprocess.run(
+        [sys.executable, "-m", "fixtures.golden", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert made.returncode == 0, made.stderr
+    result = verify(tmp_path / "events.jsonl", tmp_path / "decisions.jsonl", options=("--json",))
+    report = json.loads(result.stdout)
+    assert (result.returncode, report["divergences"]) == (0, [])
+    records = [json.loads(line) for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert {record["policy"] for record in records} == {"round_robin", "least_load", "power_of_two", "prefix_affinity"}
+    assert {exclusion["reason"] for record in records for exclusion in record["excluded"]} >= {"offline", "dead"}
+    assert len({record["worker"] for record in records}) == 2
