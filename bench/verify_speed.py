@@ -54,7 +54,9 @@ def generate_decisions(events: Path, path: Path, count: int, event_count: int, s
                 balancer = balancers[worker]
                 route = Route(state, model)
                 passed: list[Exclusion] = []
-                pool = pick_pool(route.candidates, event.at, passed_over=lambda ip, reason: passed.append(Exclusion(ip, reason)))
+                pool = pick_pool(
+                    route.candidates, event.at, passed_over=lambda ip, reason: passed.append(Exclusion(ip, reason))
+                )
                 request_id = f"req-{written:08d}"
                 prefix = f"{rng.randrange(PREFIXES):016x}"
                 policy = POLICIES[written % len(POLICIES)]
@@ -105,7 +107,8 @@ def main() -> None:
             if not report.passed:
                 raise SystemExit(f"verify found divergences in the generated run: {report.divergences[:3]}")
         median = statistics.median(timings)
-        print(f"verify: {written / median * 60:,.0f} decisions/minute (median of 3 runs: {median:.2f} s; target 100,000)")
+        rate = written / median * 60
+        print(f"verify: {rate:,.0f} decisions/minute (median of 3 runs: {median:.2f} s; target 100,000)")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
-0 ok, 1 `serve` cannot start or `verify` found a decision made otherwise, 2 bad input (arguments, config, log, a request id not in the decision log), 3 `explain`
-found no node to route to. Errors are one line on stderr naming the culprit, never a traceback.
+0 ok, 1 `serve` cannot start or `verify` found a decision made otherwise, 2 bad input (arguments, config,
+log, a request id not in the decision log), 3 `explain` found no node to route to. Errors are one
+line on stderr naming the culprit, never a traceback.
 """
 
 from __future__ import annotations
@@ -421,7 +422,8 @@ def _complete_decisions(args: argparse.Namespace, warn: Callable[[str], None]) -
         if lacking:
             incomplete.append(decision.request_id)
     if incomplete:
-        warn(incomplete_warning(len(incomplete), len(records), dict(sorted(missing.items())), incomplete[:DEFAULT_SHOWN]))
+        shown = incomplete[:DEFAULT_SHOWN]
+        warn(incomplete_warning(len(incomplete), len(records), dict(sorted(missing.items())), shown))
     return records
 
 
@@ -743,7 +745,8 @@ def run_fleet_export(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS = [
-    add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif, add_verify, add_fleet,
+    add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif, add_verify,
+    add_fleet,
 ]  # fmt: skip
 
 

@@ -166,7 +166,9 @@ def _compare(decision: Decision, state: ClusterState, picker: Balancer, *, compl
 
 
 def _compare_candidates(
-    recorded: tuple[CandidateScore, ...], derived: tuple[CandidateScore, ...], differ: Callable[[str, object, object], None]
+    recorded: tuple[CandidateScore, ...],
+    derived: tuple[CandidateScore, ...],
+    differ: Callable[[str, object, object], None],
 ) -> None:
     nodes = tuple(candidate.node for candidate in recorded)
     derived_nodes = tuple(candidate.node for candidate in derived)
@@ -205,7 +207,8 @@ def render_report(report: VerifyReport) -> str:
             + _names(report.beyond_log_ids, report.beyond_log)
         )
     if not report.divergent:
-        lines.append(f"every decision made again matches ({report.decisions - report.beyond_log} of {report.decisions})")
+        made_again = report.decisions - report.beyond_log
+        lines.append(f"every decision made again matches ({made_again} of {report.decisions})")
         return "\n".join(lines)
     lines += [
         f"{report.divergent} records diverge ({report.differences} differences); the first {len(report.divergences)}:",

@@ -14,9 +14,9 @@ recorded one, and a change is a change of the code.
 
 Under another policy the inputs are the what-if world's own, per routing process (a replica's
 worker: each counts its own): the requests it routed that were still in flight, and prefix
-affinity's memory of where each prefix last went. A node's scraped load is corrected the same way: at the scrape's moment,
-the gateway's recorded requests on the node are taken out and the what-if world's put in; the
-rest (other clients') stays as scraped. A request moved to another node is counted in flight
+affinity's memory of where each prefix last went. A node's scraped load is corrected the same
+way: at the scrape's moment, the gateway's recorded requests on the node are taken out and the
+what-if world's put in; the rest (other clients') stays as scraped. A request moved to another node is counted in flight
 there for its recorded duration scaled by the two nodes' times between tokens (as last scraped;
 as recorded when either is unknown). Its time in the first node's queue is scaled too, and a
 request left where it was keeps its recorded duration: what-if queues are not simulated, so a
@@ -410,7 +410,7 @@ def render_report(report: WhatIfReport) -> str:
         lines += ["", f"requests whose pick changes (the first {len(report.moved)} of {report.changed}):", ""]
         lines += format_table(
             ["REQUEST ID", "RECORDED", "ROUTED AGAIN", "MARGIN"],
-            [[m.request_id, m.recorded, m.routed_again, "-" if m.margin is None else f"{m.margin:g}"] for m in report.moved],
+            [[moved.request_id, moved.recorded, moved.routed_again, _margin(moved.margin)] for moved in report.moved],
         )
     if report.prefixed:
         lines += [
@@ -420,6 +420,10 @@ def render_report(report: WhatIfReport) -> str:
             f" {_share(report.prefix_seen_after, report.prefixed)} (of {report.prefixed} requests with a prefix)",
         ]
     return "\n".join(lines)
+
+
+def _margin(margin: float | None) -> str:
+    return "-" if margin is None else f"{margin:g}"
 
 
 def _share(part: int, whole: int) -> str:
