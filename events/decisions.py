@@ -7,10 +7,11 @@ explain --request-id`, `whatif`, the timeline), so it lives with the rest of the
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from enum import StrEnum
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from events.config import Policy
 from journal.reader import read_records
@@ -103,6 +104,54 @@ class Decision(msgspec.Struct, frozen=True):
 
 
 _decode_decision = msgspec.json.Decoder(Decision)
+
+
+POLICY_INPUTS = ("policy", "rotation", "candidates", "prefix", "remembered")
+"""The fields a first pick is made again from (besides the state at the record's seq), each
+added to the record at another time: a record older than one of them lacks it."""
+
+
+class _PolicyInputKeys(msgspec.Struct):
+    """Which of POLICY_INPUTS a record's line holds (UNSET: the key is absent)."""
+
+    policy: msgspec.Raw | UnsetType = UNSET
+    rotation: msgspec.Raw | UnsetType = UNSET
+    candidates: msgspec.Raw | UnsetType = UNSET
+    prefix: msgspec.Raw | UnsetType = UNSET
+    remembered: msgspec.Raw | UnsetType = UNSET
+
+
+class _DecisionWithGaps:
+    """A decoder (for `read_records`) of a record and the policy inputs its line lacks."""
+
+    _decode_keys = msgspec.json.Decoder(_PolicyInputKeys).decode
+
+    def decode(self, line: bytes) -> tuple[Decision, tuple[str, ...]]:
+        decision = _decode_decision.decode(line)
+        keys = self._decode_keys(line)
+        missing = tuple(name for name in POLICY_INPUTS if getattr(keys, name) is UNSET)
+        if decision.attempts and not decision.candidates and "candidates" not in missing:
+            missing += ("candidates",)  # a pick made without its scores (a log without them)
+        return decision, missing
+
+
+def read_decisions_with_gaps(
+    paths: Iterable[str | os.PathLike[str]], warn: Callable[[str], None] | None = None
+) -> Iterator[tuple[Decision, tuple[str, ...]]]:
+    """The records of decision logs (names or segments, several workers' or replicas' files
+    alike), each with the POLICY_INPUTS its line lacks (`missing_inputs` says which matter)."""
+    for _, record in read_records(paths, _DecisionWithGaps(), warn, "decision log"):  # type: ignore[arg-type]
+        yield record
+
+
+def missing_inputs(decision: Decision, absent: tuple[str, ...]) -> tuple[str, ...]:
+    """Of the inputs a record lacks, those its first pick needs: none without a pick; the
+    prompt prefix and the remembered node only under prefix affinity."""
+    if not absent or not decision.attempts:
+        return ()
+    if "policy" not in absent and decision.policy != "prefix_affinity":
+        return tuple(name for name in absent if name not in ("prefix", "remembered"))
+    return absent
 
 
 def read_decisions(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Iterator[Decision]:

@@ -11,14 +11,16 @@
     interlock audit LOG… [--node IP|NAME] [--since T] [--until T] [--kind KIND[,KIND]] [--log-format json|text]
                     [--skip-invalid]
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
-    interlock whatif LOG… --decisions FILE [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
+    interlock whatif LOG… --decisions FILE… [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
                     [--progress SECONDS]
+    interlock verify LOG… --decisions FILE… [--since T] [--until T] [--show N] [--json]
     interlock fleet export DIR --fleet URL[,URL…] [--name N]
 
 A subcommand is an `add_<name>(commands)` function that declares its arguments and sets `run`
 (a function of the parsed arguments returning the exit code), listed in SUBCOMMANDS. Exit codes:
-0 ok, 1 `serve` cannot start, 2 bad input (arguments, config, log, a request id not in the decision log), 3 `explain`
-found no node to route to. Errors are one line on stderr naming the culprit, never a traceback.
+0 ok, 1 `serve` cannot start or `verify` found a decision made otherwise, 2 bad input (arguments, config,
+log, a request id not in the decision log), 3 `explain` found no node to route to. Errors are one
+line on stderr naming the culprit, never a traceback.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from events.config import (
     Config,
     FleetConfig,
 )
-from events.decisions import find_decisions, read_decisions
+from events.decisions import Decision, find_decisions, missing_inputs, read_decisions_with_gaps
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
 from interlock.render import (
@@ -61,6 +63,8 @@ from interlock.render import (
     state_to_builtins,
 )
 from interlock.timeline import TimelineError, build_timeline, render_html
+from interlock.verify import DEFAULT_SHOWN, incomplete_warning, verify
+from interlock.verify import render_report as render_verify_report
 from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, WHAT_IF_POLICIES, render_report, what_if
 from journal.segments import LogFileError
 from journal.writer import unwritable_log_reason
@@ -339,7 +343,7 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
         "whatif", help="route a recorded run's requests again under another policy, offline, and compare"
     )
     _add_log_arguments(parser, moment=False)
-    parser.add_argument("--decisions", required=True, metavar="FILE", help="the run's decision log (gateway.decision_log)")
+    _add_decision_logs(parser)
     parser.add_argument(
         "--policy",
         default=RECORDED,
@@ -377,7 +381,7 @@ def run_whatif(args: argparse.Namespace) -> int:
     warn = _warner(args)
     report = what_if(
         args.logs,
-        read_decisions(args.decisions, warn),
+        _complete_decisions(args, warn),
         policy=args.policy,
         since=args.since,
         until=args.until,
@@ -392,6 +396,81 @@ def run_whatif(args: argparse.Namespace) -> int:
     else:
         print(render_report(report))
     return EXIT_OK
+
+
+def _add_decision_logs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--decisions",
+        required=True,
+        nargs="+",
+        metavar="FILE",
+        help="the run's decision logs (gateway.decision_log; names or segments, of any workers and replicas)",
+    )
+
+
+def _complete_decisions(args: argparse.Namespace, warn: Callable[[str], None]) -> list[Decision]:
+    """The records of the command's decision logs, with a warning naming the policy inputs the
+    records whose pick they need lack."""
+    records = []
+    missing: dict[str, int] = {}
+    incomplete: list[str] = []
+    for decision, absent in read_decisions_with_gaps(args.decisions, warn):
+        records.append(decision)
+        lacking = missing_inputs(decision, absent)
+        for name in lacking:
+            missing[name] = missing.get(name, 0) + 1
+        if lacking:
+            incomplete.append(decision.request_id)
+    if incomplete:
+        shown = incomplete[:DEFAULT_SHOWN]
+        warn(incomplete_warning(len(incomplete), len(records), dict(sorted(missing.items())), shown))
+    return records
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+def add_verify(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "verify",
+        help="make every recorded decision again with this code, on the state it was made on, and compare "
+        "(exit 1 at the first difference)",
+    )
+    _add_log_arguments(parser, moment=False)
+    _add_decision_logs(parser)
+    _add_span(parser)
+    parser.add_argument(
+        "--show",
+        type=int,
+        default=DEFAULT_SHOWN,
+        metavar="N",
+        help=f"differences (and records not verified) named; the rest are counted (default: {DEFAULT_SHOWN})",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    _add_skip_invalid(parser)
+    parser.set_defaults(run=run_verify)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    if args.show < 1:
+        return _error(args, "argument --show: must be at least 1")
+    warn = _warner(args)
+    report = verify(
+        args.logs,
+        read_decisions_with_gaps(args.decisions, warn),
+        since=args.since,
+        until=args.until,
+        shown=args.show,
+        warn=warn,
+        skip_invalid=warn if args.skip_invalid else None,
+    )
+    if report.incomplete:
+        warn(incomplete_warning(report.incomplete, report.decisions, report.missing, report.incomplete_ids))
+    if args.json:
+        _print_json({**msgspec.to_builtins(report), "passed": report.passed})
+    else:
+        print(render_verify_report(report))
+    return EXIT_OK if report.passed else EXIT_FAILURE
 
 
 # --- timeline --------------------------------------------------------------------------------
@@ -666,7 +745,8 @@ def run_fleet_export(args: argparse.Namespace) -> int:
 
 
 SUBCOMMANDS = [
-    add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif, add_fleet,
+    add_demo, add_serve, add_check_config, add_replay, add_explain, add_audit, add_timeline, add_whatif, add_verify,
+    add_fleet,
 ]  # fmt: skip
 
 

@@ -12,11 +12,11 @@ record holds (the round-robin counter, this process's in-flight counts, the requ
 prompt prefix's hash, the node the prefix last went to): with the same code, every choice is the
 recorded one, and a change is a change of the code.
 
-Under another policy the inputs are the what-if world's own, per worker (each process counts its
-own): the requests it routed that were still in flight, and prefix affinity's memory of where
-each prefix last went. A node's scraped load is corrected the same way: at the scrape's moment,
-the gateway's recorded requests on the node are taken out and the what-if world's put in; the
-rest (other clients') stays as scraped. A request moved to another node is counted in flight
+Under another policy the inputs are the what-if world's own, per routing process (a replica's
+worker: each counts its own): the requests it routed that were still in flight, and prefix
+affinity's memory of where each prefix last went. A node's scraped load is corrected the same
+way: at the scrape's moment, the gateway's recorded requests on the node are taken out and the
+what-if world's put in; the rest (other clients') stays as scraped. A request moved to another node is counted in flight
 there for its recorded duration scaled by the two nodes' times between tokens (as last scraped;
 as recorded when either is unknown). Its time in the first node's queue is scaled too, and a
 request left where it was keeps its recorded duration: what-if queues are not simulated, so a
@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 
 from controlplane.balancer import Balancer
+from controlplane.policies import Choice
 from controlplane.reducer import INITIAL_STATE
 from controlplane.replay import replay_steps
 from controlplane.routing import Route, pick_pool
@@ -61,6 +62,21 @@ IN_FLIGHT_SLACK_SECONDS = 10.0
 request arrived (a scrape's moment lies at most a scrape interval back)."""
 
 
+MOVED_SHOWN = 20
+"""Requests whose pick changes named in the report; the rest are counted."""
+
+
+class Moved(msgspec.Struct, frozen=True):
+    """A request the what-if sends elsewhere."""
+
+    request_id: str
+    recorded: str
+    routed_again: str
+    margin: float | None
+    """How much better the what-if policy scores its pick than the recorded node (its score's
+    lead, lower is better); None when the recorded node is not among its candidates."""
+
+
 class WhatIfReport(msgspec.Struct, kw_only=True):
     policy: str
     decisions: int
@@ -69,6 +85,10 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     """Records whose first pick was routed again (both the recording and the what-if have one)."""
     changed: int
     """Of those, picks that went to another node."""
+    agreement: float | None
+    """The share of picks routed again to the recorded node, in per cent (None: none routed again)."""
+    moved: list[Moved]
+    """The first MOVED_SHOWN requests whose pick changed."""
     became_503: int
     """Requests that got a node, whose pool is empty when routed again (only a change of the
     routing code, or of its reading of the log, can do this: a policy only chooses within the pool)."""
@@ -88,6 +108,8 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     prefix_seen_after: int
     """Of those, the requests whose node had seen their prefix among its last `cache_entries`."""
     cache_entries: int
+    share_delta: dict[str, float]
+    """Each node's share of the picks routed again minus its recorded share, in percentage points."""
 
 
 def what_if(
@@ -106,30 +128,29 @@ def what_if(
     """Route the recorded requests arriving in [since, until] again under `policy` (a name of
     POLICIES, or RECORDED) on the states of `event_logs`; never contacts a node. How far it has
     come goes to `progress` every `progress_every` seconds (module docstring)."""
-    chosen = sorted(
-        (d for d in decisions if (since is None or d.at >= since) and (until is None or d.at <= until)),
-        key=lambda decision: (decision.seq, decision.at),
+    chosen = in_span(decisions, since, until)
+    states = States(
+        replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid),
+        _Progress(progress, progress_every, len(chosen)) if progress is not None else None,
     )
-    steps = replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid)
-    states = _States(steps, _Progress(progress, progress_every, len(chosen)) if progress is not None else None)
     in_flight, recorded_in_flight = _InFlight(), _InFlight()
     load_changes: dict[tuple[str, float], int] = {}
-    balancers: defaultdict[int, Balancer] = defaultdict(Balancer)
-    """The data plane's picker per worker: its memory of where each prefix went is the what-if world's."""
+    balancers: defaultdict[Process, Balancer] = defaultdict(Balancer)
+    """The data plane's picker per routing process: its memory of where each prefix went is the what-if world's."""
     seen_before, seen_after = _RecentPrefixes(cache_entries), _RecentPrefixes(cache_entries)
     before: Counter[str] = Counter()
     after: Counter[str] = Counter()
     report = WhatIfReport(
-        policy=policy, decisions=len(chosen), routed_again=0, changed=0, became_503=0, stopped_503=0,
-        beyond_log=0, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0, prefix_seen_after=0,
-        cache_entries=cache_entries,
+        policy=policy, decisions=len(chosen), routed_again=0, changed=0, agreement=None, moved=[], became_503=0,
+        stopped_503=0, beyond_log=0, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0,
+        prefix_seen_after=0, cache_entries=cache_entries, share_delta={},
     )  # fmt: skip
     for decision in chosen:
         state = states.at(decision.seq)
         if state is None:
             report.beyond_log += 1
             continue
-        recorded_node = _first_pick(decision)
+        recorded_node = first_pick(decision)
         pool = pick_pool(Route(state, decision.model).candidates, decision.at)
         if not pool:
             report.became_503 += recorded_node is not None
@@ -137,28 +158,28 @@ def what_if(
         if recorded_node is None:
             report.stopped_503 += decision.status == 503 and not decision.attempts
             continue
+        process = process_of(decision)
         if policy == RECORDED:
-            counts = {candidate.node: candidate.in_flight for candidate in decision.candidates if candidate.in_flight}
-            remembered = decision.remembered
+            choice = recorded_choice(balancers[process], decision, pool, state)
         else:
-            counts = in_flight.of_worker(decision.worker, decision.at)
-            pool = [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool]
-            remembered = None  # the what-if world's memory
-        node = balancers[decision.worker].choose(
-            pool,
-            decision.policy if policy == RECORDED else policy,
-            rotation=decision.rotation,
-            in_flight=counts,
-            request_id=decision.request_id,
-            prefix=decision.prefix,
-            load_bound=state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND,
-            remembered=remembered,
-        ).node.ip
+            choice = balancers[process].choose(
+                [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
+                policy,
+                rotation=decision.rotation,
+                in_flight=in_flight.of_process(process, decision.at),
+                request_id=decision.request_id,
+                prefix=decision.prefix,
+                load_bound=_load_bound(state),
+            )  # remembered: the what-if world's memory
+        node = choice.node.ip
         duration = _moved_duration(decision.duration, state, recorded_node, node)
-        in_flight.add(decision.worker, decision.at, duration, node)
-        recorded_in_flight.add(decision.worker, decision.at, decision.duration, recorded_node)
+        in_flight.add(process, decision.at, duration, node)
+        recorded_in_flight.add(process, decision.at, decision.duration, recorded_node)
         report.routed_again += 1
-        report.changed += node != recorded_node
+        if node != recorded_node:
+            report.changed += 1
+            if len(report.moved) < MOVED_SHOWN:
+                report.moved.append(Moved(decision.request_id, recorded_node, node, _lead(choice, recorded_node)))
         before[recorded_node] += 1
         after[node] += 1
         for ip in (recorded_node, node):
@@ -169,7 +190,61 @@ def what_if(
             report.prefix_seen_before += seen_before.saw(recorded_node, decision.prefix)
             report.prefix_seen_after += seen_after.saw(node, decision.prefix)
     report.before, report.after = dict(sorted(before.items())), dict(sorted(after.items()))
+    routed = report.routed_again
+    if routed:
+        report.agreement = 100 * (routed - report.changed) / routed
+        report.share_delta = {ip: 100 * (after[ip] - before[ip]) / routed for ip in sorted(report.nodes)}
     return report
+
+
+def _lead(choice: Choice, recorded: str) -> float | None:
+    """The chosen candidate's score lead over `recorded` (None: not a candidate)."""
+    score = next((candidate.score for candidate in choice.candidates if candidate.node == recorded), None)
+    return None if score is None else score - choice.candidates[0].score
+
+
+Process = tuple[str, int]
+"""A routing process: (replica, worker). Its round-robin counter, in-flight counts and prefix
+memory are its own."""
+
+
+def process_of(decision: Decision) -> Process:
+    return decision.replica, decision.worker
+
+
+def in_span(decisions: Iterable[Decision], since: float | None, until: float | None) -> list[Decision]:
+    """The records arriving in [since, until], in the order they are routed again: by seq, then arrival."""
+    return sorted(
+        (d for d in decisions if (since is None or d.at >= since) and (until is None or d.at <= until)),
+        key=lambda decision: (decision.seq, decision.at),
+    )
+
+
+def recorded_choice(balancer: Balancer, decision: Decision, pool: list[NodeState], state: ClusterState) -> Choice:
+    """The first pick of `decision` made again from `pool` (not empty) by the data plane's
+    picker, under the policy the record names and with the inputs it holds (round-robin counter,
+    its process's in-flight counts, request id, prompt prefix, remembered node)."""
+    return balancer.choose(
+        pool,
+        decision.policy,
+        rotation=decision.rotation,
+        in_flight={candidate.node: candidate.in_flight for candidate in decision.candidates if candidate.in_flight},
+        request_id=decision.request_id,
+        prefix=decision.prefix,
+        load_bound=_load_bound(state),
+        remembered=decision.remembered,
+    )
+
+
+def _load_bound(state: ClusterState) -> float:
+    return state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND
+
+
+def first_pick(decision: Decision) -> str | None:
+    """The node the request's policy chose first, as recorded; None when none was chosen."""
+    if decision.candidates:
+        return decision.candidates[0].node
+    return decision.attempts[0].node if decision.attempts else None
 
 
 def _moved_duration(duration: float, state: ClusterState, recorded: str, node: str) -> float:
@@ -180,13 +255,6 @@ def _moved_duration(duration: float, state: ClusterState, recorded: str, node: s
     recorded_speed = state.nodes[recorded].load.seconds_per_token if recorded in state.nodes else None
     speed = state.nodes[node].load.seconds_per_token if node in state.nodes else None
     return duration * speed / recorded_speed if speed and recorded_speed else duration
-
-
-def _first_pick(decision: Decision) -> str | None:
-    """The node the request's policy chose first, as recorded; None when none was chosen."""
-    if decision.candidates:
-        return decision.candidates[0].node
-    return decision.attempts[0].node if decision.attempts else None
 
 
 def _with_what_if_load(
@@ -209,7 +277,7 @@ def _with_what_if_load(
     return msgspec.structs.replace(node, load=msgspec.structs.replace(load, running=queued - waiting, waiting=waiting))
 
 
-class _States:
+class States:
     """The states of an event log, folded once, in order: `at(seq)` is the state after the last
     event numbered `seq` or below (None when the log ends before `seq`)."""
 
@@ -251,7 +319,7 @@ class _Progress:
         self._say, self._every, self._requests = say, every, requests
         self._next = time.monotonic() + every
 
-    def tick(self, states: _States) -> None:
+    def tick(self, states: States) -> None:
         """Called at every event folded and every request."""
         now = time.monotonic()
         if now < self._next:
@@ -265,26 +333,26 @@ class _Progress:
 
 
 class _InFlight:
-    """Requests routed, as (arrival, end, node): those in flight at a moment, per worker (each
-    process counts its own) and in all."""
+    """Requests routed, as (arrival, end, node): those in flight at a moment, per routing process
+    (each counts its own) and in all."""
 
     def __init__(self) -> None:
-        self._ends: dict[int, list[tuple[float, str]]] = {}
-        self._counts: dict[int, Counter[str]] = {}
+        self._ends: dict[Process, list[tuple[float, str]]] = {}
+        self._counts: dict[Process, Counter[str]] = {}
         self._recent: list[tuple[float, float, str]] = []
         self._prune_at = 64
 
-    def add(self, worker: int, at: float, duration: float, node: str) -> None:
-        heapq.heappush(self._ends.setdefault(worker, []), (at + duration, node))
-        self._counts.setdefault(worker, Counter())[node] += 1
+    def add(self, process: Process, at: float, duration: float, node: str) -> None:
+        heapq.heappush(self._ends.setdefault(process, []), (at + duration, node))
+        self._counts.setdefault(process, Counter())[node] += 1
         self._recent.append((at, at + duration, node))
         if len(self._recent) >= self._prune_at:  # amortized: the list at most doubles between prunings
             self._recent = [entry for entry in self._recent if entry[1] > at - IN_FLIGHT_SLACK_SECONDS]
             self._prune_at = 2 * len(self._recent) + 64
 
-    def of_worker(self, worker: int, moment: float) -> dict[str, int]:
-        """The worker's requests in flight per node at `moment` (moments must not step back)."""
-        ends, counts = self._ends.get(worker, []), self._counts.get(worker, Counter())
+    def of_process(self, process: Process, moment: float) -> dict[str, int]:
+        """The process's requests in flight per node at `moment` (moments must not step back)."""
+        ends, counts = self._ends.get(process, []), self._counts.get(process, Counter())
         while ends and ends[0][0] <= moment:
             _, node = heapq.heappop(ends)
             counts[node] -= 1
@@ -319,10 +387,12 @@ class _RecentPrefixes:
 
 def render_report(report: WhatIfReport) -> str:
     routed = report.routed_again
+    agreement = "-" if report.agreement is None else f"{report.agreement:.1f}%"
     lines = [
         f"{report.decisions} recorded requests, {routed} routed again under "
-        + ("the policy each was routed by" if report.policy == RECORDED else report.policy),
-        f"{report.changed} would have gone to another node ({_share(report.changed, routed)})",
+        + ("the policy each was routed by" if report.policy == RECORDED else report.policy)
+        + " (open-loop: later load is as recorded, not as the new picks would have made it)",
+        f"agreement {agreement}: {report.changed} would have gone to another node ({_share(report.changed, routed)})",
         f"{report.became_503} would have become 503, {report.stopped_503} would have stopped being 503",
     ]
     if report.beyond_log:
@@ -330,10 +400,18 @@ def render_report(report: WhatIfReport) -> str:
     lines.append("")
     rows = [
         [report.nodes.get(ip, ip), ip, f"{report.before.get(ip, 0)} ({_share(report.before.get(ip, 0), routed)})",
-         f"{report.after.get(ip, 0)} ({_share(report.after.get(ip, 0), routed)})"]
+         f"{report.after.get(ip, 0)} ({_share(report.after.get(ip, 0), routed)})",
+         f"{report.share_delta.get(ip, 0.0):+.1f}"]
         for ip in sorted(report.nodes)
     ]  # fmt: skip
-    lines += format_table(["NODE", "IP", "RECORDED", "ROUTED AGAIN"], rows) if rows else ["no request routed again"]
+    headers = ["NODE", "IP", "RECORDED", "ROUTED AGAIN", "SHARE Δ (POINTS)"]
+    lines += format_table(headers, rows) if rows else ["no request routed again"]
+    if report.moved:
+        lines += ["", f"requests whose pick changes (the first {len(report.moved)} of {report.changed}):", ""]
+        lines += format_table(
+            ["REQUEST ID", "RECORDED", "ROUTED AGAIN", "MARGIN"],
+            [[moved.request_id, moved.recorded, moved.routed_again, _margin(moved.margin)] for moved in report.moved],
+        )
     if report.prefixed:
         lines += [
             "",
@@ -342,6 +420,10 @@ def render_report(report: WhatIfReport) -> str:
             f" {_share(report.prefix_seen_after, report.prefixed)} (of {report.prefixed} requests with a prefix)",
         ]
     return "\n".join(lines)
+
+
+def _margin(margin: float | None) -> str:
+    return "-" if margin is None else f"{margin:g}"
 
 
 def _share(part: int, whole: int) -> str:
