@@ -111,13 +111,16 @@ class Overrides:
     log_format: str | None = None
     event_log: str | None = None
     decision_log: str | None = None
+    shutdown_grace: float | None = None
     fleet_nats: tuple[str, ...] | None = None
     """`serve --fleet URL[,URL…]`: the fleet's NATS servers (a `[fleet]` table if the file has none)."""
 
     def apply(self, gateway: GatewayConfig) -> GatewayConfig:
         given = {
             key: value
-            for key in ("listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log")
+            for key in (
+                "listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log", "shutdown_grace"
+            )  # fmt: skip
             if (value := getattr(self, key)) is not None
         }
         if self.host is not None or self.port is not None:
@@ -154,6 +157,7 @@ _DURATION_KEYS = {
         "request_body_timeout",
         "request_body_idle_timeout",
         "response_body_timeout",
+        "shutdown_grace",
     ),
     "routing": ("load_scrape_interval",),
     "fleet": ("lease", "lease_renewal"),
@@ -365,6 +369,8 @@ def _validate(path: str, config: Config) -> Config:
     for key in ("request_body_timeout", "request_body_idle_timeout", "response_body_timeout"):
         if getattr(gateway, key) <= 0:
             raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
+    if gateway.shutdown_grace < 0:
+        raise invalid("gateway.shutdown_grace", "shutdown_grace must be non-negative")
     if gateway.decision_log and gateway.decision_log == gateway.event_log:
         raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
     for log in ("event_log", "decision_log"):

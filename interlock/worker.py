@@ -136,7 +136,14 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         nursery.start_soon(follow)
         nursery.start_soon(report)
         nursery.start_soon(stop_on_sigterm)
-        await serve_on_socket(api_app, api_socket, stop, http2=follower.snapshot.config.gateway.http2)
+        await serve_on_socket(
+            api_app,
+            api_socket,
+            stop,
+            http2=follower.snapshot.config.gateway.http2,
+            shutdown_grace=lambda: follower.snapshot.config.gateway.shutdown_grace,
+            end_streams=api_app.end_streams,
+        )
         nursery.cancel_scope.cancel()
     return exit_code
 
