@@ -32,6 +32,7 @@ from msgspec.structs import replace
 
 from controlplane.gocompat import format_go_seconds, go_quote, join_host_port, parse_go_duration, parse_listen_address
 from controlplane.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
+from controlplane.tlsfiles import check_server_files
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
@@ -369,6 +370,7 @@ def _validate(path: str, config: Config) -> Config:
     for key in ("request_body_timeout", "request_body_idle_timeout", "response_body_timeout"):
         if getattr(gateway, key) <= 0:
             raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
+    _check_tls_files(gateway, invalid)
     if gateway.shutdown_grace < 0:
         raise invalid("gateway.shutdown_grace", "shutdown_grace must be non-negative")
     if gateway.decision_log and gateway.decision_log == gateway.event_log:
@@ -448,6 +450,18 @@ def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, .
             except ValueError as exc:
                 raise ConfigError(path, key, str(exc)) from None
     return replace(config, gateway=replace(gateway, api_key_hashes=tuple(dict.fromkeys(digests))))
+
+
+def _check_tls_files(gateway: GatewayConfig, invalid: Callable[[str, str], ConfigError]) -> None:
+    """The listener's certificate and key: both or neither, and a pair the listener can load."""
+    if bool(gateway.tls_certificate) != bool(gateway.tls_key):
+        given, missing = ("tls_certificate", "tls_key") if gateway.tls_certificate else ("tls_key", "tls_certificate")
+        raise invalid(f"gateway.{missing}", f"{given} is set: {missing} must be set too (both for HTTPS, or neither)")
+    if gateway.tls_certificate:
+        try:
+            check_server_files(gateway.tls_certificate, gateway.tls_key)
+        except ValueError as error:
+            raise invalid("gateway.tls_certificate", str(error)) from None
 
 
 def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:

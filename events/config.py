@@ -97,6 +97,10 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     """Seconds the drain after SIGTERM lets requests and streams in flight finish (a Go duration
     string in the file); a stream still open then ends with an error event. plinth's 10 s."""
+    tls_certificate: str = ""
+    """A PEM certificate (chain) file: with `tls_key`, the API listener serves HTTPS; "" = HTTP."""
+    tls_key: str = ""
+    """The PEM private key file of `tls_certificate`."""
     http2: bool = False
     """Serve HTTP/2 (cleartext, prior knowledge or `Upgrade: h2c`) on the API listener too."""
     retry_unanswered: bool = False

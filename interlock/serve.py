@@ -199,6 +199,7 @@ async def _run(
                     api_socket,
                     stop_listening,
                     http2=config.gateway.http2,
+                    tls=tls_files(config.gateway),
                     shutdown_grace=shutdown_grace,
                     end_streams=app.end_streams,
                     task_status=task_status,
@@ -287,6 +288,11 @@ HTTP2_MAX_CONCURRENT_STREAMS = 100
 """Streams an HTTP/2 client may have open at once on one connection (with `gateway.http2`)."""
 
 
+def tls_files(gateway: GatewayConfig) -> tuple[str, str] | None:
+    """The API listener's certificate and key files, when it serves HTTPS."""
+    return (gateway.tls_certificate, gateway.tls_key) if gateway.tls_certificate else None
+
+
 def _hypercorn_config(http2: bool) -> HypercornConfig:
     """hypercorn as every listener of the gateway runs it; HTTP/1.1 only unless `http2`.
 
@@ -326,6 +332,7 @@ async def serve_on_socket(
     stopped: trio.Event,
     *,
     http2: bool = False,
+    tls: tuple[str, str] | None = None,
     keep_alive_timeout: float = KEEP_ALIVE_SECONDS,
     shutdown_grace: Callable[[], float] = lambda: DEFAULT_SHUTDOWN_GRACE,
     end_streams: Callable[[], None] | None = None,
@@ -335,6 +342,8 @@ async def serve_on_socket(
     unless `http2`. A connection idle for `keep_alive_timeout` seconds (no request yet, or
     none since the last answer) is closed. hypercorn takes the socket over (by its descriptor,
     as `fd://`) and closes it when serving ends: new connections are refused during the drain.
+    With `tls` (a certificate file and its key file, loaded once, here) it serves HTTPS, its
+    ALPN offering h2 only with `http2`.
 
     The drain lasts `shutdown_grace()` seconds (asked when it starts, so that a reload applies).
     Then `end_streams` has the responses still flowing end themselves (an event stream with its
@@ -342,6 +351,9 @@ async def serve_on_socket(
     connections left (its `graceful_timeout`, else a bare cut of every stream)."""
     config = _hypercorn_config(http2)
     config.keep_alive_timeout = keep_alive_timeout
+    if tls is not None:
+        config.certfile, config.keyfile = tls
+        config.alpn_protocols = ["h2", "http/1.1"] if http2 else ["http/1.1"]
     config.bind = [f"fd://{listening.detach()}"]
 
     async with trio.open_nursery() as grace:

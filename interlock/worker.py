@@ -26,7 +26,7 @@ from controlplane.logs import JsonLog
 from events.decisions import Decision
 from events.log import decode_event
 from events.types import Checkpoint
-from interlock.serve import api_application, serve_on_socket
+from interlock.serve import api_application, serve_on_socket, tls_files
 from interlock.workers import DecisionMade, Report, encode_report
 from journal.stream import frame_lines, receive_lines
 
@@ -141,6 +141,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
             api_socket,
             stop,
             http2=follower.snapshot.config.gateway.http2,
+            tls=tls_files(follower.snapshot.config.gateway),
             shutdown_grace=lambda: follower.snapshot.config.gateway.shutdown_grace,
             end_streams=api_app.end_streams,
         )
