@@ -15,23 +15,15 @@ import trio
 from events.config import DEFAULT_SHUTDOWN_GRACE
 from fixtures.node import serve_nodes, token_texts
 
-from harness import MODEL, config_text, free_port, node_specs
+from harness import MODEL, config_text, free_port, node_specs, wait_until_ready
 from test_cli_serve import interlock_serve
 
 HI = [{"role": "user", "content": "hi"}]
 
 
 async def _ready(url: str) -> None:
-    """Wait until the gateway routes (`/ready` answers 200)."""
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
-        with trio.fail_after(20):
-            while True:
-                try:
-                    if (await client.get(url + "/ready")).status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                await trio.sleep(0.05)
+        await wait_until_ready(client, url)
 
 
 def _sdk(url: str) -> openai.AsyncOpenAI:

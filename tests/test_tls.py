@@ -9,13 +9,12 @@ import ssl
 import httpx
 import openai
 import pytest
-import trio
 import trustme
 
 from controlplane.config import ConfigError, load_config
 from fixtures.node import serve_nodes, token_texts
 
-from harness import MODEL, config_text, free_port, node_specs
+from harness import MODEL, config_text, free_port, node_specs, wait_until_ready
 from test_cli_serve import interlock_serve
 
 HI = [{"role": "user", "content": "hi"}]
@@ -47,14 +46,7 @@ async def test_the_sdk_completes_through_the_https_listener_with_the_ca(tmp_path
         async with interlock_serve(*options) as gateway:
             url = f"https://127.0.0.1:{api}"
             async with httpx.AsyncClient(verify=trusting, trust_env=False, timeout=5) as client:
-                with trio.fail_after(20):
-                    while True:
-                        try:
-                            if (await client.get(url + "/ready")).status_code == 200:
-                                break
-                        except httpx.TransportError:
-                            pass
-                        await trio.sleep(0.05)
+                await wait_until_ready(client, url)
                 with pytest.raises(httpx.TransportError):  # plain HTTP is not served on it
                     await client.get(f"http://127.0.0.1:{api}/health")
                 assert (await client.get(f"http://127.0.0.1:{metrics}/metrics")).status_code == 200
