@@ -21,7 +21,8 @@ from quart import Response, request
 from quart_trio import QuartTrio
 
 from bench.upstream import COMPLETION, decode_completion_request, sse_events
-from interlock.serve import KEEP_ALIVE_SECONDS, SHUTDOWN_GRACE_SECONDS
+from events.config import DEFAULT_SHUTDOWN_GRACE
+from interlock.serve import KEEP_ALIVE_SECONDS
 
 
 def create_floor_app() -> QuartTrio:
@@ -95,7 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     config = HypercornConfig()
     config.bind = [f"{args.host}:{args.port}"]
-    config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
+    config.graceful_timeout = DEFAULT_SHUTDOWN_GRACE
     config.keep_alive_timeout = KEEP_ALIVE_SECONDS
     config.include_server_header = False
     config.accesslog = None

@@ -32,6 +32,7 @@ from msgspec.structs import replace
 
 from controlplane.gocompat import format_go_seconds, go_quote, join_host_port, parse_go_duration, parse_listen_address
 from controlplane.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
+from controlplane.tlsfiles import check_server_files
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
@@ -111,13 +112,16 @@ class Overrides:
     log_format: str | None = None
     event_log: str | None = None
     decision_log: str | None = None
+    shutdown_grace: float | None = None
     fleet_nats: tuple[str, ...] | None = None
     """`serve --fleet URL[,URL…]`: the fleet's NATS servers (a `[fleet]` table if the file has none)."""
 
     def apply(self, gateway: GatewayConfig) -> GatewayConfig:
         given = {
             key: value
-            for key in ("listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log")
+            for key in (
+                "listen", "metrics_listen", "log_level", "log_format", "event_log", "decision_log", "shutdown_grace"
+            )  # fmt: skip
             if (value := getattr(self, key)) is not None
         }
         if self.host is not None or self.port is not None:
@@ -154,6 +158,7 @@ _DURATION_KEYS = {
         "request_body_timeout",
         "request_body_idle_timeout",
         "response_body_timeout",
+        "shutdown_grace",
     ),
     "routing": ("load_scrape_interval",),
     "fleet": ("lease", "lease_renewal"),
@@ -365,6 +370,9 @@ def _validate(path: str, config: Config) -> Config:
     for key in ("request_body_timeout", "request_body_idle_timeout", "response_body_timeout"):
         if getattr(gateway, key) <= 0:
             raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
+    _check_tls_files(gateway, invalid)
+    if gateway.shutdown_grace < 0:
+        raise invalid("gateway.shutdown_grace", "shutdown_grace must be non-negative")
     if gateway.decision_log and gateway.decision_log == gateway.event_log:
         raise invalid("gateway.decision_log", "decision_log must not be the event log's path")
     for log in ("event_log", "decision_log"):
@@ -442,6 +450,18 @@ def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, .
             except ValueError as exc:
                 raise ConfigError(path, key, str(exc)) from None
     return replace(config, gateway=replace(gateway, api_key_hashes=tuple(dict.fromkeys(digests))))
+
+
+def _check_tls_files(gateway: GatewayConfig, invalid: Callable[[str, str], ConfigError]) -> None:
+    """The listener's certificate and key: both or neither, and a pair the listener can load."""
+    if bool(gateway.tls_certificate) != bool(gateway.tls_key):
+        given, missing = ("tls_certificate", "tls_key") if gateway.tls_certificate else ("tls_key", "tls_certificate")
+        raise invalid(f"gateway.{missing}", f"{given} is set: {missing} must be set too (both for HTTPS, or neither)")
+    if gateway.tls_certificate:
+        try:
+            check_server_files(gateway.tls_certificate, gateway.tls_key)
+        except ValueError as error:
+            raise invalid("gateway.tls_certificate", str(error)) from None
 
 
 def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:

@@ -82,6 +82,8 @@ def _run_started(state: ClusterState, event: RunStarted, out: StepBuilder) -> Cl
 
 RESTART_KEYS = (
     "listen",
+    "tls_certificate",
+    "tls_key",
     "metrics_listen",
     "event_log",
     "event_log_max_bytes",

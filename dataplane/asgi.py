@@ -87,6 +87,10 @@ class ApiApp:
         self._views = views
         self._quart = create_app(control_plane, views, worker)
 
+    def end_streams(self) -> None:
+        """End the completions still streaming (the shutdown grace is over): `Proxy.end_streams`."""
+        self._proxy.end_streams()
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             if scope["type"] == "websocket":

@@ -73,6 +73,8 @@ NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node"
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
 STREAM_TERMINATED = ApiError(502, "stream terminated by upstream failure", "upstream_error")
 """Not a response: the error event that ends a stream the node cut short after commit."""
+SHUTTING_DOWN = ApiError(503, "stream ended: the gateway is shutting down", "gateway_shutting_down")
+"""Not a response: the error event that ends a stream still open when the shutdown grace ends."""
 
 
 def model_not_found(model: str) -> ApiError:

@@ -36,6 +36,7 @@ from dataplane.decisions import DecisionRecorder
 from dataplane.errors import (
     NO_HEALTHY_NODE,
     NO_REACHABLE_NODE,
+    SHUTTING_DOWN,
     STREAM_TERMINATED,
     UPSTREAM_ERROR,
     ApiError,
@@ -67,6 +68,8 @@ and dialled again all the time."""
 _STREAM_ERROR_EVENT = b"data: " + STREAM_TERMINATED.body + b"\n\n"
 """The last event of a stream the node cut short, in the shape vLLM and OpenAI use: the OpenAI
 SDKs raise it as an APIError."""
+_SHUTDOWN_EVENT = b"data: " + SHUTTING_DOWN.body + b"\n\n"
+"""The last event of a stream still open when the shutdown grace ends (`Proxy.end_streams`)."""
 
 
 def new_upstream_pool() -> HttpClient:
@@ -111,6 +114,14 @@ class Proxy:
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
+        self._flowing: set[Relay] = set()
+        """The committed bodies still flowing, for `end_streams`."""
+
+    def end_streams(self) -> None:
+        """End every body still flowing, now (the shutdown grace is over): an event stream
+        gets an error event, then its proper end; any other body is cut short."""
+        for relay in list(self._flowing):
+            relay.end()
 
     async def forward(self, exchange: Exchange) -> Reply:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
@@ -324,24 +335,38 @@ class Proxy:
         (until `deadline`, for a non-streaming answer)."""
         served_by = exchange.view.config.node_headers[node.ip]
         headers = client_headers(upstream, exchange.request_id, served_by, with_length=True)
-        return Reply(upstream.status, headers, Relay(ledger, node.ip, upstream, first, deadline))
+        return Reply(upstream.status, headers, Relay(ledger, node.ip, upstream, first, deadline, self._flowing))
 
 
 class Relay:
     """A committed body: the pieces already read, then the rest as the node sends it. Its end
-    (whole, cut short by the node, or the client gone) ends the attempt and the request in the
-    request's ledger."""
+    (whole, cut short by the node or by `end`, or the client gone) ends the attempt and the
+    request in the request's ledger. While it flows it is in `flowing`."""
 
-    __slots__ = ("_ledger", "_node", "_upstream", "_first", "_deadline")
+    __slots__ = ("_ledger", "_node", "_upstream", "_first", "_deadline", "_flowing", "_ended")
 
     def __init__(
-        self, ledger: Ledger, node: str, upstream: UpstreamResponse, first: list[bytes], deadline: float
+        self,
+        ledger: Ledger,
+        node: str,
+        upstream: UpstreamResponse,
+        first: list[bytes],
+        deadline: float,
+        flowing: set[Relay],
     ) -> None:
         self._ledger = ledger
         self._node = node
         self._upstream = upstream
         self._first = first
         self._deadline = deadline
+        self._flowing = flowing
+        self._ended = False
+
+    def end(self) -> None:
+        """Stop relaying (the gateway is shutting down): the upstream connection is closed, which
+        wakes the relay waiting on it, and the relay ends the body as `relay` says."""
+        self._ended = True
+        self._upstream.close()
 
     async def relay(
         self, send_head: Callable[[], Awaitable[None]], send_piece: Callable[[bytes], Awaitable[None]]
@@ -350,13 +375,15 @@ class Relay:
         connection is then closed at once, which cancels the generation on the node). So does a
         node failure, visibly: an event stream gets an error event last, and the answer is
         False, for the response to end without its terminating chunk. A body not ended by the
-        deadline is such a failure."""
+        deadline is such a failure. So is one ended by `end`, but an event stream then ends
+        properly after its error event (the answer is True): the gateway, not the node, ended it."""
         upstream = self._upstream
         outcome = Outcome(COMPLETED, status=upstream.status, committed=True)
         chunk = b""
         next_chunk = upstream.next_chunk
         if self._deadline != math.inf:
             next_chunk = functools.partial(_next_chunk_by, upstream, self._deadline)
+        self._flowing.add(self)
         try:
             await send_head()
             for chunk in self._first:
@@ -365,20 +392,25 @@ class Relay:
                 while chunk := await next_chunk():
                     await send_piece(chunk)
             except Exception as error:
+                if self._ended:
+                    error = SHUTTING_DOWN.message
                 outcome = Outcome(TRUNCATED, status=upstream.status, error=error, committed=True)
         except BaseException:  # trio.Cancelled: the client left
             outcome = Outcome(CLIENT_GONE, status=upstream.status, error="client disconnected", committed=True)
             raise
         finally:
+            self._flowing.discard(self)
             upstream.close()
             self._ledger.attempt_ended(self._node, outcome)
             self._ledger.request_ended(upstream.status)
         if outcome.kind != TRUNCATED:
             return True
-        if (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
-            # `chunk` is the last piece relayed: an event it leaves unfinished is ended first.
-            await send_piece((b"" if chunk.endswith(b"\n\n") else b"\n\n") + _STREAM_ERROR_EVENT)
-        return False
+        if not (upstream.header(b"content-type") or b"").startswith(b"text/event-stream"):
+            return False
+        # `chunk` is the last piece relayed: an event it leaves unfinished is ended first.
+        event = _SHUTDOWN_EVENT if self._ended else _STREAM_ERROR_EVENT
+        await send_piece((b"" if chunk.endswith(b"\n\n") else b"\n\n") + event)
+        return self._ended
 
 
 async def _next_chunk_by(upstream: UpstreamResponse, deadline: float) -> bytes:

@@ -22,6 +22,7 @@ DEFAULT_PROBE_TIMEOUT = 5.0
 DEFAULT_REQUEST_BODY_TIMEOUT = 60.0
 DEFAULT_REQUEST_BODY_IDLE_TIMEOUT = 10.0
 DEFAULT_RESPONSE_BODY_TIMEOUT = 60.0
+DEFAULT_SHUTDOWN_GRACE = 10.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_DECISION_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_LOG_RETAIN_BYTES = 1024 * 1024 * 1024
@@ -93,6 +94,13 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     response_body_timeout: float = DEFAULT_RESPONSE_BODY_TIMEOUT
     """Seconds a node may take to send the body of a non-streaming answer, from its head to its
     end (a Go duration string in the file); plinth has no such limit."""
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
+    """Seconds the drain after SIGTERM lets requests and streams in flight finish (a Go duration
+    string in the file); a stream still open then ends with an error event. plinth's 10 s."""
+    tls_certificate: str = ""
+    """A PEM certificate (chain) file: with `tls_key`, the API listener serves HTTPS; "" = HTTP."""
+    tls_key: str = ""
+    """The PEM private key file of `tls_certificate`."""
     http2: bool = False
     """Serve HTTP/2 (cleartext, prior knowledge or `Upgrade: h2c`) on the API listener too."""
     retry_unanswered: bool = False

@@ -36,7 +36,7 @@ from pathlib import Path
 import msgspec
 
 from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
-from controlplane.gocompat import parse_listen_address
+from controlplane.gocompat import parse_go_duration, parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.reducer import RESTART_KEYS
 from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
@@ -44,6 +44,7 @@ from events.config import (
     DEFAULT_FLEET_NAME,
     DEFAULT_LISTEN,
     DEFAULT_METRICS_LISTEN,
+    DEFAULT_SHUTDOWN_GRACE,
     LOG_FORMATS,
     LOG_LEVELS,
     Config,
@@ -524,8 +525,9 @@ signals:
                     but these gateway settings, which need a restart:
 {_restart_keys_help()}
   SIGTERM, SIGINT   graceful shutdown: stop accepting connections, let requests
-                    and streams in flight finish (for up to 10 s), write the
-                    decision and event logs, log `gateway stopped`, exit 0
+                    and streams in flight finish (for up to --shutdown-grace;
+                    a stream still open then ends with an error event), write
+                    the decision and event logs, log `gateway stopped`, exit 0
   a second one      forced shutdown: connections still open are closed at once
                     (worker processes are killed), the logs are still written,
                     exit 0; any more are ignored
@@ -534,8 +536,7 @@ exit codes: 0 after a shutdown by signal, 1 if the gateway cannot start (an
 invalid config file, an address it cannot listen on, an event or decision log
 another gateway holds, no writable event log with --require-event-log), 2 for
 invalid options"""
-"""What `interlock serve --help` says about signals and exit codes (interlock.serve does it;
-the 10 s are its SHUTDOWN_GRACE_SECONDS)."""
+"""What `interlock serve --help` says about signals and exit codes (interlock.serve does it)."""
 
 
 CONFIG_ENV = "INTERLOCK_CONFIG"
@@ -590,6 +591,13 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
         help=f"json: plinth's JSON lines; text: for a terminal (gateway.log_format: {LOG_FORMATS[0]})",
     )
     parser.add_argument(
+        "--shutdown-grace",
+        type=_argument_type(_seconds),
+        metavar="DURATION",
+        help="how long SIGTERM's drain lets streams finish, as 90s or 2m "
+        f"(gateway.shutdown_grace: {DEFAULT_SHUTDOWN_GRACE:g}s)",
+    )
+    parser.add_argument(
         "--workers",
         type=_argument_type(parse_workers),
         metavar="N|auto",
@@ -613,6 +621,14 @@ def add_serve(commands: argparse._SubParsersAction) -> None:
 def _listen_address(text: str) -> str:
     parse_listen_address(text)
     return text
+
+
+def _seconds(text: str) -> float:
+    """A non-negative Go duration (`90s`, `2m`), in seconds."""
+    seconds = parse_go_duration(text) / 1e9
+    if seconds < 0:
+        raise ValueError(f"invalid duration {text!r}: must be non-negative")
+    return seconds
 
 
 def _port(text: str) -> int:
@@ -648,6 +664,7 @@ def run_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         log_format=args.log_format,
+        shutdown_grace=args.shutdown_grace,
         fleet_nats=args.fleet,
     )
     if args.require_event_log and (missing := _missing_event_log(args.config, overrides)):

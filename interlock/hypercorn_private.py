@@ -11,6 +11,7 @@ check and the behaviour behind each override; pyproject.toml pins the hypercorn 
 
 from __future__ import annotations
 
+import http
 import inspect
 from collections.abc import Callable
 from importlib.metadata import version
@@ -61,6 +62,12 @@ def check_private_surface() -> None:
         _async_method(H2Protocol, "_flush"),
         _async_method(H11Protocol, "_check_protocol", "event"),
         ("_check_protocol" in _global_names(H11Protocol._handle_events), "H11Protocol._handle_events calling it"),
+        _async_method(H11Protocol, "_send_h11_event", "event"),
+        (
+            "_send_h11_event" in _global_names(H11Protocol.stream_send)
+            and "Response" in _global_names(H11Protocol.stream_send),
+            "H11Protocol.stream_send sending its h11.Response through _send_h11_event",
+        ),
         _async_method(TCPServer, "protocol_send", "event"),
         (
             {"H2Protocol", "H11Protocol"} <= _global_names(hypercorn.protocol.ProtocolWrapper.__init__)
@@ -117,16 +124,32 @@ class _H2WithResetBudget(H2Protocol):
         await super()._handle_events([event for event in events if getattr(event, "stream_id", None) not in stillborn])
 
 
-class _H11UpgradingOnlyWithHttp2(H11Protocol):
-    """hypercorn's HTTP/1.1 protocol, which ignores `Upgrade: h2c` (answers the request in
-    HTTP/1.1, as RFC 9110 lets a server) when HTTP/2 is off: hypercorn would switch to HTTP/2
-    and answer the upgraded request whatever the stream limit."""
+class _H11AsServed(H11Protocol):
+    """hypercorn's HTTP/1.1 protocol, with two changes.
+
+    - It ignores `Upgrade: h2c` (answers the request in HTTP/1.1, as RFC 9110 lets a server)
+      when HTTP/2 is off: hypercorn would switch to HTTP/2 and answer the upgraded request
+      whatever the stream limit.
+    - Its status lines carry the status's reason phrase (`HTTP/1.1 200 OK`): hypercorn builds
+      every response without one (`HTTP/1.1 200 `), which some clients and tools show as is."""
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if http2_on(self.config) or not any(
             name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers
         ):
             await super()._check_protocol(event)
+
+    async def _send_h11_event(self, event) -> None:
+        if type(event) is h11.Response and not event.reason:
+            event = h11.Response(
+                status_code=event.status_code,
+                headers=event.headers.raw_items(),
+                reason=_REASON_PHRASES.get(event.status_code, b""),
+            )
+        await super()._send_h11_event(event)
+
+
+_REASON_PHRASES = {status.value: status.phrase.encode("ascii") for status in http.HTTPStatus}
 
 
 class _TCPServerClosingOnce(TCPServer):
@@ -147,5 +170,5 @@ class _TCPServerClosingOnce(TCPServer):
 
 check_private_surface()
 hypercorn.protocol.H2Protocol = _H2WithResetBudget
-hypercorn.protocol.H11Protocol = _H11UpgradingOnlyWithHttp2
+hypercorn.protocol.H11Protocol = _H11AsServed
 hypercorn.trio.run.TCPServer = _TCPServerClosingOnce

@@ -10,8 +10,9 @@ signal handler.
 
 Signals, as `interlock serve --help` documents them: SIGHUP reloads. SIGTERM/SIGINT shut down
 in plinth's order: log `shutting down`, drain both listeners (streams in flight finish, for up
-to SHUTDOWN_GRACE_SECONDS) and the decision log, then stop the control plane (`gateway
-stopped`), so requests finishing during the drain still report to a running control plane. A
+to `gateway.shutdown_grace`, as the config in force says; those still open then end with an
+error event) and the decision log, then stop the control plane (`gateway stopped`), so
+requests finishing during the drain still report to a running control plane. A
 second SIGTERM/SIGINT during the drain closes the connections still open at once (and kills the
 workers); the rest of the shutdown is the same.
 
@@ -49,7 +50,7 @@ from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, o
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
 from dataplane.views import SnapshotViews
-from events.config import LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
+from events.config import DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from events.decisions import Decision
 from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
@@ -58,8 +59,9 @@ from journal.writer import LogInUse
 EXIT_OK = 0
 EXIT_FAILURE = 1
 
-SHUTDOWN_GRACE_SECONDS = 10.0
-"""plinth's graceful-shutdown timeout (hypercorn's default of 3 s would cut draining streams)."""
+STREAM_END_SECONDS = 2.0
+"""How long the streams still open when the shutdown grace ends have to send their error event
+and end, before hypercorn closes every connection left (a client that reads nothing, say)."""
 
 KEEP_ALIVE_SECONDS = 90.0
 """How long an idle client connection stays open (hypercorn's default is 5 s)."""
@@ -179,6 +181,9 @@ async def _run(
     stop_listening = trio.Event()
     drained = trio.Event()
 
+    def shutdown_grace() -> float:
+        return control_plane.snapshot.config.gateway.shutdown_grace
+
     async def drain() -> None:
         """SIGTERM's step before the control plane stops: both listeners stop accepting and
         finish what is in flight, then the decision log writes what is left."""
@@ -190,7 +195,14 @@ async def _run(
         if workers == 1:
             async with api_application(control_plane, log, recorder, registry=registry, **timeouts) as app:
                 await serve_on_socket(
-                    app, api_socket, stop_listening, http2=config.gateway.http2, task_status=task_status
+                    app,
+                    api_socket,
+                    stop_listening,
+                    http2=config.gateway.http2,
+                    tls=tls_files(config.gateway),
+                    shutdown_grace=shutdown_grace,
+                    end_streams=app.end_streams,
+                    task_status=task_status,
                 )
             return
         with tempfile.TemporaryDirectory(prefix="interlock-metrics-") as metrics_dir:
@@ -208,7 +220,7 @@ async def _run(
                 await nursery.start(pool.run)
                 task_status.started()
                 await stop_listening.wait()
-                await pool.stop()
+                await pool.stop(shutdown_grace() + STREAM_END_SECONDS)
 
     api_socket, metrics_socket = sockets
     api, metrics = (sock.getsockname()[:2] for sock in sockets)  # before serving takes the sockets over
@@ -219,7 +231,12 @@ async def _run(
             async with trio.open_nursery() as listeners:
                 await listeners.start(serve_api, api_socket)
                 log.info("api server listening", addr=config.gateway.listen)
-                await listeners.start(serve_on_socket, metrics_app(registry), metrics_socket, stop_listening)
+                await listeners.start(
+                    partial(serve_on_socket, shutdown_grace=shutdown_grace),
+                    metrics_app(registry),
+                    metrics_socket,
+                    stop_listening,
+                )
                 log.info("metrics server listening", addr=config.gateway.metrics_listen)
                 handle_signals = partial(
                     control_plane.serve_signals,
@@ -271,6 +288,11 @@ HTTP2_MAX_CONCURRENT_STREAMS = 100
 """Streams an HTTP/2 client may have open at once on one connection (with `gateway.http2`)."""
 
 
+def tls_files(gateway: GatewayConfig) -> tuple[str, str] | None:
+    """The API listener's certificate and key files, when it serves HTTPS."""
+    return (gateway.tls_certificate, gateway.tls_key) if gateway.tls_certificate else None
+
+
 def _hypercorn_config(http2: bool) -> HypercornConfig:
     """hypercorn as every listener of the gateway runs it; HTTP/1.1 only unless `http2`.
 
@@ -280,7 +302,6 @@ def _hypercorn_config(http2: bool) -> HypercornConfig:
     config = HypercornConfig()
     config.h2_max_concurrent_streams = HTTP2_MAX_CONCURRENT_STREAMS if http2 else 0  # see `http2_on`
     config.backlog = LISTEN_BACKLOG
-    config.graceful_timeout = SHUTDOWN_GRACE_SECONDS
     config.include_server_header = False
     config.accesslog = None
     config.errorlog = _hypercorn_errors
@@ -311,17 +332,46 @@ async def serve_on_socket(
     stopped: trio.Event,
     *,
     http2: bool = False,
+    tls: tuple[str, str] | None = None,
     keep_alive_timeout: float = KEEP_ALIVE_SECONDS,
+    shutdown_grace: Callable[[], float] = lambda: DEFAULT_SHUTDOWN_GRACE,
+    end_streams: Callable[[], None] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve `app` on a listening socket until `stopped` is set, then drain; HTTP/1.1 only
     unless `http2`. A connection idle for `keep_alive_timeout` seconds (no request yet, or
     none since the last answer) is closed. hypercorn takes the socket over (by its descriptor,
-    as `fd://`) and closes it when serving ends: new connections are refused during the drain."""
+    as `fd://`) and closes it when serving ends: new connections are refused during the drain.
+    With `tls` (a certificate file and its key file, loaded once, here) it serves HTTPS, its
+    ALPN offering h2 only with `http2`.
+
+    The drain lasts `shutdown_grace()` seconds (asked when it starts, so that a reload applies).
+    Then `end_streams` has the responses still flowing end themselves (an event stream with its
+    error event, and its terminating chunk), and STREAM_END_SECONDS later hypercorn closes the
+    connections left (its `graceful_timeout`, else a bare cut of every stream)."""
     config = _hypercorn_config(http2)
     config.keep_alive_timeout = keep_alive_timeout
+    if tls is not None:
+        config.certfile, config.keyfile = tls
+        config.alpn_protocols = ["h2", "http/1.1"] if http2 else ["http/1.1"]
     config.bind = [f"fd://{listening.detach()}"]
-    await hypercorn.trio.serve(app, config, shutdown_trigger=stopped.wait, task_status=task_status)
+
+    async with trio.open_nursery() as grace:
+
+        async def drain() -> None:
+            await stopped.wait()
+            seconds = shutdown_grace()
+            config.graceful_timeout = seconds + STREAM_END_SECONDS  # read by hypercorn once the trigger returns
+            if end_streams is not None:
+                grace.start_soon(_end_streams_after, seconds, end_streams)
+
+        await hypercorn.trio.serve(app, config, shutdown_trigger=drain, task_status=task_status)
+        grace.cancel_scope.cancel()
+
+
+async def _end_streams_after(seconds: float, end_streams: Callable[[], None]) -> None:
+    await trio.sleep(seconds)
+    end_streams()
 
 
 _hypercorn_errors = logging.getLogger("interlock.hypercorn")

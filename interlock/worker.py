@@ -25,7 +25,7 @@ from controlplane.follower import Follower, OutOfStep
 from controlplane.logs import JsonLog
 from events.decisions import Decision
 from events.types import Checkpoint
-from interlock.serve import api_application, serve_on_socket
+from interlock.serve import api_application, serve_on_socket, tls_files
 from interlock.workers import DecisionMade, ReplicaStatus, Report, decode_from_leader, encode_report
 from journal.stream import frame_lines, receive_lines
 
@@ -143,7 +143,15 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
         nursery.start_soon(follow)
         nursery.start_soon(report)
         nursery.start_soon(stop_on_sigterm)
-        await serve_on_socket(api_app, api_socket, stop, http2=follower.snapshot.config.gateway.http2)
+        await serve_on_socket(
+            api_app,
+            api_socket,
+            stop,
+            http2=follower.snapshot.config.gateway.http2,
+            tls=tls_files(follower.snapshot.config.gateway),
+            shutdown_grace=lambda: follower.snapshot.config.gateway.shutdown_grace,
+            end_streams=api_app.end_streams,
+        )
         nursery.cancel_scope.cancel()
     return exit_code
 

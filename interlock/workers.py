@@ -53,9 +53,9 @@ MAX_LAG_EVENTS = 100_000
 REPLICA_STATUS_SECONDS = 0.5
 """How often the leader looks whether its `ReplicaStatus` has changed."""
 
-STOP_GRACE_SECONDS = 15.0
-"""How long the leader waits for its workers to drain after SIGTERM before it kills them
-(longer than a worker's own drain, `interlock.serve.SHUTDOWN_GRACE_SECONDS`)."""
+STOP_MARGIN_SECONDS = 5.0
+"""How much longer than a worker's own drain the leader waits for it after SIGTERM before it
+kills it."""
 
 
 class DecisionMade(msgspec.Struct, frozen=True, tag="decision", tag_field="type"):
@@ -217,13 +217,14 @@ class WorkerPool:
         finally:
             self._finished.set()
 
-    async def stop(self) -> None:
-        """Drain every worker (SIGTERM), killing those still running after STOP_GRACE_SECONDS."""
+    async def stop(self, drain_seconds: float) -> None:
+        """Drain every worker (SIGTERM), killing those still running STOP_MARGIN_SECONDS after
+        their drain (`drain_seconds` long) should have ended."""
         self._stopping = True
         self._sharing_status.cancel()
         for process in self._processes.values():
             _signal(process, signal.SIGTERM)
-        with trio.move_on_after(STOP_GRACE_SECONDS):
+        with trio.move_on_after(drain_seconds + STOP_MARGIN_SECONDS):
             await self._finished.wait()
         for process in self._processes.values():
             _signal(process, signal.SIGKILL)

@@ -434,3 +434,15 @@ def table(out: str, first_heading: str) -> list[dict[str, str]]:
         cells = [line[begin:end].strip() for begin, end in zip(starts, starts[1:] + [None])]
         rows.append(dict(zip((heading.strip() for heading in headings), cells)))
     return rows
+
+
+async def wait_until_ready(client: httpx.AsyncClient, url: str) -> None:
+    """Wait until the gateway at `url` (a subprocess, say) routes: `/ready` answers 200."""
+    with trio.fail_after(20):
+        while True:
+            try:
+                if (await client.get(url + "/ready")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            await trio.sleep(0.05)

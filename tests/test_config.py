@@ -83,6 +83,8 @@ def gateway_with(line: str) -> str:
         ('request_body_idle_timeout = "-1s"', "request_body_idle_timeout must be greater than zero"),
         ('request_body_idle_timeout = "10"', 'parsing request_body_idle_timeout: time: missing unit in duration "10"'),
         ('response_body_timeout = "0s"', "response_body_timeout must be greater than zero"),
+        ('shutdown_grace = "-1s"', "shutdown_grace must be non-negative"),
+        ('shutdown_grace = "90"', 'parsing shutdown_grace: time: missing unit in duration "90"'),
         ("event_log_retain_bytes = -1", "event_log_retain_bytes must be non-negative (0: no bound)"),
         ('event_log_retain_age = "-1h"', "event_log_retain_age must be non-negative (0: no bound)"),
         ("decision_log_max_bytes = -1", "decision_log_max_bytes must be greater than zero"),

@@ -27,7 +27,7 @@ HYPERCORN = f"hypercorn {version('hypercorn')}"
 def test_the_installed_hypercorn_has_what_the_gateway_overrides_and_takes_its_classes():
     hypercorn_private.check_private_surface()
     assert hypercorn.protocol.H2Protocol is hypercorn_private._H2WithResetBudget
-    assert hypercorn.protocol.H11Protocol is hypercorn_private._H11UpgradingOnlyWithHttp2
+    assert hypercorn.protocol.H11Protocol is hypercorn_private._H11AsServed
     assert hypercorn.trio.run.TCPServer is hypercorn_private._TCPServerClosingOnce
 
 
@@ -68,3 +68,45 @@ async def test_hypercorn_gives_the_app_a_receive_whose_queued_messages_are_taken
         f"{HYPERCORN} no longer gives the app a trio memory channel's receive with the body queued: "
         "see dataplane/hypercorn_receive.py"
     )
+
+
+def test_a_hypercorn_whose_responses_bypass_the_overridden_send_stops_the_gateway(monkeypatch):
+    async def stream_send(self, event) -> None:
+        await self.send(event)
+
+    monkeypatch.setattr(H11Protocol, "stream_send", stream_send)
+    with pytest.raises(hypercorn_private.HypercornChanged) as raised:
+        hypercorn_private.check_private_surface()
+    assert "H11Protocol.stream_send sending its h11.Response through _send_h11_event" in str(raised.value)
+
+
+async def test_status_lines_carry_the_reason_phrase():
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            return await send({"type": "lifespan.shutdown.complete"})
+        status = int(scope["path"].strip("/"))
+        await send({"type": "http.response.start", "status": status, "headers": [(b"x-kept", b"Yes")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    listening = listening_socket("127.0.0.1:0", "listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    answers = {}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, app, listening, stopped))
+        for status in (200, 404, 503, 299):
+            request = b"GET /%d HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n" % status
+            answers[status] = await exchange_until_closed(port, request)
+        answers["hypercorn's own"] = await exchange_until_closed(port, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+        stopped.set()
+    status_lines = {key: answer.partition(b"\r\n")[0] for key, answer in answers.items()}
+    assert status_lines == {
+        200: b"HTTP/1.1 200 OK",
+        404: b"HTTP/1.1 404 Not Found",
+        503: b"HTTP/1.1 503 Service Unavailable",
+        299: b"HTTP/1.1 299 ",
+        "hypercorn's own": b"HTTP/1.1 400 Bad Request",
+    }
+    assert b"\r\nx-kept: Yes\r\n" in answers[200]

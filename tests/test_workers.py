@@ -23,10 +23,10 @@ import httpx
 import trio
 
 from controlplane.replay import replay
+from events.config import DEFAULT_SHUTDOWN_GRACE
 from events.decisions import read_decisions
 from events.types import Checkpoint
 from fixtures.node import serve_nodes
-from interlock.serve import SHUTDOWN_GRACE_SECONDS
 
 from harness import Gateway, chat, config_text, decision_records, node_specs, nodes_and_gateway, sse_events
 
@@ -269,7 +269,7 @@ def test_workers_exit_when_their_leader_is_killed(tmp_path):
             leader.kill()
             leader.wait(5)
             for pid in pids:
-                assert _exits(pid, within=SHUTDOWN_GRACE_SECONDS + 5), f"worker {pid} outlived its leader"
+                assert _exits(pid, within=DEFAULT_SHUTDOWN_GRACE + 5), f"worker {pid} outlived its leader"
         finally:
             leader.kill()
             leader.wait()
@@ -361,7 +361,7 @@ async def test_workers_whose_leader_is_killed_finish_their_streams_and_exit_with
         cut = [tokens for tokens in lengths if not _ended(texts[tokens])]
         assert not cut, f"streams of {cut} tokens cut short, of {lengths}"
         for pid in pids:
-            assert _exits(pid, within=SHUTDOWN_GRACE_SECONDS + 5), f"worker {pid} outlived its leader"
+            assert _exits(pid, within=DEFAULT_SHUTDOWN_GRACE + 5), f"worker {pid} outlived its leader"
     finally:
         leader.kill()
         leader.wait()
