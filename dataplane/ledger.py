@@ -148,7 +148,9 @@ class Ledger:
     def request_ended(self, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
         exchange = self.exchange
-        self._books.metrics.request_done(self.metric_model, status, time.perf_counter() - exchange.started)
+        self._books.metrics.request_done(
+            self.metric_model, exchange.path, status, time.perf_counter() - exchange.started
+        )
         self._record(status)
 
     def client_left(self) -> None:

@@ -35,6 +35,12 @@ class RequestMetrics:
             registry=registry,
         )
         self._requests = counter("gateway_requests_total", "Total requests by model and status", "model", "status")
+        self._path_requests = counter(
+            "interlock_requests_total",
+            "Requests by routed endpoint (one of vLLM's model-addressed paths) and status",
+            "path",
+            "status",
+        )
         self._attempts = counter(
             "gateway_proxy_attempts_total", "Proxy attempts by model and observed status", "model", "status"
         )
@@ -95,10 +101,12 @@ class RequestMetrics:
             )
         )
 
-    def request_done(self, model: str, status: int, seconds: float) -> None:
-        """A request's final outcome: its duration and its status, each recorded once."""
+    def request_done(self, model: str, path: str, status: int, seconds: float) -> None:
+        """A request's final outcome: its duration and its status, each recorded once; `path` is
+        one of `dataplane.endpoints.ROUTED_PATHS` (the label stays bounded)."""
         self._duration.observe(seconds)
         self._requests(model, status).inc()
+        self._path_requests(path, status).inc()
 
     def attempt(self, model: str, status: int) -> None:
         """One proxy attempt: the node's status, or 502 for an attempt that failed."""

@@ -43,6 +43,7 @@ from dataplane.errors import (
     error_reply,
     model_not_found,
 )
+from dataplane.endpoints import ROUTED_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
@@ -51,8 +52,7 @@ from events.state import NodeState
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
 from transport.http11 import Response as UpstreamResponse
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-_TARGETS = {path: path.encode() for path in COMPLETION_PATHS}
+_TARGETS = {path: path.encode() for path in ROUTED_PATHS}
 
 CONNECT_TIMEOUT = 5.0
 RESPONSE_HEADER_TIMEOUT = 60.0
