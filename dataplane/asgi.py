@@ -137,30 +137,31 @@ class ApiApp:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
         if isinstance(body, ApiError):
             return error_reply(body, request_id_header(request_id), close=True)
+        config = view.config
         if scope["path"] in FORM_PATHS:
-            read = _read_form(scope, body, view.config)
+            read = _read_form(scope, body, config)
             if isinstance(read, ApiError):
                 return error_reply(read, request_id_header(request_id))
-            body, model, stream = read
+            body, model, alias, stream = read
         else:
             try:
                 fields = _decode_fields.decode(body)
             except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
                 return error_reply(INVALID_BODY, request_id_header(request_id))
-            model = fields.model if fields is not None else None
-            if model and len(model) > MAX_MODEL_NAME_LENGTH:
-                return error_reply(MODEL_NAME_TOO_LONG, request_id_header(request_id))
-            stream = bool(fields.stream) if fields is not None else False
-            if not model:
-                model = view.config.default_model
-                if not model:
-                    return error_reply(NO_MODEL, request_id_header(request_id))
+            named = fields.model if fields is not None else None
+            resolved = _resolve_model(named, config)
+            if isinstance(resolved, ApiError):
+                return error_reply(resolved, request_id_header(request_id))
+            model, alias = resolved
+            if model != named:
                 body = with_model(body, model)
+            stream = bool(fields.stream) if fields is not None else False
         client = scope["client"]
         exchange = Exchange(
             request_id=request_id,
             path=scope["path"],
             model=model,
+            alias=alias,
             stream=stream,
             body=body,
             headers=forward_headers(scope["headers"], client[0] if client else "", request_id),
@@ -171,24 +172,34 @@ class ApiApp:
         return await self._proxy.forward(exchange)
 
 
-def _read_form(scope, body: bytes, config: ConfigView) -> tuple[bytes, str, bool] | ApiError:
-    """Steps 2-3 for a multipart/form-data body (the audio endpoints): the body (the default
-    model set in it when it names none), its model and whether it asks for a stream. Only the
-    `model` and `stream` fields are read; every other byte goes on unchanged."""
+def _resolve_model(named: str | None, config: ConfigView) -> tuple[str, str] | ApiError:
+    """The model a request is routed and forwarded as, from the one its body names (None: the
+    default model), and the alias the client named ("" if none); or why the name will not do."""
+    if named and len(named) > MAX_MODEL_NAME_LENGTH:
+        return MODEL_NAME_TOO_LONG
+    model = named or config.default_model
+    if not model:
+        return NO_MODEL
+    target = config.aliases.get(model)
+    return (model, "") if target is None else (target, model)
+
+
+def _read_form(scope, body: bytes, config: ConfigView) -> tuple[bytes, str, str, bool] | ApiError:
+    """Steps 2-3 for a multipart/form-data body (the audio endpoints): the body as forwarded, its
+    model and alias (`_resolve_model`) and whether it asks for a stream. Only the `model` and
+    `stream` fields are read; every other byte goes on unchanged."""
     content_type = next((value for name, value in scope["headers"] if name == b"content-type"), b"")
     boundary = form_boundary(content_type)
     fields = form_fields(body, boundary) if boundary is not None else None
     if fields is None:
         return INVALID_BODY
-    model = fields.model
-    if model and len(model) > MAX_MODEL_NAME_LENGTH:
-        return MODEL_NAME_TOO_LONG
-    if not model:
-        model = config.default_model
-        if not model:
-            return NO_MODEL
+    resolved = _resolve_model(fields.model, config)
+    if isinstance(resolved, ApiError):
+        return resolved
+    model, alias = resolved
+    if model != fields.model:
         body = with_form_model(body, boundary, fields, model)
-    return body, model, fields.stream
+    return body, model, alias, fields.stream
 
 
 def _origin_form(scope: dict) -> dict:

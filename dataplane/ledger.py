@@ -170,6 +170,7 @@ class Ledger:
                 at=exchange.at,
                 path=exchange.path,
                 model=exchange.model,
+                alias=exchange.alias,
                 stream=exchange.stream,
                 seq=exchange.view.snapshot.seq,
                 ring=route.ring,

@@ -176,6 +176,10 @@ class ModelEntry(Struct, frozen=True, kw_only=True):
     ring: str = ""
     policy: str = ""
     """This model's routing policy (one of POLICIES); "" = `routing.policy`."""
+    target: str = ""
+    """An alias: the model this name stands for. A request naming it is routed as a request for
+    `target` (its ring, policy and nodes), with the body's `model` rewritten to `target`; "" = not
+    an alias."""
 
 
 class ModelsConfig(Struct, frozen=True, kw_only=True):
@@ -207,6 +211,14 @@ class Config(Struct, frozen=True, kw_only=True):
     routing: RoutingConfig = RoutingConfig()
     fleet: FleetConfig | None = None
     """None: one host, no NATS (no `[fleet]` table and no `serve --fleet`)."""
+
+    def aliases(self) -> dict[str, str]:
+        """Each alias (`ModelEntry.target`) with the model it stands for."""
+        return {model.name: model.target for model in self.models.available if model.target}
+
+    def served_models(self) -> tuple[str, ...]:
+        """The configured models that nodes serve: every entry but the aliases, in file order."""
+        return tuple(model.name for model in self.models.available if not model.target)
 
     def model_ring(self, name: str) -> str:
         """plinth's ModelRing: the ring of the first available model named `name`, else ""."""

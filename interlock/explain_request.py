@@ -86,7 +86,7 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
         [
             ["time", format_timestamp(decision.at)],
             ["path", decision.path],
-            ["model", decision.model],
+            ["model", f"{decision.model} (asked for as {decision.alias})" if decision.alias else decision.model],
             ["stream", "yes" if decision.stream else "no"],
             ["snapshot", f"seq {decision.seq}"],
             ["routed by", routed_by(decision)],

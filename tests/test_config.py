@@ -702,6 +702,7 @@ def test_example_config_loads() -> None:
     assert config.models.available == (
         ModelEntry(name="Qwen/Qwen2.5-32B-Instruct-Q4", pipeline_stages=2, ring="ring-a"),
         ModelEntry(name="Qwen/Qwen2.5-7B-Instruct", pipeline_stages=1, ring=""),
+        ModelEntry(name="chat", target="Qwen/Qwen2.5-7B-Instruct"),
     )
     assert config.model_ring("Qwen/Qwen2.5-32B-Instruct-Q4") == "ring-a"
     assert config.gateway.response_buffer_limit == 8388608
