@@ -48,6 +48,7 @@ from events.config import (
     LOG_FORMATS,
     LOG_LEVELS,
     POLICIES,
+    ROLES,
     Config,
     FleetConfig,
     GatewayConfig,
@@ -470,6 +471,10 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
         problem = _node_address_problem(node.ip)
         if problem:
             raise invalid(f"nodes[{index}].ip", f"invalid node IP {go_quote(node.ip)}: {problem}")
+        if node.role not in ROLES:
+            raise invalid(
+                f"nodes[{index}].role", f"role must be one of {', '.join(ROLES)} (got {go_quote(node.role)})"
+            )
         for key in ("vllm_port", "metrics_port"):
             port = getattr(node, key)
             if not 1 <= port <= 65535:

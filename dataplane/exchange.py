@@ -34,7 +34,8 @@ class Exchange:
         """The alias the client named, when it named one (`ModelEntry.target`); else ""."""
         self.stream = stream
         self.body = body
-        """Forwarded as it is (with the default model set in it when the client named none)."""
+        """Forwarded as it is (with the default model, or an alias's target, set in it; the decode
+        leg's `kv_transfer_params` too, for a disaggregated request)."""
         self.headers = headers
         """As forwarded (`headers.forward_headers`)."""
         self.view = view

@@ -86,6 +86,12 @@ class RequestMetrics:
             "Attempts on a node that failed before anything was sent to the client, then tried on the next node",
             "node",
         )
+        self._leg_attempts = counter(
+            "interlock_disaggregated_attempts_total",
+            "Attempts of prefill/decode-disaggregated requests, by leg (prefill, decode) and outcome",
+            "leg",
+            "outcome",
+        )
         self._picks = counter(
             "interlock_routing_picks_total", "Nodes chosen for an attempt, by the routing policy that chose", "policy"
         )
@@ -127,6 +133,10 @@ class RequestMetrics:
         """One attempt on `node` counted, as `attempt` counts it by model."""
         self._node_requests(node, status).inc()
         self._node_duration(node).observe(seconds)
+
+    def leg_attempt(self, leg: str, outcome: str) -> None:
+        """One attempt of a disaggregated request's `leg` ended with `outcome` (an AttemptOutcome)."""
+        self._leg_attempts(leg, outcome).inc()
 
     def retried(self, node: str) -> None:
         self._node_retries(node).inc()

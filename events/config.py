@@ -166,6 +166,14 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     """"" = a standalone (ring-less) node."""
     api_key_file: str = ""
     """A file holding this node's key (vLLM's `--api-key`); "" = `gateway.upstream_api_key_file`."""
+    role: str = "both"
+    """One of ROLES: what the node does in prefill/decode disaggregation (vLLM's NixlConnector).
+    A model whose candidates include a `prefill` or a `decode` node is served in two legs: the
+    prefill on a `prefill` (or `both`) node, the decode on a `decode` (or `both`) node."""
+
+
+ROLES = ("both", "prefill", "decode")
+"""A node's `role`: whole requests (and either leg), the prefill leg only, the decode leg only."""
 
 
 class ModelEntry(Struct, frozen=True, kw_only=True):
@@ -247,6 +255,10 @@ class Config(Struct, frozen=True, kw_only=True):
         cluster_wide = self.gateway.upstream_api_key_file
         files = {node.ip: node.api_key_file or cluster_wide for node in self.nodes}
         return {ip: path for ip, path in files.items() if path}
+
+    def disaggregation_roles(self) -> dict[str, str]:
+        """The role of each node that is not `both`, by IP (empty: no disaggregation)."""
+        return {node.ip: node.role for node in self.nodes if node.role != ROLES[0]}
 
     def node(self, ip: str) -> NodeConfig | None:
         for node in self.nodes:

@@ -101,6 +101,9 @@ class Decision(msgspec.Struct, frozen=True):
     """The chosen node's score lead over the next candidate; None with a single candidate."""
     remembered: str = ""
     """prefix_affinity: the node this process last sent the prefix to, tried first ("" if none)."""
+    prefill_attempts: tuple[AttemptRecord, ...] = ()
+    """A prefill/decode-disaggregated request's prefill leg, in order (`attempts` are then its
+    decode leg's, the answer the client got); empty for a request served whole."""
     alias: str = ""
     """The alias the client named (`models.available` `target`), routed as `model`; "" when the
     client named the model itself, and in records from before aliases."""

@@ -664,6 +664,7 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "metrics_port": 9100,
         "ring": "ring-a",
         "api_key_file": "",
+        "role": "both",
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
