@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import msgspec
 
+from dataplane.errors import PREFILL_WITHOUT_KV_TRANSFER_PARAMS
+
 GENERATION_PATHS = frozenset(("/v1/chat/completions", "/v1/completions"))
 """The endpoints served in two legs when a model's nodes are disaggregated; the others go whole
 to a node that serves both (or either) leg."""
@@ -39,7 +41,7 @@ class PrefillWithoutKvTransferParams(Exception):
     connector): its leg failed, and the next prefill node is tried."""
 
     def __init__(self) -> None:
-        super().__init__("prefill answer without kv_transfer_params")
+        super().__init__(PREFILL_WITHOUT_KV_TRANSFER_PARAMS.message)
 
 
 def prefill_body(body: bytes) -> bytes:

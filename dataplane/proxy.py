@@ -54,7 +54,7 @@ from dataplane.disaggregation import (
 )
 from dataplane.endpoints import ROUTED_PATHS
 from dataplane.exchange import Exchange, Outcome
-from dataplane.headers import Headers, client_headers, request_id_header
+from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
 from dataplane.metrics import RequestMetrics
 from events.state import NodeState
@@ -212,10 +212,7 @@ class Proxy:
         try:
             with trio.move_on_after(self._response_header_timeout) as waiting:
                 try:
-                    upstream = await self._pool.request(
-                        b"POST", node.ip, config.ports[node.ip], _TARGETS[exchange.path],
-                        self._node_request_headers(exchange, node), body, connect_timeout=CONNECT_TIMEOUT,
-                    )  # fmt: skip
+                    upstream = await self._request(exchange, node, body)
                     waiting.deadline = trio.current_time() + config.response_body_timeout
                     answer = await upstream.read_body(MAX_PREFILL_ANSWER_BYTES)
                 except Exception as error:
@@ -233,10 +230,7 @@ class Proxy:
             except PrefillWithoutKvTransferParams as error:
                 return Outcome(RETRIED, status=200, error=error), None
         except BaseException as error:
-            if upstream is not None:
-                upstream.close()
-            kind = CLIENT_GONE if isinstance(error, trio.Cancelled) else FAILED
-            ledger.attempt_ended(node.ip, Outcome(kind, status=upstream and upstream.status, error=error))
+            _abandoned(ledger, node, upstream, error)
             raise
 
     def _error(self, ledger: Ledger, error: ApiError) -> Reply:
@@ -284,17 +278,12 @@ class Proxy:
         """A committed reply (its relay ends the attempt), or how the attempt ended with the
         client's complete reply when it has one."""
         config = exchange.view.config
-        port = config.ports[node.ip]
-        target = _TARGETS[exchange.path]
-        headers = self._node_request_headers(exchange, node)
         upstream: UpstreamResponse | None = None
         ledger.attempt_began(node.ip)
         try:
             with trio.move_on_after(self._response_header_timeout) as waiting:
                 try:
-                    upstream = await self._pool.request(
-                        b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
-                    )
+                    upstream = await self._request(exchange, node, exchange.body)
                 except Exception as error:
                     return self._failed(exchange, error)
                 if exchange.stream:
@@ -308,18 +297,11 @@ class Proxy:
             upstream.close()
             return self._failed(exchange, ResponseBodyTimeout("timeout awaiting response body"))
         except BaseException as error:
-            if upstream is not None:
-                upstream.close()
-            status = upstream.status if upstream else None
-            if isinstance(error, trio.Cancelled):
-                ledger.attempt_ended(node.ip, Outcome(CLIENT_GONE, status=status))
-            else:  # a fault of ours: the attempt still ends (its in-flight counts are released)
-                ledger.attempt_ended(node.ip, Outcome(FAILED, status=status, error=error))
+            _abandoned(ledger, node, upstream, error)
             raise
 
-    @staticmethod
-    def _node_request_headers(exchange: Exchange, node: NodeState) -> Headers:
-        """The request's headers as `node` gets them."""
+    def _request(self, exchange: Exchange, node: NodeState, body: bytes) -> Awaitable[UpstreamResponse]:
+        """Send the request, with `body`, to `node`: its response once its head has come."""
         config = exchange.view.config
         headers = exchange.headers
         authorization = config.upstream_authorizations.get(node.ip)
@@ -329,7 +311,10 @@ class Proxy:
             headers = [header for header in headers if header[0] != b"authorization"]
             if authorization is not None:
                 headers.append((b"authorization", authorization))
-        return headers
+        target = _TARGETS[exchange.path]
+        return self._pool.request(
+            b"POST", node.ip, config.ports[node.ip], target, headers, body, connect_timeout=CONNECT_TIMEOUT
+        )
 
     def _failed(self, exchange: Exchange, error: Exception) -> tuple[Outcome, None]:
         """A failure before commit: the next node is tried (after any failure, for a stream;
@@ -473,6 +458,18 @@ class Relay:
             # `chunk` is the last piece relayed: an event it leaves unfinished is ended first.
             await send_piece((b"" if chunk.endswith(b"\n\n") else b"\n\n") + _STREAM_ERROR_EVENT)
         return False
+
+
+def _abandoned(ledger: Ledger, node: NodeState, upstream: UpstreamResponse | None, error: BaseException) -> None:
+    """An attempt that ends by an exception, the client gone (a cancellation) or a fault of
+    ours: its connection dropped, and the attempt ended (its in-flight counts released)."""
+    if upstream is not None:
+        upstream.close()
+    status = upstream.status if upstream else None
+    if isinstance(error, trio.Cancelled):
+        ledger.attempt_ended(node.ip, Outcome(CLIENT_GONE, status=status))
+    else:
+        ledger.attempt_ended(node.ip, Outcome(FAILED, status=status, error=error))
 
 
 async def _next_chunk_by(upstream: UpstreamResponse, deadline: float) -> bytes:
