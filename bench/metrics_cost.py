@@ -30,7 +30,7 @@ metrics = RequestMetrics(registry)
 n = 200_000
 start = time.process_time()
 for i in range(n):
-    metrics.request_done("m0", 200, 0.01)
+    metrics.request_done("m0", "/v1/chat/completions", 200, 0.01)
 increment = (time.process_time() - start) / n
 start = time.process_time()
 for i in range(n):
@@ -40,7 +40,7 @@ for i in range(n):
 node_attempt = (time.process_time() - start) / n
 for model in range(models):
     for status in (200, 503, 502):
-        metrics.request_done(f"m{model}", status, 0.01)
+        metrics.request_done(f"m{model}", "/v1/chat/completions", status, 0.01)
 if mode == "multiprocess":
     from prometheus_client.multiprocess import MultiProcessCollector
     scrape_registry = CollectorRegistry()

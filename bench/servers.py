@@ -18,6 +18,7 @@ import json
 import shutil
 import sys
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,9 +202,17 @@ class SimulatedNodeProcess:
 
 
 def start_simulated_nodes(
-    processes: Processes, count: int, model: str, *, ttft: float, tpot: float, tokens: int
+    processes: Processes,
+    count: int,
+    model: str,
+    *,
+    ttft: float,
+    tpot: float,
+    tokens: int,
+    roles: Sequence[str] = (),
 ) -> list[SimulatedNodeProcess]:
-    """`count` simulated nodes n1, n2, … on 127.0.0.2, 127.0.0.3, …, each a process answering its /health."""
+    """`count` simulated nodes n1, n2, … on 127.0.0.2, 127.0.0.3, …, each a process answering
+    its /health; `roles` are the first nodes' disaggregation roles (the others: both)."""
     nodes = []
     for index in range(count):
         host = f"127.0.0.{index + 2}"
@@ -212,6 +221,7 @@ def start_simulated_nodes(
             sys.executable, "-m", "fixtures.node", "--host", host, "--base-port", str(port),
             "--metrics-base-port", str(metrics_port), "--name-prefix", f"n{index + 1}-", "--models", model,
             "--ttft", str(ttft), "--tpot", str(tpot), "--tokens", str(tokens),
+            "--role", roles[index] if index < len(roles) else "both",
         ]  # fmt: skip
         process = processes.start(f"node-{index + 1}", argv, cores=None, cwd=PROJECT_ROOT)
         wait_until_healthy(host, port, process)
@@ -220,15 +230,23 @@ def start_simulated_nodes(
 
 
 def gateway_config(
-    port: int, nodes: list[SimulatedNodeProcess], model: str, gateway: dict[str, object], routing: dict[str, object]
+    port: int,
+    nodes: list[SimulatedNodeProcess],
+    model: str,
+    gateway: dict[str, object],
+    routing: dict[str, object],
+    roles: Sequence[str] = (),
 ) -> str:
-    """A TOML config for `nodes` serving `model`, with `gateway` keys and a [routing] table."""
+    """A TOML config for `nodes` serving `model`, with `gateway` keys and a [routing] table;
+    `roles` are the first nodes' disaggregation roles."""
     quoted = lambda value: msgspec.json.encode(value).decode()  # noqa: E731 (TOML spells these as JSON does)
     lines = ["[gateway]", f"listen = {quoted(f'{HOST}:{port}')}", f"metrics_listen = {quoted(f'{HOST}:{free_port()}')}"]
     lines += [f"{key} = {quoted(value)}" for key, value in gateway.items()]
-    for node in nodes:
+    for index, node in enumerate(nodes):
         lines += ["[[nodes]]", f"ip = {quoted(node.host)}", f"name = {quoted(node.name)}"]
         lines += [f"vllm_port = {node.port}", f"metrics_port = {node.metrics_port}"]
+        if index < len(roles):
+            lines.append(f"role = {quoted(roles[index])}")
     lines += ["[routing]"] + [f"{key} = {quoted(value)}" for key, value in routing.items()]
     lines += ["[models]", f"default = {quoted(model)}", "[[models.available]]", f"name = {quoted(model)}"]
     return "\n".join(lines) + "\n"
@@ -243,12 +261,13 @@ def start_gateway(
     gateway: dict[str, object],
     routing: dict[str, object] | None = None,
     name: str = "interlock",
+    roles: Sequence[str] = (),
 ) -> Server:
     """`interlock serve` for `nodes` (see `gateway_config`), ready once every node is healthy
     and its models are known."""
     port = free_port()
     config = folder / f"{name}.toml"
-    config.write_text(gateway_config(port, nodes, model, gateway, routing or {}))
+    config.write_text(gateway_config(port, nodes, model, gateway, routing or {}, roles))
     argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
 
     def all_ready(status: int, body: bytes) -> bool:

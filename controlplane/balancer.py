@@ -23,10 +23,13 @@ class Balancer:
     so none of them needs a lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, in_flight: dict[str, int] | None = None) -> None:
         self.rotation = 0
         """The counter the next pick is made with."""
-        self.in_flight: dict[str, int] = {}
+        self.in_flight: dict[str, int] = {} if in_flight is None else in_flight
+        """Shared with another balancer when given: the prefill leg of disaggregated requests
+        has a balancer of its own (its own counter and prefix memory: a prefix's KV cache is on
+        the prefill node), counting the same attempts."""
         self.prefixes = PrefixMemory()
 
     def select(

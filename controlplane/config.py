@@ -49,6 +49,7 @@ from events.config import (
     LOG_FORMATS,
     LOG_LEVELS,
     POLICIES,
+    ROLES,
     Config,
     FleetConfig,
     GatewayConfig,
@@ -402,6 +403,8 @@ def _validate(path: str, config: Config) -> Config:
 
     rings = {node.ring for node in config.nodes}
     for index, model in enumerate(config.models.available):
+        if model.target:
+            continue  # an alias is routed as its target (`_check_aliases`)
         if model.ring and model.ring not in rings:
             raise invalid(
                 f"models.available[{index}].ring",
@@ -415,6 +418,7 @@ def _validate(path: str, config: Config) -> Config:
             )
 
     _check_addresses_and_models(invalid, config)
+    _check_aliases(invalid, config)
     _check_routing(invalid, config)
     _check_fleet(invalid, config.fleet)
     gateway = replace(
@@ -487,6 +491,10 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
         problem = _node_address_problem(node.ip)
         if problem:
             raise invalid(f"nodes[{index}].ip", f"invalid node IP {go_quote(node.ip)}: {problem}")
+        if node.role not in ROLES:
+            raise invalid(
+                f"nodes[{index}].role", f"role must be one of {', '.join(ROLES)} (got {go_quote(node.role)})"
+            )
         for key in ("vllm_port", "metrics_port"):
             port = getattr(node, key)
             if not 1 <= port <= 65535:
@@ -502,6 +510,31 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
                 f"model {go_quote(model.name)} is listed twice: models.available[{earlier}] "
                 f"({_placement(entries[earlier].ring)}) and models.available[{index}] ({_placement(model.ring)})",
             )
+
+
+def _check_aliases(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
+    """An alias (`target`) stands for a model that is not itself an alias, and is routed as that
+    model: it has no ring, policy or pipeline stages of its own."""
+    aliases = config.aliases()
+    for index, model in enumerate(config.models.available):
+        if not model.target:
+            continue
+        key = f"models.available[{index}]"
+        if model.target == model.name:
+            raise invalid(f"{key}.target", f"model {go_quote(model.name)} is an alias of itself")
+        if model.target in aliases:
+            raise invalid(
+                f"{key}.target",
+                f"alias {go_quote(model.name)} targets {go_quote(model.target)}, which is an alias itself "
+                "(an alias must name a served model)",
+            )
+        for setting in ("ring", "policy", "pipeline_stages"):
+            if getattr(model, setting):
+                raise invalid(
+                    f"{key}.{setting}",
+                    f"alias {go_quote(model.name)} is routed as its target {go_quote(model.target)}: "
+                    f"set {setting} on the target's entry",
+                )
 
 
 def _check_routing(invalid: Callable[[str, str], ConfigError], config: Config) -> None:

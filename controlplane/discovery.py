@@ -76,7 +76,7 @@ def configured_models_missing(ring: str, names: tuple[str, ...], config: Config)
     listed = frozenset(names)
     for entry in config.models.available:
         available_names.add(entry.name)
-        if entry.ring == ring and entry.name and entry.name not in listed:
+        if entry.ring == ring and entry.name and not entry.target and entry.name not in listed:
             missing.append(entry.name)
     default = config.models.default
     if default and default not in available_names and default not in listed:

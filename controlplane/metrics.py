@@ -28,9 +28,10 @@ OTHER_MODELS = "(other)"
 
 
 def metric_models(state: ClusterState) -> frozenset[str]:
-    """The models with a `model` label of their own: the configured ones and the first
+    """The models with a `model` label of their own: the configured ones (not the aliases, whose
+    requests count as their target's) and the first
     MAX_DISCOVERED_MODEL_LABELS others that the nodes list (an expired list lists nothing)."""
-    labelled = {entry.name for entry in state.config.models.available} if state.config is not None else set()
+    labelled = set(state.config.served_models()) if state.config is not None else set()
     room = MAX_DISCOVERED_MODEL_LABELS
     for node in state.nodes.values():
         names = labelled_list(node.models)

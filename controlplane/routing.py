@@ -99,9 +99,11 @@ def pick_pool(
 class Route:
     """One model's routing on one state, before any pick: its ring, the ring pool, the candidates
     the model filter keeps and those it drops (with their reasons); when no candidate is left,
-    whether the model is unknown (`is_unknown_model`)."""
+    whether the model is unknown (`is_unknown_model`). When a candidate has the role `prefill`
+    or `decode` (`NodeConfig.role`), a generation is served in two legs: `legs` holds the
+    candidates of each (prefill, then decode), else it is None."""
 
-    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown")
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown", "legs")
 
     def __init__(self, state: ClusterState, model: str) -> None:
         self.ring = model_ring(state, model)
@@ -115,6 +117,24 @@ class Route:
         for _, reason in dropped:
             counts[reason] = counts.get(reason, 0) + 1
         self.exclusion_counts = tuple(counts.items())
+        self.legs = disaggregated_legs(state, candidates)
+
+
+def disaggregated_legs(
+    state: ClusterState, candidates: list[NodeState]
+) -> tuple[list[NodeState], list[NodeState]] | None:
+    """The candidates of the prefill leg and of the decode leg (a `both` node may serve either),
+    when some candidate has the role `prefill` or `decode`; else None (whole requests)."""
+    roles = state.config.disaggregation_roles() if state.config is not None else {}
+    if not roles or not any(node.ip in roles for node in candidates):
+        return None
+    prefill = [node for node in candidates if roles.get(node.ip, PREFILL) == PREFILL]
+    decode = [node for node in candidates if roles.get(node.ip, DECODE) == DECODE]
+    return prefill, decode
+
+
+PREFILL, DECODE = "prefill", "decode"
+"""The two legs of a disaggregated request, named as the node roles that serve them."""
 
 
 class Verdict(msgspec.Struct, frozen=True, kw_only=True):

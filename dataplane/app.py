@@ -1,9 +1,9 @@
-"""The API listener's Quart-trio app: plinth's routes (§4) other than the completion POSTs, and `/ready`.
+"""The API listener's Quart-trio app: plinth's routes (§4) other than the routed POSTs, and `/ready`.
 
 `GET /health`, `GET /ready`, `GET /v1/models` and `GET /v1/models/{id}` describe the current
-snapshot; unknown paths and methods get plinth's 404 and 405. `POST` to the two completion
-routes never gets here: the API listener's ASGI application (`dataplane.asgi`) answers those
-itself, and hands everything else to this app. The completion routes are declared here all the
+snapshot; unknown paths and methods get plinth's 404 and 405. `POST` to the routed
+endpoints (`dataplane.endpoints.ROUTED_PATHS`) never gets here: the API listener's ASGI application (`dataplane.asgi`) answers those
+itself, and hands everything else to this app. The routed paths are declared here all the
 same, so that other methods on them get 405.
 """
 
@@ -19,7 +19,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from controlplane.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
-from dataplane.proxy import COMPLETION_PATHS
+from dataplane.endpoints import ROUTED_PATHS
 from dataplane.quart_apps import new_quart_app
 from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from events.state import Health, NodeState
@@ -105,7 +105,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         rule's (werkzeug drops leading slashes: `//v1/chat/completions`)."""
         raise NotFound()
 
-    for path in COMPLETION_PATHS:
+    for path in sorted(ROUTED_PATHS):
         # POSTs are answered by dataplane.asgi: the rule only makes other methods a 405.
         app.add_url_rule(path, f"completions {path}", not_the_completion_path, methods=["POST"])
 

@@ -1,13 +1,14 @@
-"""The API listener's ASGI application: the completion routes in plain ASGI, the rest in Quart.
+"""The API listener's ASGI application: the routed endpoints in plain ASGI, the rest in Quart.
 
-`POST /v1/chat/completions` and `POST /v1/completions` are the hot path, and Quart's request
-and response objects, contexts and routing cost a good share of what hypercorn itself does per
-small request (`bench/`'s two floor rows show how much). So they are answered here, straight
-from hypercorn's ASGI messages: steps 1-3 of plinth's pipeline (read the body within the limit,
-parse only `model` and `stream`, inject the default model), then the proxy (routing and the
-attempt loop), whose `Reply` is sent as it is. Every other request goes to the Quart app (`dataplane.app`)
-unchanged: `/health`, `/ready`, `/v1/models`, the 404s, and other methods on the completion
-paths (405).
+`POST` to a model-addressed endpoint (`dataplane.endpoints.ROUTED_PATHS`: `/v1/chat/completions`
+and `/v1/completions`, the hot path, and the rest of what vLLM serves) is answered here, since
+Quart's request and response objects, contexts and routing cost a good share of what hypercorn
+itself does per small request (`bench/`'s two floor rows show how much). So they are answered
+straight from hypercorn's ASGI messages: steps 1-3 of plinth's pipeline (read the body within the
+limit, parse only `model` and `stream`, of a JSON body or of a multipart form's fields, inject the
+default model), then the proxy (routing and the attempt loop), whose `Reply` is sent as it is.
+Every other request goes to the Quart app (`dataplane.app`) unchanged: `/health`, `/ready`,
+`/v1/models`, the 404s, and other methods on the routed paths (405).
 Each request reads the control plane's snapshot once and keeps it throughout.
 
 Two things hypercorn (trio) does shape `_completion`:
@@ -45,10 +46,11 @@ from dataplane.errors import (
     Reply,
     error_reply,
 )
+from dataplane.endpoints import FORM_PATHS, ROUTED_PATHS, form_boundary, form_fields, with_form_model
 from dataplane.exchange import Exchange
 from dataplane.headers import forward_headers, request_id_header
 from dataplane.hypercorn_receive import queued_message
-from dataplane.proxy import COMPLETION_PATHS, Proxy
+from dataplane.proxy import Proxy
 from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from events.types import MAX_MODEL_NAME_LENGTH
 
@@ -101,7 +103,7 @@ class ApiApp:
         view = self._views.current()
         if view.config.api_key_digests and not _admitted(scope, view.config):
             await _refuse(receive, send, unauthorized_reply())
-        elif scope["method"] == "POST" and scope["path"] in COMPLETION_PATHS:
+        elif scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
             await self._completion(scope, receive, send, view)
         elif "://" in scope["path"] and not scope["path"].startswith("/"):
             await self(_origin_form(scope), receive, send)
@@ -139,24 +141,31 @@ class ApiApp:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
         if isinstance(body, ApiError):
             return error_reply(body, request_id_header(request_id), close=True)
-        try:
-            fields = _decode_fields.decode(body)
-        except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
-            return error_reply(INVALID_BODY, request_id_header(request_id))
-        model = fields.model if fields is not None else None
-        if model and len(model) > MAX_MODEL_NAME_LENGTH:
-            return error_reply(MODEL_NAME_TOO_LONG, request_id_header(request_id))
-        stream = bool(fields.stream) if fields is not None else False
-        if not model:
-            model = view.config.default_model
-            if not model:
-                return error_reply(NO_MODEL, request_id_header(request_id))
-            body = with_model(body, model)
+        config = view.config
+        if scope["path"] in FORM_PATHS:
+            read = _read_form(scope, body, config)
+            if isinstance(read, ApiError):
+                return error_reply(read, request_id_header(request_id))
+            body, model, alias, stream = read
+        else:
+            try:
+                fields = _decode_fields.decode(body)
+            except (msgspec.DecodeError, RecursionError):  # RecursionError: nested too deep to skip
+                return error_reply(INVALID_BODY, request_id_header(request_id))
+            named = fields.model if fields is not None else None
+            resolved = _resolve_model(named, config)
+            if isinstance(resolved, ApiError):
+                return error_reply(resolved, request_id_header(request_id))
+            model, alias = resolved
+            if model != named:
+                body = with_model(body, model)
+            stream = bool(fields.stream) if fields is not None else False
         client = scope["client"]
         exchange = Exchange(
             request_id=request_id,
             path=scope["path"],
             model=model,
+            alias=alias,
             stream=stream,
             body=body,
             headers=forward_headers(scope["headers"], client[0] if client else "", request_id),
@@ -165,6 +174,36 @@ class ApiApp:
             started=started,
         )
         return await self._proxy.forward(exchange)
+
+
+def _resolve_model(named: str | None, config: ConfigView) -> tuple[str, str] | ApiError:
+    """The model a request is routed and forwarded as, from the one its body names (None: the
+    default model), and the alias the client named ("" if none); or why the name will not do."""
+    if named and len(named) > MAX_MODEL_NAME_LENGTH:
+        return MODEL_NAME_TOO_LONG
+    model = named or config.default_model
+    if not model:
+        return NO_MODEL
+    target = config.aliases.get(model)
+    return (model, "") if target is None else (target, model)
+
+
+def _read_form(scope, body: bytes, config: ConfigView) -> tuple[bytes, str, str, bool] | ApiError:
+    """Steps 2-3 for a multipart/form-data body (the audio endpoints): the body as forwarded, its
+    model and alias (`_resolve_model`) and whether it asks for a stream. Only the `model` and
+    `stream` fields are read; every other byte goes on unchanged."""
+    content_type = next((value for name, value in scope["headers"] if name == b"content-type"), b"")
+    boundary = form_boundary(content_type)
+    fields = form_fields(body, boundary) if boundary is not None else None
+    if fields is None:
+        return INVALID_BODY
+    resolved = _resolve_model(fields.model, config)
+    if isinstance(resolved, ApiError):
+        return resolved
+    model, alias = resolved
+    if model != fields.model:
+        body = with_form_model(body, boundary, fields, model)
+    return body, model, alias, fields.stream
 
 
 def _origin_form(scope: dict) -> dict:

@@ -71,6 +71,10 @@ NO_MODEL = ApiError(400, "model not specified and no default model is configured
 NO_HEALTHY_NODE = ApiError(503, routing.NO_HEALTHY_NODE, "no_healthy_node")
 NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node")
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
+PREFILL_WITHOUT_KV_TRANSFER_PARAMS = ApiError(
+    502, "prefill answer without kv_transfer_params", "prefill_without_kv_transfer_params"
+)
+"""Every prefill node tried answered without what the decode leg needs (no KV connector on it)."""
 STREAM_TERMINATED = ApiError(502, "stream terminated by upstream failure", "upstream_error")
 """Not a response: the error event that ends a stream the node cut short after commit."""
 SHUTTING_DOWN = ApiError(503, "stream ended: the gateway is shutting down", "gateway_shutting_down")

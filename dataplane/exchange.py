@@ -10,7 +10,7 @@ from events.decisions import AttemptOutcome
 class Exchange:
     """A completion request past its body checks (`dataplane.asgi`), on its way to a node."""
 
-    __slots__ = ("request_id", "path", "model", "stream", "body", "headers", "view", "at", "started")
+    __slots__ = ("request_id", "path", "model", "alias", "stream", "body", "headers", "view", "at", "started")
 
     def __init__(
         self,
@@ -24,13 +24,18 @@ class Exchange:
         view: SnapshotView,
         at: float,
         started: float,
+        alias: str = "",
     ) -> None:
         self.request_id = request_id
         self.path = path
         self.model = model
+        """The model it is routed and forwarded as (an alias's target)."""
+        self.alias = alias
+        """The alias the client named, when it named one (`ModelEntry.target`); else ""."""
         self.stream = stream
         self.body = body
-        """Forwarded as it is (with the default model set in it when the client named none)."""
+        """Forwarded as it is (with the default model, or an alias's target, set in it; the decode
+        leg's `kv_transfer_params` too, for a disaggregated request)."""
         self.headers = headers
         """As forwarded (`headers.forward_headers`)."""
         self.view = view

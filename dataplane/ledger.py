@@ -15,9 +15,10 @@ import time
 from controlplane.balancer import Balancer
 from controlplane.logs import JsonLog
 from controlplane.policies import Choice
-from controlplane.routing import Route
+from controlplane.routing import DECODE, PREFILL, Route
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
+from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.metrics import RequestMetrics
 from events.config import Policy
@@ -60,7 +61,7 @@ class Ledger:
 
     __slots__ = (
         "_books", "exchange", "route", "policy", "prefix", "metric_model", "attempts", "passed",
-        "first_choice", "rotation", "attempt_started",
+        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts",
     )  # fmt: skip
 
     def __init__(self, books: Books, exchange: Exchange, route: Route, policy: Policy, prefix: str) -> None:
@@ -80,6 +81,10 @@ class Ledger:
         """The round-robin counter of the first pick."""
         self.attempt_started = exchange.started
         """When the attempt in progress began (attempts are made one after another)."""
+        self.leg = PREFILL if route.legs is not None and exchange.path in GENERATION_PATHS else ""
+        """The leg of a disaggregated request in progress (`routing.PREFILL`, then `DECODE`); "" for a whole one."""
+        self.prefill_attempts: tuple[AttemptRecord, ...] = ()
+        """A disaggregated request's prefill attempts, once its decode leg has begun."""
 
     # --- picks
 
@@ -88,6 +93,15 @@ class Ledger:
             if exclusion.node == ip:
                 return
         self.passed.append(Exclusion(ip, reason))
+
+    def decode_began(self) -> None:
+        """The prefill leg is done: its attempts are set aside, and the decode leg's first pick
+        is the one the record scores (the client's answer comes from that leg)."""
+        self.prefill_attempts = tuple(self.attempts)
+        self.attempts = []
+        self.first_choice = None
+        self.rotation = 0
+        self.leg = DECODE
 
     def picked(self, choice: Choice, rotation: int) -> None:
         if self.first_choice is None:
@@ -137,6 +151,8 @@ class Ledger:
             metrics.client_write_failure(self.metric_model)
         metrics.node_attempt_ended(ip)
         books.balancer.attempt_ended(ip)
+        if self.leg:
+            metrics.leg_attempt(self.leg, kind)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
             status = outcome.status or 502
             metrics.attempt(self.metric_model, status)
@@ -148,7 +164,9 @@ class Ledger:
     def request_ended(self, status: int) -> None:
         """The request's one duration and status in the metrics, and its decision record."""
         exchange = self.exchange
-        self._books.metrics.request_done(self.metric_model, status, time.perf_counter() - exchange.started)
+        self._books.metrics.request_done(
+            self.metric_model, exchange.path, status, time.perf_counter() - exchange.started
+        )
         self._record(status)
 
     def client_left(self) -> None:
@@ -168,12 +186,14 @@ class Ledger:
                 at=exchange.at,
                 path=exchange.path,
                 model=exchange.model,
+                alias=exchange.alias,
                 stream=exchange.stream,
                 seq=exchange.view.snapshot.seq,
                 ring=route.ring,
                 ring_pool=route.ring_pool,
                 excluded=route.excluded + tuple(self.passed),
-                attempts=tuple(self.attempts),
+                attempts=() if self.leg == PREFILL else tuple(self.attempts),
+                prefill_attempts=tuple(self.attempts) if self.leg == PREFILL else self.prefill_attempts,
                 status=status,
                 duration=time.perf_counter() - exchange.started,
                 policy=self.policy,

@@ -35,6 +35,12 @@ class RequestMetrics:
             registry=registry,
         )
         self._requests = counter("gateway_requests_total", "Total requests by model and status", "model", "status")
+        self._path_requests = counter(
+            "interlock_requests_total",
+            "Requests by routed endpoint (one of vLLM's model-addressed paths) and status",
+            "path",
+            "status",
+        )
         self._attempts = counter(
             "gateway_proxy_attempts_total", "Proxy attempts by model and observed status", "model", "status"
         )
@@ -80,6 +86,12 @@ class RequestMetrics:
             "Attempts on a node that failed before anything was sent to the client, then tried on the next node",
             "node",
         )
+        self._leg_attempts = counter(
+            "interlock_disaggregated_attempts_total",
+            "Attempts of prefill/decode-disaggregated requests, by leg (prefill, decode) and outcome",
+            "leg",
+            "outcome",
+        )
         self._picks = counter(
             "interlock_routing_picks_total", "Nodes chosen for an attempt, by the routing policy that chose", "policy"
         )
@@ -95,10 +107,12 @@ class RequestMetrics:
             )
         )
 
-    def request_done(self, model: str, status: int, seconds: float) -> None:
-        """A request's final outcome: its duration and its status, each recorded once."""
+    def request_done(self, model: str, path: str, status: int, seconds: float) -> None:
+        """A request's final outcome: its duration and its status, each recorded once; `path` is
+        one of `dataplane.endpoints.ROUTED_PATHS` (the label stays bounded)."""
         self._duration.observe(seconds)
         self._requests(model, status).inc()
+        self._path_requests(path, status).inc()
 
     def attempt(self, model: str, status: int) -> None:
         """One proxy attempt: the node's status, or 502 for an attempt that failed."""
@@ -119,6 +133,10 @@ class RequestMetrics:
         """One attempt on `node` counted, as `attempt` counts it by model."""
         self._node_requests(node, status).inc()
         self._node_duration(node).observe(seconds)
+
+    def leg_attempt(self, leg: str, outcome: str) -> None:
+        """One attempt of a disaggregated request's `leg` ended with `outcome` (an AttemptOutcome)."""
+        self._leg_attempts(leg, outcome).inc()
 
     def retried(self, node: str) -> None:
         self._node_retries(node).inc()

@@ -24,18 +24,20 @@ import functools
 import math
 from collections.abc import Awaitable, Callable
 
+import msgspec
 import trio
 
 from controlplane.balancer import Balancer
 from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.policies import PREFIX_AFFINITY
 from controlplane.prefix import prompt_prefix
-from controlplane.routing import pick_pool
+from controlplane.routing import PREFILL, pick_pool
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.errors import (
     NO_HEALTHY_NODE,
     NO_REACHABLE_NODE,
+    PREFILL_WITHOUT_KV_TRANSFER_PARAMS,
     SHUTTING_DOWN,
     STREAM_TERMINATED,
     UPSTREAM_ERROR,
@@ -44,6 +46,14 @@ from dataplane.errors import (
     error_reply,
     model_not_found,
 )
+from dataplane.disaggregation import (
+    MAX_PREFILL_ANSWER_BYTES,
+    PrefillWithoutKvTransferParams,
+    decode_body,
+    kv_transfer_params,
+    prefill_body,
+)
+from dataplane.endpoints import ROUTED_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
@@ -52,8 +62,7 @@ from events.state import NodeState
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
 from transport.http11 import Response as UpstreamResponse
 
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
-_TARGETS = {path: path.encode() for path in COMPLETION_PATHS}
+_TARGETS = {path: path.encode() for path in ROUTED_PATHS}
 
 CONNECT_TIMEOUT = 5.0
 RESPONSE_HEADER_TIMEOUT = 60.0
@@ -110,6 +119,7 @@ class Proxy:
         self._metrics = metrics
         self._log = log
         self._balancer = Balancer()
+        self._prefill_balancer = Balancer(self._balancer.in_flight)
         self._books = Books(control_plane, metrics, log, self._balancer, decisions)
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
@@ -144,8 +154,15 @@ class Proxy:
             return self._error(ledger, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
         tried: set[str] = set()
         try:
+            if ledger.leg:  # a disaggregated generation: first its prefill leg
+                prefilled = await self._prefill(exchange, ledger, *route.legs)
+                if isinstance(prefilled, Reply):
+                    return prefilled
+                exchange.body = decode_body(exchange.body, prefilled)
+                ledger.decode_began()
+                candidates = route.legs[1]
             for _ in range(len(candidates)):
-                node = self._pick(ledger, tried)
+                node = self._pick(ledger, candidates, tried)
                 if node is None:
                     break
                 tried.add(node.ip)
@@ -165,6 +182,68 @@ class Proxy:
             raise
         return self._error(ledger, NO_REACHABLE_NODE)
 
+    async def _prefill(
+        self, exchange: Exchange, ledger: Ledger, prefill_nodes: list[NodeState], decode_nodes: list[NodeState]
+    ) -> msgspec.Raw | Reply:
+        """The prefill leg of a disaggregated request: the `kv_transfer_params` a prefill node
+        answered with, or the client's reply (a node's error status, or the gateway's error).
+
+        Any failure of the leg is retried on the next prefill node: nothing has reached the
+        client, and a prefill leaves nothing behind but KV blocks that the node frees when no
+        decode fetches them."""
+        if not prefill_nodes or not decode_nodes:
+            return self._error(ledger, NO_HEALTHY_NODE)
+        body = prefill_body(exchange.body)
+        tried: set[str] = set()
+        failure = NO_REACHABLE_NODE
+        for _ in range(len(prefill_nodes)):
+            node = self._pick(ledger, prefill_nodes, tried)
+            if node is None:
+                break
+            tried.add(node.ip)
+            outcome, answer = await self._prefill_attempt(exchange, ledger, node, body)
+            ledger.attempt_ended(node.ip, outcome)
+            if isinstance(answer, Reply):
+                ledger.request_ended(answer.status)
+                return answer
+            if answer is not None:
+                return answer
+            if isinstance(outcome.error, PrefillWithoutKvTransferParams):
+                failure = PREFILL_WITHOUT_KV_TRANSFER_PARAMS
+        return self._error(ledger, failure)
+
+    async def _prefill_attempt(
+        self, exchange: Exchange, ledger: Ledger, node: NodeState, body: bytes
+    ) -> tuple[Outcome, msgspec.Raw | Reply | None]:
+        """One prefill attempt: its `kv_transfer_params`, or the node's answer for the client
+        when it is an error status, or None when the attempt failed (then retried)."""
+        config = exchange.view.config
+        upstream: UpstreamResponse | None = None
+        ledger.attempt_began(node.ip)
+        try:
+            with trio.move_on_after(self._response_header_timeout) as waiting:
+                try:
+                    upstream = await self._request(exchange, node, body)
+                    waiting.deadline = trio.current_time() + config.response_body_timeout
+                    answer = await upstream.read_body(MAX_PREFILL_ANSWER_BYTES)
+                except Exception as error:
+                    return Outcome(RETRIED, status=upstream and upstream.status, error=error), None
+            if waiting.cancelled_caught:
+                if upstream is not None:
+                    upstream.close()
+                return Outcome(RETRIED, error=UpstreamTimeout("timeout awaiting the prefill answer")), None
+            if upstream.status != 200:
+                served_by = config.node_headers[node.ip]
+                headers = client_headers(upstream, exchange.request_id, served_by, with_length=False)
+                return Outcome(COMPLETED, status=upstream.status), Reply(upstream.status, headers, answer)
+            try:
+                return Outcome(COMPLETED, status=200), kv_transfer_params(answer)
+            except PrefillWithoutKvTransferParams as error:
+                return Outcome(RETRIED, status=200, error=error), None
+        except BaseException as error:
+            _abandoned(ledger, node, upstream, error)
+            raise
+
     def _error(self, ledger: Ledger, error: ApiError) -> Reply:
         ledger.request_ended(error.status)
         return error_reply(error, request_id_header(ledger.exchange.request_id))
@@ -180,16 +259,18 @@ class Proxy:
             fields["suppressed"] = held_back
         self._log.warn("no node serves requested model", **fields)
 
-    def _pick(self, ledger: Ledger, tried: set[str]) -> NodeState | None:
-        """The balancer's pick from the pool routing leaves (`routing.pick_pool`: the candidates
-        passed over are the request's exclusions); None when it is empty. The first pick is kept
-        for the decision record, scored when there is one."""
-        pool = pick_pool(ledger.route.candidates, self._control_plane.now(), tried, ledger.passed_over)
+    def _pick(self, ledger: Ledger, candidates: list[NodeState], tried: set[str]) -> NodeState | None:
+        """The balancer's pick among `candidates` (the route's, or a disaggregated leg's) from
+        the pool routing leaves (`routing.pick_pool`: the candidates passed over are the
+        request's exclusions); None when it is empty. The first pick is kept for the decision
+        record, scored when there is one."""
+        pool = pick_pool(candidates, self._control_plane.now(), tried, ledger.passed_over)
         if not pool:
             return None
         config = ledger.exchange.view.config
-        rotation = self._balancer.rotation
-        choice = self._balancer.select(
+        balancer = self._prefill_balancer if ledger.leg == PREFILL else self._balancer
+        rotation = balancer.rotation
+        choice = balancer.select(
             pool,
             ledger.policy,
             scored=config.decision_log,
@@ -208,24 +289,12 @@ class Proxy:
         """A committed reply (its relay ends the attempt), or how the attempt ended with the
         client's complete reply when it has one."""
         config = exchange.view.config
-        port = config.ports[node.ip]
-        target = _TARGETS[exchange.path]
-        headers = exchange.headers
-        authorization = config.upstream_authorizations.get(node.ip)
-        if authorization is not None or config.api_key_digests:
-            # The client's key is the gateway's (when it checks keys) and not the node's: it
-            # goes no further, and the node's own key, if it has one, takes its place.
-            headers = [header for header in headers if header[0] != b"authorization"]
-            if authorization is not None:
-                headers.append((b"authorization", authorization))
         upstream: UpstreamResponse | None = None
         ledger.attempt_began(node.ip)
         try:
             with trio.move_on_after(self._response_header_timeout) as waiting:
                 try:
-                    upstream = await self._pool.request(
-                        b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
-                    )
+                    upstream = await self._request(exchange, node, exchange.body)
                 except Exception as error:
                     return self._failed(exchange, error)
                 if exchange.stream:
@@ -239,14 +308,24 @@ class Proxy:
             upstream.close()
             return self._failed(exchange, ResponseBodyTimeout("timeout awaiting response body"))
         except BaseException as error:
-            if upstream is not None:
-                upstream.close()
-            status = upstream.status if upstream else None
-            if isinstance(error, trio.Cancelled):
-                ledger.attempt_ended(node.ip, Outcome(CLIENT_GONE, status=status))
-            else:  # a fault of ours: the attempt still ends (its in-flight counts are released)
-                ledger.attempt_ended(node.ip, Outcome(FAILED, status=status, error=error))
+            _abandoned(ledger, node, upstream, error)
             raise
+
+    def _request(self, exchange: Exchange, node: NodeState, body: bytes) -> Awaitable[UpstreamResponse]:
+        """Send the request, with `body`, to `node`: its response once its head has come."""
+        config = exchange.view.config
+        headers = exchange.headers
+        authorization = config.upstream_authorizations.get(node.ip)
+        if authorization is not None or config.api_key_digests:
+            # The client's key is the gateway's (when it checks keys) and not the node's: it
+            # goes no further, and the node's own key, if it has one, takes its place.
+            headers = [header for header in headers if header[0] != b"authorization"]
+            if authorization is not None:
+                headers.append((b"authorization", authorization))
+        target = _TARGETS[exchange.path]
+        return self._pool.request(
+            b"POST", node.ip, config.ports[node.ip], target, headers, body, connect_timeout=CONNECT_TIMEOUT
+        )
 
     def _failed(self, exchange: Exchange, error: Exception) -> tuple[Outcome, None]:
         """A failure before commit: the next node is tried (after any failure, for a stream;
@@ -411,6 +490,18 @@ class Relay:
         event = _SHUTDOWN_EVENT if self._ended else _STREAM_ERROR_EVENT
         await send_piece((b"" if chunk.endswith(b"\n\n") else b"\n\n") + event)
         return self._ended
+
+
+def _abandoned(ledger: Ledger, node: NodeState, upstream: UpstreamResponse | None, error: BaseException) -> None:
+    """An attempt that ends by an exception, the client gone (a cancellation) or a fault of
+    ours: its connection dropped, and the attempt ended (its in-flight counts released)."""
+    if upstream is not None:
+        upstream.close()
+    status = upstream.status if upstream else None
+    if isinstance(error, trio.Cancelled):
+        ledger.attempt_ended(node.ip, Outcome(CLIENT_GONE, status=status))
+    else:
+        ledger.attempt_ended(node.ip, Outcome(FAILED, status=status, error=error))
 
 
 async def _next_chunk_by(upstream: UpstreamResponse, deadline: float) -> bytes:

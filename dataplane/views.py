@@ -26,6 +26,8 @@ class ConfigView:
         self.config = config
         gateway = config.gateway
         self.default_model = config.models.default
+        self.aliases = config.aliases()
+        """Each alias with the model it stands for (`ModelEntry.target`)."""
         self.body_limit = gateway.request_body_limit
         self.body_timeout = gateway.request_body_timeout
         self.body_idle_timeout = gateway.request_body_idle_timeout
@@ -86,8 +88,8 @@ class SnapshotView:
         return route
 
     def routable_models(self, now: float) -> tuple[str, ...]:
-        """The models `/ready` counts (the configured ones; with none configured, those the
-        nodes list) that have a node a request's first pick would be made from at `now`.
+        """The models `/ready` counts (the configured ones, an alias as its target; with none
+        configured, those the nodes list) that have a node a request's first pick would be made from at `now`.
 
         On one snapshot the answer changes only when an offline mark ends, so it is kept until
         the first such moment among the models' candidates."""
@@ -108,7 +110,7 @@ class SnapshotView:
 
     @functools.cached_property
     def _readiness_models(self) -> tuple[str, ...]:
-        configured = dict.fromkeys(model.name for model in self.snapshot.config.models.available)
+        configured = dict.fromkeys(model.target or model.name for model in self.snapshot.config.models.available)
         if configured:
             return tuple(configured)
         return tuple(sorted({name for node in self.snapshot.node_list() for name in node.models.names or ()}))

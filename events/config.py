@@ -174,6 +174,14 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     """"" = a standalone (ring-less) node."""
     api_key_file: str = ""
     """A file holding this node's key (vLLM's `--api-key`); "" = `gateway.upstream_api_key_file`."""
+    role: str = "both"
+    """One of ROLES: what the node does in prefill/decode disaggregation (vLLM's NixlConnector).
+    A model whose candidates include a `prefill` or a `decode` node is served in two legs: the
+    prefill on a `prefill` (or `both`) node, the decode on a `decode` (or `both`) node."""
+
+
+ROLES = ("both", "prefill", "decode")
+"""A node's `role`: whole requests (and either leg), the prefill leg only, the decode leg only."""
 
 
 class ModelEntry(Struct, frozen=True, kw_only=True):
@@ -184,6 +192,10 @@ class ModelEntry(Struct, frozen=True, kw_only=True):
     ring: str = ""
     policy: str = ""
     """This model's routing policy (one of POLICIES); "" = `routing.policy`."""
+    target: str = ""
+    """An alias: the model this name stands for. A request naming it is routed as a request for
+    `target` (its ring, policy and nodes), with the body's `model` rewritten to `target`; "" = not
+    an alias."""
 
 
 class ModelsConfig(Struct, frozen=True, kw_only=True):
@@ -219,6 +231,14 @@ class Config(Struct, frozen=True, kw_only=True):
     fleet: FleetConfig | None = None
     """None: one host, no NATS (no `[fleet]` table and no `serve --fleet`)."""
 
+    def aliases(self) -> dict[str, str]:
+        """Each alias (`ModelEntry.target`) with the model it stands for."""
+        return {model.name: model.target for model in self.models.available if model.target}
+
+    def served_models(self) -> tuple[str, ...]:
+        """The configured models that nodes serve: every entry but the aliases, in file order."""
+        return tuple(model.name for model in self.models.available if not model.target)
+
     def model_ring(self, name: str) -> str:
         """plinth's ModelRing: the ring of the first available model named `name`, else ""."""
         for model in self.models.available:
@@ -246,6 +266,10 @@ class Config(Struct, frozen=True, kw_only=True):
         cluster_wide = self.gateway.upstream_api_key_file
         files = {node.ip: node.api_key_file or cluster_wide for node in self.nodes}
         return {ip: path for ip, path in files.items() if path}
+
+    def disaggregation_roles(self) -> dict[str, str]:
+        """The role of each node that is not `both`, by IP (empty: no disaggregation)."""
+        return {node.ip: node.role for node in self.nodes if node.role != ROLES[0]}
 
     def node(self, ip: str) -> NodeConfig | None:
         for node in self.nodes:

@@ -72,6 +72,7 @@ class Decision(msgspec.Struct, frozen=True):
     """When the request arrived (UNIX seconds)."""
     path: str
     model: str
+    """The model routed to (when the client named an alias: its target)."""
     stream: bool
     seq: int
     """The seq of the control-plane snapshot the request was routed on (so `interlock explain
@@ -101,6 +102,12 @@ class Decision(msgspec.Struct, frozen=True):
     """The chosen node's score lead over the next candidate; None with a single candidate."""
     remembered: str = ""
     """prefix_affinity: the node this process last sent the prefix to, tried first ("" if none)."""
+    prefill_attempts: tuple[AttemptRecord, ...] = ()
+    """A prefill/decode-disaggregated request's prefill leg, in order (`attempts` are then its
+    decode leg's, the answer the client got); empty for a request served whole."""
+    alias: str = ""
+    """The alias the client named (`models.available` `target`), routed as `model`; "" when the
+    client named the model itself, and in records from before aliases."""
 
 
 _decode_decision = msgspec.json.Decoder(Decision)

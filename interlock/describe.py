@@ -37,6 +37,9 @@ def describe_config(config: Config) -> str:
     default_model = config.models.default or "(none)"
     lines.append(f"models ({len(config.models.available)}), default {default_model}:")
     for model in config.models.available:
+        if model.target:
+            lines.append(f"  {model.name}  alias of {model.target}")
+            continue
         ring = f"ring {model.ring}" if model.ring else "standalone"
         policy = f"  policy {model.policy}" if model.policy else ""
         lines.append(f"  {model.name}  {ring}{policy}")

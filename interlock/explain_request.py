@@ -18,7 +18,7 @@ from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.errors import model_not_found
-from events.decisions import AttemptOutcome, Decision
+from events.decisions import AttemptOutcome, AttemptRecord, Decision
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 
@@ -86,7 +86,7 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
         [
             ["time", format_timestamp(decision.at)],
             ["path", decision.path],
-            ["model", decision.model],
+            ["model", f"{decision.model} (asked for as {decision.alias})" if decision.alias else decision.model],
             ["stream", "yes" if decision.stream else "no"],
             ["snapshot", f"seq {decision.seq}"],
             ["routed by", routed_by(decision)],
@@ -107,18 +107,26 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
     if decision.candidates:
         lines += _candidates_table(decision)
         lines.append("")
+    if decision.prefill_attempts:  # disaggregated: the prefill leg, then the decode leg
+        lines += _attempts_table("PREFILL", decision.prefill_attempts) + [""]
     if decision.attempts:
-        rows = [
-            [str(number), attempt.node, attempt.outcome, _or_dash(attempt.status), attempt.error or "-"]
-            for number, attempt in enumerate(decision.attempts, start=1)
-        ]
-        lines += format_table(["ATTEMPT", "NODE", "OUTCOME", "STATUS", "ERROR"], rows)
+        lines += _attempts_table("DECODE" if decision.prefill_attempts else "ATTEMPT", decision.attempts)
+    elif decision.prefill_attempts:
+        lines.append("no decode attempt: the prefill leg did not succeed")
     else:
         lines.append("no attempt: no node could be picked")
     if earlier:
         times = ", ".join(f"{format_timestamp(record.at)} (status {_or_dash(record.status)})" for record in earlier)
         lines += ["", f"{len(earlier)} earlier request(s) with this id, not shown: {times}"]
     return "\n".join(lines)
+
+
+def _attempts_table(heading: str, attempts: tuple[AttemptRecord, ...]) -> list[str]:
+    rows = [
+        [str(number), attempt.node, attempt.outcome, _or_dash(attempt.status), attempt.error or "-"]
+        for number, attempt in enumerate(attempts, start=1)
+    ]
+    return format_table([heading, "NODE", "OUTCOME", "STATUS", "ERROR"], rows)
 
 
 def _policy(decision: Decision) -> str:

@@ -191,3 +191,19 @@ def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
     # whatif read the round-robin run's logs and routed its requests under least_load.
     assert what_if in ("PASS", "MISS") and abs(sum(results["whatif"]["predicted_share"].values()) - 1) < 0.01
     assert "round_robin" in completed.stdout and "least_load" in completed.stdout
+
+
+def test_the_disaggregated_bench_measures_both_settings_without_failures(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.disaggregated", "--requests", "20", "--rounds", "1", "--out", str(tmp_path)],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    [path] = tmp_path.iterdir()
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["setting"] for row in rows] == ["whole", "two legs"]
+    assert all(row[mode]["failures"] == 0 for row in rows for mode in ("whole_answer", "streamed"))
+    assert "two legs" in completed.stdout

@@ -300,7 +300,7 @@ def readme_block(heading: str, language: str) -> str:
     return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
-async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_only_the_completions(tmp_path):
+async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllms_endpoints(tmp_path):
     config = readme_block("## Point it at your vLLM nodes", "toml")
     (tmp_path / "gateway.toml").write_text(config)
     with trio.fail_after(30):
@@ -330,7 +330,9 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_onl
                     await trio.sleep(0.1)
             assert answer.headers["x-interlock-node"] in {node.host for node in nodes}  # no name: the IP
             embeddings = await client.post(url + "/v1/embeddings", json={"model": MODEL, "input": "x"})
-            assert embeddings.status_code == 404  # not routed
+            assert embeddings.status_code == 200 and embeddings.json()["object"] == "list"
+            unknown = await client.post(url + "/v1/embedding", json={"model": MODEL, "input": "x"})
+            assert unknown.status_code == 404  # not routed
             code, _, errors = await gateway.stop()
     assert (code, errors) == (0, "")
     assert list((tmp_path / "var").glob("events*.jsonl"))  # the event log explain reads

@@ -666,6 +666,7 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "metrics_port": 9100,
         "ring": "ring-a",
         "api_key_file": "",
+        "role": "both",
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
@@ -704,6 +705,7 @@ def test_example_config_loads() -> None:
     assert config.models.available == (
         ModelEntry(name="Qwen/Qwen2.5-32B-Instruct-Q4", pipeline_stages=2, ring="ring-a"),
         ModelEntry(name="Qwen/Qwen2.5-7B-Instruct", pipeline_stages=1, ring=""),
+        ModelEntry(name="chat", target="Qwen/Qwen2.5-7B-Instruct"),
     )
     assert config.model_ring("Qwen/Qwen2.5-32B-Instruct-Q4") == "ring-a"
     assert config.gateway.response_buffer_limit == 8388608

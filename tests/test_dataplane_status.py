@@ -86,12 +86,12 @@ async def test_routes_match_method_and_path_exactly(tmp_path):
         response = await gateway.http.request("OPTIONS", gateway.url + "/v1/completions")
         assert response.status_code == 405
 
-        for path in ("/", "/v1/chat/completions/", "/v1/embeddings", "/metrics"):
+        for path in ("/", "/v1/chat/completions/", "/v1/images/generations", "/metrics"):
             response = await gateway.http.get(gateway.url + path)
             assert response.status_code == 404, path
             assert error_message(response) == "404 page not found"
         # An unread body on an unknown route closes the connection.
-        response = await gateway.http.post(gateway.url + "/v1/embeddings", content=b"x" * 1000)
+        response = await gateway.http.post(gateway.url + "/v1/images/generations", content=b"x" * 1000)
         assert response.status_code == 404 and response.headers["connection"] == "close"
 
 
