@@ -53,6 +53,15 @@ from events.config import (
 from events.decisions import Decision, find_decisions, missing_inputs, read_decisions_with_gaps
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
+from interlock.reconfigured import (
+    HEALTH_KEYS,
+    NOT_RECORDED_NOTE,
+    HealthOverrideError,
+    config_dry_run,
+    health_what_if,
+    parse_health_overrides,
+    render_reconfigured,
+)
 from interlock.render import (
     KINDS,
     explanation_to_builtins,
@@ -66,15 +75,6 @@ from interlock.render import (
 from interlock.timeline import TimelineError, build_timeline, render_html
 from interlock.verify import DEFAULT_SHOWN, incomplete_warning, verify
 from interlock.verify import render_report as render_verify_report
-from interlock.reconfigured import (
-    HEALTH_KEYS,
-    NOT_RECORDED_NOTE,
-    HealthOverrideError,
-    config_dry_run,
-    health_what_if,
-    parse_health_overrides,
-    render_reconfigured,
-)
 from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, WHAT_IF_POLICIES, render_report, what_if
 from journal.segments import LogFileError
 from journal.writer import unwritable_log_reason
@@ -155,6 +155,8 @@ def add_check_config(commands: argparse._SubParsersAction) -> None:
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    if not args.against and (args.decisions or args.since is not None):
+        return _error(args, "arguments --decisions and --since: only with --against")
     unknown_keys: list[UnknownKey] = []
     warn = _warner(args)
 
@@ -186,8 +188,6 @@ def run_check_config(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print()
         print(render_reconfigured(report))
-    elif args.decisions or args.since is not None:
-        return _error(args, "arguments --decisions and --since: only with --against")
     return EXIT_OK
 
 

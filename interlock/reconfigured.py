@@ -57,7 +57,8 @@ def parse_health_overrides(text: str) -> dict[str, int]:
         if key in HEALTH_UNREPLAYABLE:
             raise HealthOverrideError(f"{key} cannot be replayed: {HEALTH_UNREPLAYABLE[key]}")
         if key not in HEALTH_KEYS:
-            raise HealthOverrideError(f"unknown health setting {key!r}; the health rules read: {', '.join(HEALTH_KEYS)}")
+            known = ", ".join(HEALTH_KEYS)
+            raise HealthOverrideError(f"unknown health setting {key!r}; the health rules read: {known}")
         try:
             number = int(value)
         except ValueError:
@@ -173,9 +174,11 @@ def reconfigured(
     skip_invalid: Callable[[str], None] | None = None,
 ) -> ReconfiguredReport:
     """The run of `event_logs` as recorded and with its events rewritten by `rewrite`, compared
-    (module docstring); `decisions` are routed again under the policy the config in force names."""
+    (module docstring); `decisions` are routed again under the policy the config in force names.
+    The log's problems go to `warn` and `skip_invalid` once, as the first pass meets them."""
     recorded = _StatusLog(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
-    changed = _StatusLog(replay_steps(event_logs, rewrite=rewrite))
+    skip_again = _ignore if skip_invalid is not None else None
+    changed = _StatusLog(replay_steps(event_logs, skip_invalid=skip_again, rewrite=rewrite))
     report = ReconfiguredReport(change=change, nodes=[], ejections_gained=[], ejections_lost=[])
     for ip in sorted(recorded.changes.keys() | changed.changes.keys()):
         name = recorded.names.get(ip) or changed.names.get(ip, ip)
@@ -198,9 +201,14 @@ def reconfigured(
                 report.met_dead_shown.append(request)
 
     report.decisions = what_if(
-        event_logs, decisions, policy=CONFIGURED, since=since, until=until, rewrite=rewrite, each=judge
-    )
+        event_logs, decisions, policy=CONFIGURED, since=since, until=until, skip_invalid=skip_again,
+        rewrite=rewrite, each=judge,
+    )  # fmt: skip
     return report
+
+
+def _ignore(message: str) -> None:
+    """Takes a problem of the log already reported."""
 
 
 def health_what_if(

@@ -95,7 +95,8 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     """The first MOVED_SHOWN requests whose pick changed."""
     became_503: int
     """Requests that got a node, whose pool is empty when routed again (only a change of the
-    routing code, or of its reading of the log, can do this: a policy only chooses within the pool)."""
+    routing code, of its reading of the log, or of the config (`rewrite`) can do this: a policy
+    only chooses within the pool)."""
     stopped_503: int
     """Requests refused for want of a node, that have a node when routed again."""
     beyond_log: int

@@ -36,7 +36,8 @@ async def record_an_ejection(folder: Path) -> tuple[Path, Path, str]:
         failing.behaviour.health = "fail"
         await gateway.wait_for(lambda: gateway.node(failing.host).status == Health.DEAD)
         for number in range(SENT_WHILE_DEAD):
-            response = await gateway.http.post(f"{gateway.url}/v1/chat/completions", json=chat(), headers={"x-request-id": f"r{number}"})
+            headers = {"x-request-id": f"while-dead-{number}"}
+            response = await gateway.http.post(f"{gateway.url}/v1/chat/completions", json=chat(), headers=headers)
             assert response.status_code == 200
         failing.behaviour.health = "ok"
         await gateway.wait_for(lambda: gateway.node(failing.host).status == Health.HEALTHY)
@@ -62,7 +63,8 @@ def test_a_higher_fail_threshold_makes_the_ejection_disappear(tmp_path):
                                   decisions, "--json").stdout)  # fmt: skip
     assert [e["node"] for e in report["ejections_lost"]] == [failing]
     [node] = [node for node in report["nodes"] if node["node"] == failing]
-    assert Health.DEAD in {i["status"] for i in node["before"]} and Health.DEAD not in {i["status"] for i in node["after"]}
+    assert Health.DEAD in {interval["status"] for interval in node["before"]}
+    assert Health.DEAD not in {interval["status"] for interval in node["after"]}
     assert report["refused"] == 0
     assert 0 < report["met_dead"] <= SENT_WHILE_DEAD
     assert {request["now"] for request in report["met_dead_shown"]} == {failing}
@@ -110,3 +112,14 @@ def test_a_dry_run_that_removes_a_node_shows_its_requests_moving(tmp_path):
     unchanged = interlock("check-config", tmp_path / "run" / "gateway.toml", "--against", run.events,
                           "--decisions", run.decisions)  # fmt: skip
     assert "agreement 100.0%" in unchanged.stdout, unchanged.stdout
+
+    since = interlock("check-config", new, "--against", run.events, "--decisions", run.decisions,
+                      "--since", f"{run.middle}")  # fmt: skip
+    assert since.returncode == 0, since.stderr
+    assert "6 recorded requests, 6 routed again" in since.stdout
+    moved_since = {line.split()[0] for line in since.stdout.splitlines() if line.startswith(("idle-", "busy-"))}
+    assert moved_since and all(request_id.startswith("busy-") for request_id in moved_since)
+
+    alone = interlock("check-config", new, "--decisions", run.decisions)
+    assert alone.returncode == 2
+    assert "arguments --decisions and --since: only with --against" in alone.stderr
