@@ -17,6 +17,7 @@ import msgspec
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
 from controlplane.transitions import Step, Transition
+from events.config import Config
 from events.log import read_events
 from events.state import ClusterState
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted, RunStopped
@@ -54,6 +55,7 @@ def replay_steps(
     until_at: float | None = None,
     warn: Callable[[str], None] | None = None,
     skip_invalid: Callable[[str], None] | None = None,
+    rewrite: Callable[[Iterator[Event]], Iterator[Event]] | None = None,
 ) -> Iterator[tuple[Event, ClusterState, Step]]:
     """Apply the events of the given segments (or logs) in order, as the live reducer did, and
     yield each event with the state after it and its step.
@@ -63,21 +65,62 @@ def replay_steps(
     so through `warn`. A torn last line, and a gap or a step back in the numbering (events the
     live run could not write: the state may differ from the live one until the next
     checkpoint), are reported through `warn`; other bad lines raise LogFileError, unless
-    `skip_invalid` takes them (`read_events`).
+    `skip_invalid` takes them (`read_events`). `rewrite` (a what-if: `with_config`) turns the
+    recorded events into the ones folded, after their numbering is checked.
     """
+    events = _numbering_checked(read_events(paths, warn, skip_invalid), warn)
     state = INITIAL_STATE
-    first = True
-    for event in read_events(paths, warn, skip_invalid):
+    for event in rewrite(events) if rewrite is not None else events:
         if (until_seq is not None and event.seq > until_seq) or (until_at is not None and event.at > until_at):
             break
-        if warn is not None:
-            if first and isinstance(event, Checkpoint):
-                warn(f"the log starts at the checkpoint of seq {event.seq} (its older segments are gone)")
-            elif not first and event.seq != state.seq + (0 if isinstance(event, Checkpoint) else 1):
-                warn(_numbering_warning(state.seq, event))
-        first = False
         state, step = reduce(state, event)
         yield event, state, step
+
+
+def _numbering_checked(events: Iterator[Event], warn: Callable[[str], None] | None) -> Iterator[Event]:
+    """`events`, with a warning through `warn` for a log that starts at a checkpoint and for a
+    gap or a step back in the numbering."""
+    previous: Event | None = None
+    for event in events:
+        if warn is not None:
+            if previous is None and isinstance(event, Checkpoint):
+                warn(f"the log starts at the checkpoint of seq {event.seq} (its older segments are gone)")
+            elif previous is not None and event.seq != previous.seq + (0 if isinstance(event, Checkpoint) else 1):
+                warn(_numbering_warning(previous.seq, event))
+        previous = event
+        yield event
+
+
+def with_config(
+    events: Iterable[Event], change: Callable[[Config], Config], since: float | None = None
+) -> Iterator[Event]:
+    """`events` as if every config in force from `since` on (None: the log's start) had been
+    `change`d: the config in force at `since` is reloaded changed (a config_reloaded numbered as
+    the event before it, so the decisions made on that seq see it), each later run_started and
+    config_reloaded carries its config changed, and a checkpoint is followed by the reload of its
+    config changed. The reducer folds them as it folded the recorded ones."""
+    in_force: ConfigReloaded | None = None
+    """The last config of the log, as a reload of it."""
+    previous_seq = 0
+    started = since is None
+    for event in events:
+        if not started and event.at >= since:
+            started = True
+            if in_force is not None:
+                yield _reload(in_force, change, seq=previous_seq, at=since)
+        previous_seq = event.seq
+        if isinstance(event, (RunStarted, ConfigReloaded, Checkpoint)) and event.config is not None:
+            in_force = ConfigReloaded(at=event.at, seq=event.seq, config_path=event.config_path, config=event.config)
+            if started and not isinstance(event, Checkpoint):
+                event = msgspec.structs.replace(event, config=change(event.config))
+            elif started:
+                yield event
+                event = _reload(in_force, change, seq=event.seq, at=event.at)
+        yield event
+
+
+def _reload(recorded: ConfigReloaded, change: Callable[[Config], Config], *, seq: int, at: float) -> ConfigReloaded:
+    return ConfigReloaded(at=at, seq=seq, config_path=recorded.config_path, config=change(recorded.config))
 
 
 def starting_seq(event: Event) -> int:

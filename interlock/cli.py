@@ -4,7 +4,7 @@
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
                     [--fleet URL[,URL…]] [--require-event-log]
-    interlock check-config PATH [--strict]
+    interlock check-config PATH [--strict] [--against LOG… [--decisions FILE…] [--since T]]
     interlock replay LOG… [--until-seq N | --at TIME] [--json] [--skip-invalid]
     interlock explain LOG… --model M [--until-seq N | --at TIME] [--json] [--skip-invalid]
     interlock explain [LOG…] --request-id ID --decisions FILE [--json] [--skip-invalid]
@@ -13,6 +13,7 @@
     interlock timeline LOG… [--since T] [--until T] [--decisions FILE] -o FILE
     interlock whatif LOG… --decisions FILE… [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
                     [--progress SECONDS]
+    interlock whatif LOG… --health KEY=VALUE[,…] [--decisions FILE…] [--since T] [--until T] [--json]
     interlock verify LOG… --decisions FILE… [--since T] [--until T] [--show N] [--json]
     interlock fleet export DIR --fleet URL[,URL…] [--name N]
 
@@ -53,6 +54,15 @@ from events.config import (
 from events.decisions import Decision, find_decisions, missing_inputs, read_decisions_with_gaps
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, request_to_builtins
+from interlock.reconfigured import (
+    HEALTH_KEYS,
+    NOT_RECORDED_NOTE,
+    HealthOverrideError,
+    config_dry_run,
+    health_what_if,
+    parse_health_overrides,
+    render_reconfigured,
+)
 from interlock.render import (
     KINDS,
     explanation_to_builtins,
@@ -130,10 +140,24 @@ def add_check_config(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("path", metavar="PATH", help="the gateway's TOML config file")
     parser.add_argument("--strict", action="store_true", help="unknown keys are errors (exit code 2)")
+    parser.add_argument(
+        "--against",
+        nargs="+",
+        metavar="LOG",
+        help="dry-run reload: replay this event log with the config reloaded at its start (or --since) "
+        "and compare the nodes' health and, with --decisions, where the recorded requests would go",
+    )
+    _add_decision_logs(parser, required=False)
+    parser.add_argument(
+        "--since", type=_argument_type(parse_time), metavar="TIME", help="with --against: the moment of the reload"
+    )
+    _add_skip_invalid(parser)
     parser.set_defaults(run=run_check_config)
 
 
 def run_check_config(args: argparse.Namespace) -> int:
+    if not args.against and (args.decisions or args.since is not None):
+        return _error(args, "arguments --decisions and --since: only with --against")
     unknown_keys: list[UnknownKey] = []
     warn = _warner(args)
 
@@ -158,6 +182,13 @@ def run_check_config(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     print("ok")
     print(describe_config(config))
+    if args.against:
+        report = config_dry_run(
+            args.against, config, args.path, _complete_decisions(args, warn) if args.decisions else None,
+            since=args.since, warn=warn, skip_invalid=warn if args.skip_invalid else None,
+        )  # fmt: skip
+        print()
+        print(render_reconfigured(report))
     return EXIT_OK
 
 
@@ -344,7 +375,14 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
         "whatif", help="route a recorded run's requests again under another policy, offline, and compare"
     )
     _add_log_arguments(parser, moment=False)
-    _add_decision_logs(parser)
+    _add_decision_logs(parser, required=False)
+    parser.add_argument(
+        "--health",
+        metavar="KEY=VALUE[,KEY=VALUE…]",
+        help="replay the run's probe results under other health rules instead (keys: "
+        + ", ".join(HEALTH_KEYS)
+        + "; probe times are the recorded ones) and compare the nodes' health intervals and ejections",
+    )
     parser.add_argument(
         "--policy",
         default=RECORDED,
@@ -380,6 +418,10 @@ def run_whatif(args: argparse.Namespace) -> int:
     if args.since is not None and args.until is not None and args.since > args.until:
         return _error(args, "argument --since: must not be after --until")
     warn = _warner(args)
+    if args.health is not None:
+        return _health_what_if(args, warn)
+    if not args.decisions:
+        return _error(args, "the following arguments are required: --decisions (or --health)")
     report = what_if(
         args.logs,
         _complete_decisions(args, warn),
@@ -399,10 +441,28 @@ def run_whatif(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_decision_logs(parser: argparse.ArgumentParser) -> None:
+def _health_what_if(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
+    try:
+        overrides = parse_health_overrides(args.health)
+    except HealthOverrideError as err:
+        return _error(args, f"argument --health: {err}")
+    if args.policy != RECORDED:
+        return _error(args, "argument --policy: not with --health (requests keep the policy their config names)")
+    report = health_what_if(
+        args.logs, overrides, _complete_decisions(args, warn) if args.decisions else None,
+        since=args.since, until=args.until, warn=warn, skip_invalid=warn if args.skip_invalid else None,
+    )  # fmt: skip
+    if args.json:
+        _print_json({**msgspec.to_builtins(report), "note": NOT_RECORDED_NOTE})
+    else:
+        print(render_reconfigured(report))
+    return EXIT_OK
+
+
+def _add_decision_logs(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     parser.add_argument(
         "--decisions",
-        required=True,
+        required=required,
         nargs="+",
         metavar="FILE",
         help="the run's decision logs (gateway.decision_log; names or segments, of any workers and replicas)",

@@ -49,10 +49,14 @@ from controlplane.routing import Route, pick_pool
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
 from events.decisions import Decision
 from events.state import ClusterState, NodeState
+from events.types import Event
 from interlock.render import format_table
 
 RECORDED = "recorded"
 """Route each request under the policy its record names, with the record's own inputs."""
+CONFIGURED = "configured"
+"""Route each request under the policy the config in force names for its model (a what-if
+config's, `rewrite`), with the record's own inputs."""
 WHAT_IF_POLICIES = (RECORDED, *POLICIES)
 DEFAULT_CACHE_ENTRIES = 256
 PROGRESS_SECONDS = 5.0
@@ -91,7 +95,8 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     """The first MOVED_SHOWN requests whose pick changed."""
     became_503: int
     """Requests that got a node, whose pool is empty when routed again (only a change of the
-    routing code, or of its reading of the log, can do this: a policy only chooses within the pool)."""
+    routing code, of its reading of the log, or of the config (`rewrite`) can do this: a policy
+    only chooses within the pool)."""
     stopped_503: int
     """Requests refused for want of a node, that have a node when routed again."""
     beyond_log: int
@@ -124,13 +129,17 @@ def what_if(
     skip_invalid: Callable[[str], None] | None = None,
     progress: Callable[[str], None] | None = None,
     progress_every: float = PROGRESS_SECONDS,
+    rewrite: Callable[[Iterator[Event]], Iterator[Event]] | None = None,
+    each: Callable[[Decision, str | None], None] | None = None,
 ) -> WhatIfReport:
     """Route the recorded requests arriving in [since, until] again under `policy` (a name of
-    POLICIES, or RECORDED) on the states of `event_logs`; never contacts a node. How far it has
-    come goes to `progress` every `progress_every` seconds (module docstring)."""
+    POLICIES, RECORDED or CONFIGURED) on the states of `event_logs` (their events rewritten by
+    `rewrite`: `replay_steps`); never contacts a node. `each` is told every request that had a
+    node, with the node it is routed to again (None: no node). How far it has come goes to
+    `progress` every `progress_every` seconds (module docstring)."""
     chosen = in_span(decisions, since, until)
     states = States(
-        replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid),
+        replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid, rewrite=rewrite),
         _Progress(progress, progress_every, len(chosen)) if progress is not None else None,
     )
     in_flight, recorded_in_flight = _InFlight(), _InFlight()
@@ -154,13 +163,16 @@ def what_if(
         pool = pick_pool(Route(state, decision.model).candidates, decision.at)
         if not pool:
             report.became_503 += recorded_node is not None
+            if each is not None and recorded_node is not None:
+                each(decision, None)
             continue
         if recorded_node is None:
             report.stopped_503 += decision.status == 503 and not decision.attempts
             continue
         process = process_of(decision)
-        if policy == RECORDED:
-            choice = recorded_choice(balancers[process], decision, pool, state)
+        if policy in (RECORDED, CONFIGURED):
+            configured = state.config.model_policy(decision.model) if policy == CONFIGURED and state.config else None
+            choice = recorded_choice(balancers[process], decision, pool, state, policy=configured)
         else:
             choice = balancers[process].choose(
                 [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
@@ -172,6 +184,8 @@ def what_if(
                 load_bound=_load_bound(state),
             )  # remembered: the what-if world's memory
         node = choice.node.ip
+        if each is not None:
+            each(decision, node)
         duration = _moved_duration(decision.duration, state, recorded_node, node)
         in_flight.add(process, decision.at, duration, node)
         recorded_in_flight.add(process, decision.at, decision.duration, recorded_node)
@@ -220,13 +234,15 @@ def in_span(decisions: Iterable[Decision], since: float | None, until: float | N
     )
 
 
-def recorded_choice(balancer: Balancer, decision: Decision, pool: list[NodeState], state: ClusterState) -> Choice:
+def recorded_choice(
+    balancer: Balancer, decision: Decision, pool: list[NodeState], state: ClusterState, policy: str | None = None
+) -> Choice:
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
-    picker, under the policy the record names and with the inputs it holds (round-robin counter,
-    its process's in-flight counts, request id, prompt prefix, remembered node)."""
+    picker, under `policy` (None: the one the record names) and with the inputs the record holds
+    (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered node)."""
     return balancer.choose(
         pool,
-        decision.policy,
+        policy or decision.policy,
         rotation=decision.rotation,
         in_flight={candidate.node: candidate.in_flight for candidate in decision.candidates if candidate.in_flight},
         request_id=decision.request_id,
@@ -390,7 +406,7 @@ def render_report(report: WhatIfReport) -> str:
     agreement = "-" if report.agreement is None else f"{report.agreement:.1f}%"
     lines = [
         f"{report.decisions} recorded requests, {routed} routed again under "
-        + ("the policy each was routed by" if report.policy == RECORDED else report.policy)
+        + _POLICY_TEXTS.get(report.policy, report.policy)
         + " (open-loop: later load is as recorded, not as the new picks would have made it)",
         f"agreement {agreement}: {report.changed} would have gone to another node ({_share(report.changed, routed)})",
         f"{report.became_503} would have become 503, {report.stopped_503} would have stopped being 503",
@@ -420,6 +436,12 @@ def render_report(report: WhatIfReport) -> str:
             f" {_share(report.prefix_seen_after, report.prefixed)} (of {report.prefixed} requests with a prefix)",
         ]
     return "\n".join(lines)
+
+
+_POLICY_TEXTS = {
+    RECORDED: "the policy each was routed by",
+    CONFIGURED: "the policy the config in force names for its model",
+}
 
 
 def _margin(margin: float | None) -> str:
