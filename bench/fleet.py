@@ -379,6 +379,7 @@ def evaluate(results: dict) -> list[dict]:
         ("probes per node per interval", probes, "<=", TARGETS["probes_per_node_per_interval"] * 1.1, None),
         (f"follower CPU at {many['nodes']} nodes (% core)", many["follower_core_percent"], "<=", TARGETS["follower_core_percent"], None),
         (f"leader CPU at {many['nodes']} nodes (% core)", many["leader_core_percent"], None, None, None),
+        (f"events applied a second at {many['nodes']} nodes", many["follower_events_per_second"], None, None, None),
     ]
     evaluated = []
     for name, value, _, target, shown in rows:

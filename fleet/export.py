@@ -34,7 +34,8 @@ async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]
         first_message, last_message = await link.message_seqs()
         if last_message == 0:
             raise ExportError(f"the fleet's event stream {link.names.events} is empty")
-        lines = [line for _, data in await link.read_messages(first_message, last_message) for line in batch_lines(data)]
+        messages = await link.read_messages(first_message, last_message)
+        lines = [line for _, data in messages for line in batch_lines(data)]
         first = decode_event(lines[0]).seq
         if first > 1:
             stored = await link.newest_checkpoint()

@@ -33,6 +33,7 @@ import trio
 from nats.js.api import StreamConfig
 
 from events.config import FleetConfig
+from events.log import decode_event
 from fleet.bridge import AsyncioThread
 
 OPERATION_SECONDS = 5.0
@@ -320,7 +321,11 @@ class FleetLink:
             message = await self._call(self._js.get_last_msg, self.names.checkpoints, self.names.subject("checkpoints"))
         except nats.js.errors.NotFoundError:
             return None
-        return StoredCheckpoint(message.data, int(message.headers[CHECKPOINT_MESSAGE_HEADER]))
+        headers = message.headers or {}
+        if CHECKPOINT_MESSAGE_HEADER in headers:
+            return StoredCheckpoint(message.data, int(headers[CHECKPOINT_MESSAGE_HEADER]))
+        # written before a message held a batch: one event a message, its sequence the event's
+        return StoredCheckpoint(message.data, decode_event(message.data).seq)
 
     def publish_observation(self, line: bytes) -> None:
         """Send a data-plane observation to the leader; never blocks (at most once)."""

@@ -6,8 +6,8 @@ itself. Its tasks (children of `run`):
 - the follower applies the event stream in order, each message's batch of events one by one,
   through the runtime's own apply path (`ControlPlane.apply_numbered`: the same `reduce`, logs,
   metrics and listeners, so the replica's workers follow it as they follow a single-host
-  gateway), starting from the newest checkpoint. Until the first fleet event arrives the replica routes on its own config (the
-  state at seq 0), so the data plane never waits on NATS;
+  gateway), starting from the newest checkpoint. Until the first fleet event arrives the
+  replica routes on its own config (the state at seq 0), so the data plane never waits on NATS;
 - the watch reads, every `lease_renewal`, the stream's last message sequence and the lease
   holder: what `/ready` (`stale_reason`), `interlock_fleet_messages_behind` and
   `X-Interlock-Leader` answer with, and whether the follower has stalled (messages behind the
@@ -91,7 +91,7 @@ class FleetMetrics:
         self.seconds_since_applied.set_function(replica.seconds_since_applied)
         self.messages_behind = prometheus_client.Gauge(
             "interlock_fleet_messages_behind",
-            "Messages (batches of events) of the fleet's stream (its last message, as last read) this replica has not applied",
+            "Messages (batches of events) of the fleet's stream (to its last, as last read) this replica has not applied",
             registry=registry,
         )
         self.leader = prometheus_client.Gauge(
@@ -102,7 +102,8 @@ class FleetMetrics:
         )
         self.apply_delay = prometheus_client.Histogram(
             "interlock_fleet_apply_delay_seconds",
-            "From a message's append to the fleet's stream (the NATS server's clock) to the apply here of its last event (this host's clock), per message",
+            "Per message of the fleet's stream: from its append (the NATS server's clock) to the apply here of its last "
+            "event (this host's clock)",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=registry,
         )
@@ -312,9 +313,9 @@ class FleetControlPlane(ControlPlane):
 
     async def _watch(self) -> None:
         """Every `lease_renewal`, read the stream's last message sequence and the lease holder:
-        the messages this replica is behind, whether a leader holds the lease, and whether the follower has
-        stalled (behind, and nothing applied for a lease since it subscribed): then it
-        resubscribes. Nothing on the data path waits for this."""
+        the messages this replica is behind, whether a leader holds the lease, and whether the
+        follower has stalled (behind, and nothing applied for a lease since it subscribed): then
+        it resubscribes. Nothing on the data path waits for this."""
         while True:
             await trio.sleep(self.fleet.lease_renewal)
             if not self._link.connected.is_set():

@@ -314,7 +314,8 @@ async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
 
 def batch(first_seq: int, count: int, node: str) -> bytes:
     """`count` events numbered from `first_seq` as one message of the event stream."""
-    return b"".join(encode_event(UpstreamRecovered(at=1.0, node=node, seq=seq)) for seq in range(first_seq, first_seq + count))
+    seqs = range(first_seq, first_seq + count)
+    return b"".join(encode_event(UpstreamRecovered(at=1.0, node=node, seq=seq)) for seq in seqs)
 
 
 async def test_an_append_against_a_stale_last_message_is_refused_whole(tmp_path):
@@ -397,7 +398,8 @@ async def test_the_export_reads_a_long_stream_in_order(tmp_path):
         await link.append(encode_event(RunStarted(at=1.0, version="test", config_path="gateway.toml", config=Config(), seq=1)), 0)
         message_seq = 1
         for first_seq in range(2, count + 1, per_message):
-            message_seq = await link.append(batch(first_seq, min(per_message, count + 1 - first_seq), "10.0.0.1"), message_seq)
+            events = batch(first_seq, min(per_message, count + 1 - first_seq), "10.0.0.1")
+            message_seq = await link.append(events, message_seq)
         assert message_seq == 1 + -(-(count - 1) // per_message)
         await link.close()
         path, written = await export_events(fleet, tmp_path / "export")
@@ -530,6 +532,20 @@ async def test_a_replica_starts_from_a_checkpoint_taken_inside_a_message(tmp_pat
             assert "fleet: starting from a checkpoint" in replica.messages()
             assert "fleet: gap in the event stream; resubscribing" not in replica.messages()
         assert_gapless(await fleet_events(servers[0].url))
+
+
+async def test_a_checkpoint_written_before_batches_names_its_events_message(tmp_path):
+    """A checkpoint without the message header was written when each message held one event,
+    its sequence the event's: the message it names is its event seq."""
+    fleet = FleetConfig(nats=(), name="older", replica="r", lease=2.0, lease_renewal=0.5)
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
+        link = FleetLink(bridge, msgspec.structs.replace(fleet, nats=(server.url,)))
+        await link.connect()
+        state, _ = reduce(INITIAL_STATE, RunStarted(at=1.0, version="test", config_path="g", config=Config(), seq=7))
+        line = encode_event(Checkpoint.of(state))
+        await link._call(link._js.publish, link.names.subject("checkpoints"), line)
+        assert await link.newest_checkpoint() == StoredCheckpoint(line, message_seq=7)
+        await link.close()
 
 
 async def test_a_killed_node_is_avoided_by_every_replica(tmp_path):
