@@ -19,12 +19,14 @@ and Debian's `haproxy` on `deploy/haproxy/interlock.cfg` in front of them. Measu
 - time to a new leader: from the SIGKILL to the first `/health` of a surviving replica naming
   another leader (polled every 20 ms);
 - event fan-out: a follower's `interlock_fleet_apply_delay_seconds` histogram over the load
-  (from JetStream's timestamp of the append to the follower's apply; one host, one clock),
+  (per message, a batch of events: from JetStream's timestamp of the append to the follower's
+  apply of its last event; one host, one clock),
   p50/p99 interpolated within its buckets as Prometheus' `histogram_quantile` does;
 - a follower's control-plane CPU at `--cpu-nodes` nodes: a second fleet of two replicas (a
   leader, then a follower) over that many simulated nodes (`bench.control_plane_load`'s node
   process), the follower's CPU time from /proc over `--cpu-seconds` (it does not probe; it
-  applies the leader's events), the leader's beside it.
+  applies the leader's events), the leader's beside it, and the events it applied a second
+  (its `interlock_snapshot_seq` over the run).
 
 Prints a table with PASS/MISS against the targets of issue 21 and writes the figures to
 `bench/results/<UTC timestamp>-fleet.json`.
@@ -314,7 +316,7 @@ def failover_run(processes: Processes, folder: Path, urls: list[str], args: argp
         "probes_per_node_per_interval": probes,
         "fan_out": {
             "follower": follower.name,
-            "events": observed,
+            "messages": observed,
             "p50_ms": None if p50 is None else p50 * 1000,
             "p99_ms": None if p99 is None else p99 * 1000,
         },
@@ -350,9 +352,7 @@ def follower_cpu_run(processes: Processes, folder: Path, urls: list[str], args: 
     wall = time.monotonic() - start
     cpu = {replica.name: cpu_seconds(group_pids(replica.process.pid)) - cpu_before[replica.name] for replica in replicas}
     after = trio.run(scrape, follower)
-    applied = after.get("interlock_fleet_apply_delay_seconds_count{}", 0) - before.get(
-        "interlock_fleet_apply_delay_seconds_count{}", 0
-    )
+    applied = after.get("interlock_snapshot_seq{}", 0) - before.get("interlock_snapshot_seq{}", 0)
     for replica in replicas:
         processes.stop(replica.process)
     processes.stop(nodes_process)
@@ -379,6 +379,7 @@ def evaluate(results: dict) -> list[dict]:
         ("probes per node per interval", probes, "<=", TARGETS["probes_per_node_per_interval"] * 1.1, None),
         (f"follower CPU at {many['nodes']} nodes (% core)", many["follower_core_percent"], "<=", TARGETS["follower_core_percent"], None),
         (f"leader CPU at {many['nodes']} nodes (% core)", many["leader_core_percent"], None, None, None),
+        (f"events applied a second at {many['nodes']} nodes", many["follower_events_per_second"], None, None, None),
     ]
     evaluated = []
     for name, value, _, target, shown in rows:

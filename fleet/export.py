@@ -2,9 +2,10 @@
 `replay`, `explain`, `audit`, `whatif` and `timeline` read (`DIR/events.jsonl`), and its
 decision stream as the decision log they read (`DIR/decisions.jsonl`).
 
-The stream holds one event per message, its stream sequence being the event's seq, so the
-export is the messages in order. When retention has removed the stream's first events, the file
-starts with the newest checkpoint the remaining events follow, as a later log segment does.
+Each message of the stream holds a batch of consecutive events as JSON Lines, so the export is
+the messages' lines in order. When retention has removed the stream's first events (the first
+message's first event is not seq 1), the file starts with the newest checkpoint the remaining
+events follow, as a later log segment does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import trio
 from events.config import FleetConfig
 from events.log import decode_event
 from fleet.bridge import open_asyncio_thread
-from fleet.jetstream import FleetLink
+from fleet.jetstream import FleetLink, batch_lines
 
 
 class ExportError(Exception):
@@ -30,19 +31,19 @@ async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]
     """Write the fleet's event stream to `directory/events.jsonl`; the path and the events written."""
 
     async with _reading(fleet) as link:
-        first, last = await link.first_event_seq(), await link.last_event_seq()
-        if last == 0:
+        first_message, last_message = await link.message_seqs()
+        if last_message == 0:
             raise ExportError(f"the fleet's event stream {link.names.events} is empty")
-        lines: list[bytes] = []
+        messages = await link.read_messages(first_message, last_message)
+        lines = [line for _, data in messages for line in batch_lines(data)]
+        first = decode_event(lines[0]).seq
         if first > 1:
-            checkpoint = await link.newest_checkpoint()
-            if checkpoint is None or decode_event(checkpoint).seq < first - 1:
-                raise ExportError(f"the stream starts at seq {first} and no checkpoint reaches back to it")
-            lines.append(checkpoint)
-            first = decode_event(checkpoint).seq + 1
-        if first <= last:
-            lines.extend(data for _, data in await link.read_events(first, last))
-    path = _write(directory / "events.jsonl", b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+            stored = await link.newest_checkpoint()
+            checkpoint = None if stored is None else decode_event(stored.line)
+            if checkpoint is None or checkpoint.seq < first - 1:
+                raise ExportError(f"the stream starts at event seq {first} and no checkpoint reaches back to it")
+            lines = [stored.line, *(line for line in lines if decode_event(line).seq > checkpoint.seq)]
+    path = _write(directory / "events.jsonl", b"".join(lines))
     return path, len(lines)
 
 

@@ -3,11 +3,14 @@
 Every call crosses to nats-py through `fleet.bridge` and has a deadline (OPERATION_SECONDS). The
 names all start with the fleet's `name` (N below):
 
-- stream `N-events` (subject `N.events`): the fleet's event log, one event per message. Only the
-  leader appends, each append conditional on the stream's last sequence (the
-  `Nats-Expected-Last-Sequence` header), so a message's stream sequence is its event's seq;
+- stream `N-events` (subject `N.events`): the fleet's event log. Each message holds a batch of
+  consecutive events, as JSON Lines numbered as the event log writes them (a message's stream
+  sequence is the message's, not its events'). Only the leader appends, each append
+  conditional on the stream's last message sequence (the `Nats-Expected-Last-Sequence`
+  header), so a stale leader's batch is refused whole and the event seqs stay gapless;
 - stream `N-checkpoints` (subject `N.checkpoints`): the leader's `Checkpoint`s, each naming the
-  seq its state includes; a replica starts from the newest;
+  event seq its state includes, and in a header (CHECKPOINT_MESSAGE_HEADER) the last message
+  of the event stream whose events it includes all of; a replica starts from the newest;
 - key-value bucket `N-leader`, key `leader`: the lease. Its TTL is the lease, so a leader that
   stops renewing loses it; the value is the leader's replica name;
 - subject `N.observations` (core NATS, no stream): what replicas' data planes observe, for the
@@ -30,6 +33,7 @@ import trio
 from nats.js.api import StreamConfig
 
 from events.config import FleetConfig
+from events.log import decode_event
 from fleet.bridge import AsyncioThread
 
 OPERATION_SECONDS = 5.0
@@ -48,6 +52,9 @@ NATS_ERRORS = (nats.errors.Error, nats.js.errors.Error, trio.TooSlowError, OSErr
 READ_BATCH = 256
 """Messages one read of a stream asks for (export)."""
 
+CHECKPOINT_MESSAGE_HEADER = "Interlock-Message-Seq"
+"""A checkpoint's header: the event stream's last message whose events its state includes."""
+
 LEASE_KEY = "leader"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code for an append whose expected last sequence is not the stream's."""
@@ -55,6 +62,20 @@ WRONG_LAST_SEQUENCE = 10071
 
 class AppendRefused(Exception):
     """The stream's last sequence was not the one expected: another leader has appended."""
+
+
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    """A checkpoint as the checkpoint stream holds it: the encoded `Checkpoint` and the event
+    stream's last message its state includes every event of."""
+
+    line: bytes
+    message_seq: int
+
+
+def batch_lines(message: bytes) -> list[bytes]:
+    """The encoded events of one message of the event stream, in order."""
+    return message.splitlines(keepends=True)
 
 
 @dataclass(frozen=True)
@@ -223,20 +244,26 @@ class FleetLink:
 
     # --- the event stream -----------------------------------------------------------------
 
-    async def last_event_seq(self) -> int:
+    async def message_seqs(self) -> tuple[int, int]:
+        """The event stream's first and last message sequences ((0, 0) or (1, 0) when empty)."""
         info = await self._call(self._js.stream_info, self.names.events)
-        return info.state.last_seq
+        return info.state.first_seq, info.state.last_seq
 
-    async def first_event_seq(self) -> int:
-        info = await self._call(self._js.stream_info, self.names.events)
-        return info.state.first_seq
+    async def last_message(self) -> tuple[int, bytes]:
+        """The event stream's last message as (sequence, data); (0, b"") when it is empty."""
+        try:
+            message = await self._call(self._js.get_last_msg, self.names.events, self.names.subject("events"))
+        except nats.js.errors.NotFoundError:
+            return 0, b""
+        return message.seq, message.data
 
-    async def append(self, line: bytes, expected_last_seq: int) -> int:
-        """Append one encoded event if the stream's last sequence is `expected_last_seq`; its
-        sequence. AppendRefused otherwise."""
+    async def append(self, lines: bytes, expected_last_seq: int) -> int:
+        """Append one message (a batch of encoded events) if the stream's last message sequence
+        is `expected_last_seq`; its sequence. AppendRefused otherwise: the batch is refused
+        whole."""
         headers = {"Nats-Expected-Last-Sequence": str(expected_last_seq)}
         try:
-            ack = await self._call(self._js.publish, self.names.subject("events"), line, headers=headers)
+            ack = await self._call(self._js.publish, self.names.subject("events"), lines, headers=headers)
         except nats.js.errors.APIError as error:
             if error.err_code == WRONG_LAST_SEQUENCE:
                 raise AppendRefused(error.description) from None
@@ -244,8 +271,9 @@ class FleetLink:
         return ack.seq
 
     async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes, float], None]):
-        """An ordered consumer of the event stream from `start_seq`: `deliver(seq, data,
-        appended_at)` is called on the trio thread for each message, in order (`appended_at`:
+        """An ordered consumer of the event stream from message `start_seq`: `deliver(seq,
+        data, appended_at)` is called on the trio thread for each message (its sequence, its
+        batch of events), in order (`appended_at`:
         when JetStream stored it, UNIX seconds by the NATS server's clock). Returns the
         subscription."""
         to_trio = self._bridge.to_trio(deliver)
@@ -266,7 +294,7 @@ class FleetLink:
         with trio.move_on_after(OPERATION_SECONDS):
             await self._bridge.call(subscription.unsubscribe)
 
-    async def read_events(self, start_seq: int, end_seq: int) -> list[tuple[int, bytes]]:
+    async def read_messages(self, start_seq: int, end_seq: int) -> list[tuple[int, bytes]]:
         """The stream's messages from `start_seq` through `end_seq` in order, as (seq, data), as
         one ordered consumer delivers them (export). Fails when none arrives for
         OPERATION_SECONDS."""
@@ -284,15 +312,20 @@ class FleetLink:
 
     # --- checkpoints and observations -----------------------------------------------------
 
-    async def publish_checkpoint(self, line: bytes) -> None:
-        await self._call(self._js.publish, self.names.subject("checkpoints"), line)
+    async def publish_checkpoint(self, checkpoint: StoredCheckpoint) -> None:
+        headers = {CHECKPOINT_MESSAGE_HEADER: str(checkpoint.message_seq)}
+        await self._call(self._js.publish, self.names.subject("checkpoints"), checkpoint.line, headers=headers)
 
-    async def newest_checkpoint(self) -> bytes | None:
+    async def newest_checkpoint(self) -> StoredCheckpoint | None:
         try:
             message = await self._call(self._js.get_last_msg, self.names.checkpoints, self.names.subject("checkpoints"))
         except nats.js.errors.NotFoundError:
             return None
-        return message.data
+        headers = message.headers or {}
+        if CHECKPOINT_MESSAGE_HEADER in headers:
+            return StoredCheckpoint(message.data, int(headers[CHECKPOINT_MESSAGE_HEADER]))
+        # written before a message held a batch: one event a message, its sequence the event's
+        return StoredCheckpoint(message.data, decode_event(message.data).seq)
 
     def publish_observation(self, line: bytes) -> None:
         """Send a data-plane observation to the leader; never blocks (at most once)."""

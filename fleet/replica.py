@@ -3,26 +3,30 @@
 `FleetControlPlane` is a `ControlPlane` whose events are numbered by the fleet's leader, not by
 itself. Its tasks (children of `run`):
 
-- the follower applies the event stream in order through the runtime's own apply path
-  (`ControlPlane.apply_numbered`: the same `reduce`, logs, metrics and listeners, so the
-  replica's workers follow it as they follow a single-host gateway), starting from the newest
-  checkpoint. Until the first fleet event arrives the replica routes on its own config (the
-  state at seq 0), so the data plane never waits on NATS;
-- the watch reads, every `lease_renewal`, the stream's last seq and the lease holder: what
-  `/ready` (`stale_reason`), `interlock_fleet_events_behind` and `X-Interlock-Leader` answer
-  with, and whether the follower has stalled (behind the stream, nothing applied for a lease
-  since it subscribed: an ordered consumer can stay silent with no gap to show it), which
-  then resubscribes;
+- the follower applies the event stream in order, each message's batch of events one by one,
+  through the runtime's own apply path (`ControlPlane.apply_numbered`: the same `reduce`, logs,
+  metrics and listeners, so the replica's workers follow it as they follow a single-host
+  gateway), starting from the newest checkpoint. Until the first fleet event arrives the
+  replica routes on its own config (the state at seq 0), so the data plane never waits on NATS;
+- the watch reads, every `lease_renewal`, the stream's last message sequence and the lease
+  holder: what `/ready` (`stale_reason`), `interlock_fleet_messages_behind` and
+  `X-Interlock-Leader` answer with, and whether the follower has stalled (messages behind the
+  stream, nothing applied for a lease since it subscribed: an ordered consumer can stay silent
+  with no gap to show it), which then resubscribes. Behind is counted in messages, the
+  stream's unit (an event seq is inside a message, not in the stream's state);
 - the campaign takes the lease when no one holds it (`kv.create`) and, once leader, renews it
   against its last revision every `lease_renewal`. The term ends when a renewal is refused, an
   append is refused or fails (a NATS failure ends the term, never the process), or the lease
   runs out without a renewal (a cancel scope whose deadline is the lease's end, moved on by
   each renewal);
-- while leader, the term catches up to the stream's last seq, appends its config (`RunStarted`
-  on an empty stream, else `ConfigReloaded`: the config in force is the leader's, and this first
-  append fences off a deposed leader), publishes a checkpoint, then probes the nodes and appends
-  each event (the prober's, and the replicas' observations) conditional on the stream's last
-  sequence. A checkpoint follows every CHECKPOINT_SECONDS.
+- while leader, the term reads the stream's last message (its last event seq), catches up to
+  it, appends its config (`RunStarted` on an empty stream, else `ConfigReloaded`: the config in
+  force is the leader's, and this first append fences off a deposed leader), publishes a
+  checkpoint, then probes the nodes and appends the events (the prober's, and the replicas'
+  observations): every event waiting in its queue, up to BATCH_EVENTS or BATCH_BYTES, numbered
+  on from the last event seq, as one message conditional on the stream's last message
+  sequence (one quorum round trip per batch, not per event). A checkpoint follows every
+  CHECKPOINT_SECONDS.
 
 A replica's data-plane observations go to the leader over NATS; the leader numbers them like
 any event.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import msgspec
 import nats.js.errors
@@ -46,7 +51,7 @@ from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 from fleet.bridge import open_asyncio_thread
 from fleet.decisions import FleetDecisions
-from fleet.jetstream import NATS_ERRORS, AppendRefused, FleetLink
+from fleet.jetstream import NATS_ERRORS, AppendRefused, FleetLink, StoredCheckpoint, batch_lines
 
 CONNECT_RETRY_SECONDS = 1.0
 """The pause between attempts to reach NATS (the replica serves on meanwhile)."""
@@ -54,12 +59,26 @@ CONNECT_RETRY_SECONDS = 1.0
 CHECKPOINT_SECONDS = 30.0
 """How often the leader publishes a checkpoint (also at the start of each term)."""
 
-FOLLOW_BUFFER = 65_536
-"""Delivered events waiting to be applied; beyond that the follower resubscribes."""
+FOLLOW_BUFFER = 256
+"""Delivered messages waiting to be applied; beyond that the follower resubscribes."""
 
 BEHIND_TOLERATED = 10
-"""Events a replica may be behind the stream's last seq and still call itself current (the
-events in flight between the leader's append and this replica's apply)."""
+"""Messages a replica may be behind the stream's last message and still call itself current
+(the messages in flight between the leader's append and this replica's apply)."""
+
+BATCH_EVENTS = 256
+BATCH_BYTES = 512 * 1024
+"""The bounds of one appended message: the leader stops taking waiting events at either (a
+message is at most BATCH_BYTES plus one event, well inside NATS's default 1 MiB payload)."""
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The event stream's end as the leader knows it: its last message (the fence of the next
+    append) and its last event (the next batch is numbered on from it)."""
+
+    message_seq: int
+    event_seq: int
 
 
 class FleetMetrics:
@@ -70,9 +89,9 @@ class FleetMetrics:
             registry=registry,
         )
         self.seconds_since_applied.set_function(replica.seconds_since_applied)
-        self.events_behind = prometheus_client.Gauge(
-            "interlock_fleet_events_behind",
-            "Events of the fleet's stream (its last seq, as last read) this replica has not applied",
+        self.messages_behind = prometheus_client.Gauge(
+            "interlock_fleet_messages_behind",
+            "Messages (batches of events) of the fleet's stream (to its last, as last read) this replica has not applied",
             registry=registry,
         )
         self.leader = prometheus_client.Gauge(
@@ -83,7 +102,8 @@ class FleetMetrics:
         )
         self.apply_delay = prometheus_client.Histogram(
             "interlock_fleet_apply_delay_seconds",
-            "From an event's append to the fleet's stream (the NATS server's clock) to its apply here (this host's clock)",
+            "Per message of the fleet's stream: from its append (the NATS server's clock) to the apply here of its last "
+            "event (this host's clock)",
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=registry,
         )
@@ -113,8 +133,10 @@ class FleetControlPlane(ControlPlane):
         self._following: trio.CancelScope | None = None
         """The follower's current subscription (cancelled by the watch when it stalls)."""
         self._subscribed_at = 0.0
-        self._stream_last_seq = 0
-        """The stream's last seq as the watch last read it."""
+        self._applied_message_seq = 0
+        """The event stream's last message whose events this replica has applied all of."""
+        self._stream_last_message_seq = 0
+        """The stream's last message sequence as the watch last read it."""
         self._behind_since: float | None = None
         self._leaderless_since: float | None = None
         self.fleet_metrics = FleetMetrics(self.registry, self)
@@ -137,8 +159,8 @@ class FleetControlPlane(ControlPlane):
         lease = self.fleet.lease
         now = time.monotonic()
         if self._behind_since is not None and now - self._behind_since > lease:
-            behind = self._stream_last_seq - self._snapshot.seq
-            return f"{behind} events behind the fleet's stream for more than the lease ({lease:g}s)"
+            behind = self._stream_last_message_seq - self._applied_message_seq
+            return f"{behind} messages behind the fleet's stream for more than the lease ({lease:g}s)"
         if self._leaderless_since is not None and now - self._leaderless_since > lease:
             return f"no replica has held the fleet's lease for more than the lease ({lease:g}s)"
         return ""
@@ -241,21 +263,24 @@ class FleetControlPlane(ControlPlane):
         start = await self._starting_seq()
         send, receive = trio.open_memory_channel[tuple[int, bytes, float]](FOLLOW_BUFFER)
 
-        def deliver(seq: int, data: bytes, appended_at: float) -> None:
+        def deliver(message_seq: int, data: bytes, appended_at: float) -> None:
             with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                send.send_nowait((seq, data, appended_at))  # a dropped event shows as a gap: resubscribe
+                send.send_nowait((message_seq, data, appended_at))  # a dropped message shows as a gap: resubscribe
 
         subscription = await self._link.follow_events(start, deliver)
         self._subscribed_at = time.monotonic()
         try:
-            async for seq, data, appended_at in receive:
-                expected = self._snapshot.seq + 1
-                if seq < expected:
-                    continue  # redelivered
-                if seq > expected:
-                    self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=seq)
-                    return
-                await self._apply_fleet_event(decode_event(data))
+            async for message_seq, data, appended_at in receive:
+                for line in batch_lines(data):
+                    event = decode_event(line)
+                    expected = self._snapshot.seq + 1
+                    if event.seq < expected:
+                        continue  # redelivered, or already in the checkpoint started from
+                    if event.seq > expected:
+                        self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=event.seq)
+                        return
+                    await self._apply_fleet_event(event)
+                self._applied_message_seq = message_seq
                 self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - appended_at))
         finally:
             send.close()
@@ -263,18 +288,20 @@ class FleetControlPlane(ControlPlane):
                 await self._link.unsubscribe(subscription)
 
     async def _starting_seq(self) -> int:
-        """The seq to follow from: the next one, or the newest checkpoint's when this replica
-        has no fleet state yet or retention removed the events it needs."""
-        first = await self._link.first_event_seq()
-        if self._snapshot.seq > 0 and first <= self._snapshot.seq + 1:
-            return self._snapshot.seq + 1
-        line = await self._link.newest_checkpoint()
-        if line is not None:
-            checkpoint = decode_event(line)
+        """The message to follow from: the one after the last applied whole, or after the
+        newest checkpoint's when this replica has no fleet state yet or retention removed the
+        messages it needs (events of that message the checkpoint includes are skipped)."""
+        first, _ = await self._link.message_seqs()
+        if self._applied_message_seq > 0 and first <= self._applied_message_seq + 1:
+            return self._applied_message_seq + 1
+        stored = await self._link.newest_checkpoint()
+        if stored is not None:
+            checkpoint = decode_event(stored.line)
             if checkpoint.seq >= self._snapshot.seq:
                 await self._apply_fleet_event(checkpoint)
-                self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq)
-        return self._snapshot.seq + 1
+                self._applied_message_seq = stored.message_seq
+                self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message=stored.message_seq)
+        return self._applied_message_seq + 1
 
     async def _apply_fleet_event(self, event: Event) -> None:
         """Apply an event of the stream, the keys of a config it puts in force read first."""
@@ -285,24 +312,24 @@ class FleetControlPlane(ControlPlane):
         self._applied = trio.Event()
 
     async def _watch(self) -> None:
-        """Every `lease_renewal`, read the stream's last seq and the lease holder: the events
-        this replica is behind, whether a leader holds the lease, and whether the follower has
-        stalled (behind, and nothing applied for a lease since it subscribed): then it
-        resubscribes. Nothing on the data path waits for this."""
+        """Every `lease_renewal`, read the stream's last message sequence and the lease holder:
+        the messages this replica is behind, whether a leader holds the lease, and whether the
+        follower has stalled (behind, and nothing applied for a lease since it subscribed): then
+        it resubscribes. Nothing on the data path waits for this."""
         while True:
             await trio.sleep(self.fleet.lease_renewal)
             if not self._link.connected.is_set():
                 continue
             try:
-                last = await self._link.last_event_seq()
+                _, last = await self._link.message_seqs()
                 holder = self.replica if self.is_leader else await self._link.lease_holder()
             except NATS_ERRORS as error:
                 self.log.warn("fleet: reading the stream's state failed", error=described(error))
                 continue
             now = time.monotonic()
-            self._stream_last_seq = last
-            behind = max(0, last - self._snapshot.seq)
-            self.fleet_metrics.events_behind.set(behind)
+            self._stream_last_message_seq = last
+            behind = max(0, last - self._applied_message_seq)
+            self.fleet_metrics.messages_behind.set(behind)
             if behind <= BEHIND_TOLERATED:
                 self._behind_since = None
             elif self._behind_since is None:
@@ -315,7 +342,10 @@ class FleetControlPlane(ControlPlane):
             quiet_since = max(self._applied_at or 0.0, self._subscribed_at)
             if behind and self._following is not None and now - quiet_since > self.fleet.lease:
                 self.log.warn(
-                    "fleet: the follower stalled; resubscribing", applied=self._snapshot.seq, stream_last=last
+                    "fleet: the follower stalled; resubscribing",
+                    applied=self._snapshot.seq,
+                    applied_message=self._applied_message_seq,
+                    stream_last_message=last,
                 )
                 self._following.cancel()
 
@@ -382,16 +412,17 @@ class FleetControlPlane(ControlPlane):
 
     async def _hold_office(self, client: ProbeClient, term: trio.CancelScope) -> None:
         try:
-            last = await self._link.last_event_seq()
-            await self._applied_through(last)
+            message_seq, data = await self._link.last_message()
+            last = StreamEnd(message_seq, decode_event(batch_lines(data)[-1]).seq if data else 0)
+            await self._applied_through(last.event_seq)
             config = self._own_config
-            if last == 0:
+            if last.event_seq == 0:
                 fence: Event = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=config)
             else:
                 fence = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config)
-            expected = await self._append(fence, last)
-            await self._applied_through(expected)
-            await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+            last = await self._append([numbered(fence, last.event_seq + 1)], last)
+            await self._applied_through(last.event_seq)
+            await self._link.publish_checkpoint(self._checkpoint())
             async with trio.open_nursery() as nursery:
                 self._prober = Prober(client, self)
                 await nursery.start(self._prober.run)
@@ -399,10 +430,7 @@ class FleetControlPlane(ControlPlane):
                 try:
                     nursery.start_soon(self._checkpoints)
                     while True:
-                        event, applied = await self._queue_out.receive()
-                        expected = await self._append(event, expected)
-                        if applied is not None:
-                            applied.set()
+                        last = await self._append_waiting(last)
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._link.unsubscribe(observations)
@@ -418,18 +446,53 @@ class FleetControlPlane(ControlPlane):
         with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, msgspec.ValidationError, msgspec.DecodeError):
             self._queue_in.send_nowait((decode_event(line), None))
 
-    async def _append(self, event: Event, expected: int) -> int:
-        """Append `event` numbered `expected + 1`; the stream's new last seq."""
-        numbered = msgspec.structs.replace(event, seq=expected + 1)
-        return await self._link.append(encode_event(numbered), expected)
+    async def _append_waiting(self, last: StreamEnd) -> StreamEnd:
+        """Take the next event in the queue and those waiting behind it, up to BATCH_EVENTS or
+        BATCH_BYTES, and append them as one message; the stream's new end. Whoever waits for
+        one of them (a reload) is woken once it is appended."""
+        lines: list[bytes] = []
+        waiting: list[trio.Event] = []
+        size = 0
+        item = await self._queue_out.receive()
+        while True:
+            event, applied = item
+            lines.append(numbered(event, last.event_seq + len(lines) + 1))
+            size += len(lines[-1])
+            if applied is not None:
+                waiting.append(applied)
+            if len(lines) == BATCH_EVENTS or size >= BATCH_BYTES:
+                break
+            try:
+                item = self._queue_out.receive_nowait()
+            except trio.WouldBlock:
+                break
+        last = await self._append(lines, last)
+        for applied in waiting:
+            applied.set()
+        return last
+
+    async def _append(self, lines: list[bytes], last: StreamEnd) -> StreamEnd:
+        """Append `lines`, events numbered on from `last.event_seq`, as one message fenced on
+        `last.message_seq`; the stream's new end."""
+        message_seq = await self._link.append(b"".join(lines), last.message_seq)
+        return StreamEnd(message_seq, last.event_seq + len(lines))
+
+    def _checkpoint(self) -> StoredCheckpoint:
+        """The state now, with the last message it includes every event of."""
+        return StoredCheckpoint(encode_event(Checkpoint.of(self._snapshot)), self._applied_message_seq)
 
     async def _checkpoints(self) -> None:
         while True:
             await trio.sleep(CHECKPOINT_SECONDS)
             try:
-                await self._link.publish_checkpoint(encode_event(Checkpoint.of(self._snapshot)))
+                await self._link.publish_checkpoint(self._checkpoint())
             except NATS_ERRORS as error:
                 self.log.warn("fleet: publishing a checkpoint failed", error=described(error))
+
+
+def numbered(event: Event, seq: int) -> bytes:
+    """`event` numbered `seq`, encoded as the event log writes it."""
+    return encode_event(msgspec.structs.replace(event, seq=seq))
 
 
 def described(error: BaseException) -> str:

@@ -2,7 +2,8 @@
 times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulated nodes.
 
 Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
-is replaced and the seqs go on without gap or duplicate; an append after a stale seq is refused;
+is replaced and the seqs go on without gap or duplicate; an append after a stale message is
+refused, a batch of events whole;
 a leader paused past its lease steps down and follows. One NATS server killed under load loses
 no request and no event; with all of NATS gone the replicas serve on their last state, say so
 on /ready, and catch up when it is back; a restarted replica catches up from a checkpoint; a
@@ -28,13 +29,14 @@ import nats.errors
 import pytest
 import trio
 
+from controlplane.reducer import INITIAL_STATE, reduce
 from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
-from events.types import ConfigReloaded, HealthProbed, RunStarted, UpstreamRecovered
+from events.types import Checkpoint, ConfigReloaded, Event, HealthProbed, RunStarted, UpstreamRecovered
 from fixtures.node import SimulatedNode, serve_nodes
 from fleet.bridge import open_asyncio_thread
 from fleet.export import export_events
-from fleet.jetstream import AppendRefused, FleetLink
+from fleet.jetstream import AppendRefused, FleetLink, StoredCheckpoint
 from harness import MODEL, PROJECT_ROOT, chat, config_text, free_port, node_specs
 from nats_cluster import NatsServer, nats_servers
 
@@ -256,10 +258,16 @@ async def fleet_events(url: str, name: str = "interlock") -> list[tuple[int, byt
     return await trio.to_thread.run_sync(lambda: asyncio.run(read()))
 
 
+def events_in(messages: list[tuple[int, bytes]]) -> list[Event]:
+    """The events of the stream's messages (each a batch of JSON Lines), in order."""
+    return [decode_event(line) for _, data in messages for line in data.splitlines()]
+
+
 def assert_gapless(messages: list[tuple[int, bytes]]) -> None:
-    seqs = [seq for seq, _ in messages]
-    assert seqs == list(range(1, len(seqs) + 1))
-    assert [decode_event(data).seq for _, data in messages] == seqs  # the stream's seq is the event's
+    """The messages are numbered 1, 2, …, and their events, read in order, too."""
+    assert [seq for seq, _ in messages] == list(range(1, len(messages) + 1))
+    event_seqs = [event.seq for event in events_in(messages)]
+    assert event_seqs == list(range(1, len(event_seqs) + 1))
 
 
 async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
@@ -301,24 +309,37 @@ async def test_a_killed_leader_is_replaced_and_the_seqs_go_on(tmp_path):
         assert observed.disagreements() == {}
         messages = await fleet_events(servers[0].url)
         assert_gapless(messages)
-        assert any(isinstance(decode_event(data), ConfigReloaded) for _, data in messages)  # the new term
+        assert any(isinstance(event, ConfigReloaded) for event in events_in(messages))  # the new term
 
 
-async def test_an_append_against_a_stale_last_seq_is_refused(tmp_path):
-    """The fence itself: of two replicas appending after the same seq, the second is refused."""
+def batch(first_seq: int, count: int, node: str) -> bytes:
+    """`count` events numbered from `first_seq` as one message of the event stream."""
+    seqs = range(first_seq, first_seq + count)
+    return b"".join(encode_event(UpstreamRecovered(at=1.0, node=node, seq=seq)) for seq in seqs)
+
+
+async def test_an_append_against_a_stale_last_message_is_refused_whole(tmp_path):
+    """The fence itself: of two replicas appending after the same message, the second is
+    refused, and a deposed leader's batch after a stale message lands not one of its events,
+    though a later message's expected sequence would match the stream's."""
     fleet = FleetConfig(nats=(), name="fence", replica="r", lease=2.0, lease_renewal=0.5)
     async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
         fleet = msgspec.structs.replace(fleet, nats=(server.url,))
-        first, second = FleetLink(bridge, fleet), FleetLink(bridge, fleet)
-        await first.connect()
-        await second.connect()
-        assert await first.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0) == 1
+        leader, deposed = FleetLink(bridge, fleet), FleetLink(bridge, fleet)
+        await leader.connect()
+        await deposed.connect()
+        assert await leader.append(batch(1, 2, "leader"), 0) == 1
         with pytest.raises(AppendRefused):
-            await second.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0)
-        assert await second.append(b'{"type":"run_stopped","at":2.0,"seq":2}', 1) == 2
-        assert await first.last_event_seq() == 2
-        await first.close()
-        await second.close()
+            await deposed.append(batch(1, 3, "deposed"), 0)
+        assert await leader.append(batch(3, 4, "leader"), 1) == 2
+        with pytest.raises(AppendRefused):  # the deposed leader's next batch, after its refused one
+            await deposed.append(batch(4, 5, "deposed"), 1)
+        messages = await fleet_events(server.url, "fence")
+        assert_gapless(messages)
+        assert [event.node for event in events_in(messages)] == ["leader"] * 6
+        assert await deposed.message_seqs() == (1, 2)
+        await leader.close()
+        await deposed.close()
 
 
 async def test_a_leader_paused_past_its_lease_steps_down_and_follows(tmp_path):
@@ -348,8 +369,7 @@ async def test_each_node_is_probed_by_the_leader_alone(tmp_path):
         await agreed(http, replicas, Observed())
 
         def probes_on_the_stream(messages, node: SimulatedNode) -> int:
-            events = [decode_event(data) for _, data in messages]
-            return sum(1 for event in events if isinstance(event, HealthProbed) and event.node == node.host)
+            return sum(1 for event in events_in(messages) if isinstance(event, HealthProbed) and event.node == node.host)
 
         with trio.fail_after(WAIT):
             while True:
@@ -368,15 +388,19 @@ def failing_bridge(error: BaseException) -> None:
 
 
 async def test_the_export_reads_a_long_stream_in_order(tmp_path):
-    """A few thousand events, exported through one consumer, are the log `replay` reads."""
-    count = 3000
+    """A few thousand events in a few batched messages, exported through one consumer, are
+    the log `replay` reads."""
+    count, per_message = 3000, 256
     async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
         fleet = FleetConfig(nats=(server.url,), name="long", replica="r", lease=2.0, lease_renewal=0.5)
         link = FleetLink(bridge, fleet)
         await link.connect()
         await link.append(encode_event(RunStarted(at=1.0, version="test", config_path="gateway.toml", config=Config(), seq=1)), 0)
-        for seq in range(2, count + 1):
-            await link.append(encode_event(UpstreamRecovered(at=float(seq), node="10.0.0.1", seq=seq)), seq - 1)
+        message_seq = 1
+        for first_seq in range(2, count + 1, per_message):
+            events = batch(first_seq, min(per_message, count + 1 - first_seq), "10.0.0.1")
+            message_seq = await link.append(events, message_seq)
+        assert message_seq == 1 + -(-(count - 1) // per_message)
         await link.close()
         path, written = await export_events(fleet, tmp_path / "export")
     assert written == count
@@ -403,7 +427,7 @@ async def test_a_stream_is_kept_by_every_server_of_the_cluster_and_found_by_any_
         second = FleetLink(bridge, msgspec.structs.replace(fleet, nats=(servers[1].url, servers[2].url), replica="r2"))
         await second.connect()
         assert await first.append(b'{"type":"run_stopped","at":1.0,"seq":1}', 0) == 1
-        assert await second.last_event_seq() == 1
+        assert await second.message_seqs() == (1, 1)
         info = await first._call(first._js.stream_info, first.names.events)
         assert info.config.num_replicas == 3
         await first.close()
@@ -481,6 +505,47 @@ async def test_a_restarted_replica_catches_up_from_a_checkpoint(tmp_path):
         assert after.seq > before.seq + 5
         assert follower.messages().count("fleet: starting from a checkpoint") == starts + 1
         assert observed.disagreements() == {}
+
+
+async def test_a_replica_starts_from_a_checkpoint_taken_inside_a_message(tmp_path):
+    """A checkpoint names the last message whose events it includes all of (message 2 here)
+    and includes part of the next (events 11 to 15 of message 3's 11 to 20): a replica
+    starting from it follows from message 3, skips what the checkpoint includes, and goes on
+    without a gap (a wrong start stalls it: the leader it becomes waits for event 20)."""
+    events: list[Event] = [RunStarted(at=1.0, version="test", config_path="gateway.toml", config=Config(), seq=1)]
+    events += [UpstreamRecovered(at=float(seq), node="10.0.0.1", seq=seq) for seq in range(2, 21)]
+    state = INITIAL_STATE
+    for event in events[:15]:
+        state, _ = reduce(state, event)
+    async with nats_servers(tmp_path) as servers, serve_nodes(node_specs(1)) as nodes:
+        fleet = FleetConfig(nats=(servers[0].url,), name="interlock", replica="writer", lease=2.0, lease_renewal=0.5)
+        async with open_asyncio_thread(failing_bridge) as bridge:
+            link = FleetLink(bridge, fleet)
+            await link.connect()
+            for message, (first, last) in enumerate([(1, 1), (2, 10), (11, 20)]):
+                lines = b"".join(encode_event(event) for event in events[first - 1 : last])
+                assert await link.append(lines, message) == message + 1
+            await link.publish_checkpoint(StoredCheckpoint(encode_event(Checkpoint.of(state)), message_seq=2))
+            await link.close()
+        async with fleet_of(tmp_path, nodes, servers, count=1) as [replica], httpx.AsyncClient() as http:
+            await until(lambda: _seq_passed(http, [replica], 21), "the replica applying its own events after 20")
+            assert "fleet: starting from a checkpoint" in replica.messages()
+            assert "fleet: gap in the event stream; resubscribing" not in replica.messages()
+        assert_gapless(await fleet_events(servers[0].url))
+
+
+async def test_a_checkpoint_written_before_batches_names_its_events_message(tmp_path):
+    """A checkpoint without the message header was written when each message held one event,
+    its sequence the event's: the message it names is its event seq."""
+    fleet = FleetConfig(nats=(), name="older", replica="r", lease=2.0, lease_renewal=0.5)
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(failing_bridge) as bridge:
+        link = FleetLink(bridge, msgspec.structs.replace(fleet, nats=(server.url,)))
+        await link.connect()
+        state, _ = reduce(INITIAL_STATE, RunStarted(at=1.0, version="test", config_path="g", config=Config(), seq=7))
+        line = encode_event(Checkpoint.of(state))
+        await link._call(link._js.publish, link.names.subject("checkpoints"), line)
+        assert await link.newest_checkpoint() == StoredCheckpoint(line, message_seq=7)
+        await link.close()
 
 
 async def test_a_killed_node_is_avoided_by_every_replica(tmp_path):
