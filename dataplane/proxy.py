@@ -224,7 +224,14 @@ class Proxy:
             with trio.move_on_after(self._response_header_timeout) as waiting:
                 try:
                     upstream = await self._pool.request(
-                        b"POST", node.ip, port, target, headers, exchange.body, connect_timeout=CONNECT_TIMEOUT
+                        b"POST",
+                        node.ip,
+                        port,
+                        target,
+                        headers,
+                        exchange.body,
+                        connect_timeout=CONNECT_TIMEOUT,
+                        tls=config.upstream_tls.get(node.ip),
                     )
                 except Exception as error:
                     return self._failed(exchange, error)

@@ -174,6 +174,13 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     """"" = a standalone (ring-less) node."""
     api_key_file: str = ""
     """A file holding this node's key (vLLM's `--api-key`); "" = `gateway.upstream_api_key_file`."""
+    scheme: str = "http"
+    """How the vLLM port is reached: "http" or "https" (the GPU exporter's port stays plain HTTP)."""
+    ca_file: str = ""
+    """https: the PEM CA certificates the node's certificate is checked against; "" = the system's."""
+    client_certificate: str = ""
+    client_key: str = ""
+    """https: the certificate (PEM chain) and key the gateway shows the node (mutual TLS); both or neither."""
 
 
 class ModelEntry(Struct, frozen=True, kw_only=True):
@@ -246,6 +253,10 @@ class Config(Struct, frozen=True, kw_only=True):
         cluster_wide = self.gateway.upstream_api_key_file
         files = {node.ip: node.api_key_file or cluster_wide for node in self.nodes}
         return {ip: path for ip, path in files.items() if path}
+
+    def https_nodes(self) -> list[NodeConfig]:
+        """The nodes whose vLLM port is reached over HTTPS."""
+        return [node for node in self.nodes if node.scheme == "https"]
 
     def node(self, ip: str) -> NodeConfig | None:
         for node in self.nodes:
