@@ -32,7 +32,7 @@ from msgspec.structs import replace
 
 from controlplane.gocompat import format_go_seconds, go_quote, join_host_port, parse_go_duration, parse_listen_address
 from controlplane.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
-from controlplane.tlsfiles import check_server_files
+from controlplane.tlsfiles import check_server_files, client_context
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
@@ -53,6 +53,7 @@ from events.config import (
     Config,
     FleetConfig,
     GatewayConfig,
+    NodeConfig,
 )
 
 
@@ -327,6 +328,7 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
             node,
             vllm_port=node.vllm_port or DEFAULT_VLLM_PORT,
             metrics_port=node.metrics_port or DEFAULT_METRICS_PORT,
+            scheme=node.scheme or "http",
         )
         for node in config.nodes
     )
@@ -468,6 +470,33 @@ def _check_tls_files(gateway: GatewayConfig, invalid: Callable[[str, str], Confi
             raise invalid("gateway.tls_certificate", str(error)) from None
 
 
+def _check_node_tls(invalid: Callable[[str, str], ConfigError], index: int, node: NodeConfig) -> None:
+    """A node's scheme, and for https the files its connections are made with, as each process
+    will load them (`controlplane.keyfiles.UpstreamKeys`)."""
+    prefix = f"nodes[{index}]."
+    if node.scheme not in ("http", "https"):
+        raise invalid(prefix + "scheme", f'scheme must be "http" or "https" (got {go_quote(node.scheme)})')
+    files = ("ca_file", "client_certificate", "client_key")
+    if node.scheme == "http":
+        for key in files:
+            if getattr(node, key):
+                raise invalid(prefix + key, f'{key} is set: scheme must be "https" (it is "http")')
+        return
+    if bool(node.client_certificate) != bool(node.client_key):
+        pair = ("client_certificate", "client_key")
+        given, missing = pair if node.client_certificate else pair[::-1]
+        raise invalid(prefix + missing, f"{given} is set: {missing} must be set too (both for mutual TLS, or neither)")
+    try:
+        client_context(node.ca_file, "", "")
+    except ValueError as error:
+        raise invalid(prefix + "ca_file", str(error)) from None
+    if node.client_certificate:
+        try:
+            client_context(node.ca_file, node.client_certificate, node.client_key)
+        except ValueError as error:
+            raise invalid(prefix + "client_certificate", str(error)) from None
+
+
 def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
     """Interlock's checks after plinth's, in file order: what plinth accepts and `serve` would
     then refuse (a listen address it cannot parse, both listeners on one port) or mishandle (a
@@ -499,6 +528,7 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
             port = getattr(node, key)
             if not 1 <= port <= 65535:
                 raise invalid(f"nodes[{index}].{key}", f"{key} must be between 1 and 65535 (got {port})")
+        _check_node_tls(invalid, index, node)
 
     first_listed: dict[str, int] = {}
     for index, model in enumerate(config.models.available):

@@ -9,6 +9,7 @@ every follower, this one included.
 
 from __future__ import annotations
 
+import ssl
 import time
 from collections.abc import Callable
 
@@ -42,6 +43,10 @@ class Follower:
     @property
     def upstream_authorizations(self) -> dict[str, bytes]:
         return self.upstream_keys.in_force
+
+    @property
+    def upstream_tls(self) -> dict[str, ssl.SSLContext]:
+        return self.upstream_keys.tls_in_force
 
     def now(self) -> float:
         return self._clock()

@@ -4,14 +4,17 @@ naming the file, never a key; the loader adds the config file and the key.
 
 The loader reads them all (in its thread) to check them, and keeps the client digests in the
 config. The upstream keys stay in their files, so that no key enters an event: each process
-reads them once per config it takes up (`UpstreamKeys`), off the event loop, never on a request."""
+reads them once per config it takes up (`UpstreamKeys`), off the event loop, never on a request;
+the TLS contexts of https nodes (`controlplane.tlsfiles`) are built at the same moment."""
 
 from __future__ import annotations
 
 import re
+import ssl
 
 import trio
 
+from controlplane.tlsfiles import upstream_contexts
 from events.config import Config
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 
@@ -68,20 +71,27 @@ def upstream_authorizations(config: Config | None) -> dict[str, bytes]:
     return authorizations
 
 
+def _upstream_credentials(config: Config | None) -> tuple[dict[str, bytes], dict[str, ssl.SSLContext]]:
+    return upstream_authorizations(config), upstream_contexts(config)
+
+
 class UpstreamKeys:
-    """A process's upstream keys: those of the config in force (`in_force`), and those read for
-    the config it is about to take up. A process `read`s (in a thread) before it applies the
-    event that puts a config in force, and its apply step calls `take_up` with no await between
-    the new snapshot and the new keys, so a request never sees one config with another's keys."""
+    """A process's upstream keys and TLS contexts: those of the config in force (`in_force`,
+    `tls_in_force`), and those read for the config it is about to take up. A process `read`s
+    (in a thread) before it applies the event that puts a config in force, and its apply step
+    calls `take_up` with no await between the new snapshot and the new keys, so a request never
+    sees one config with another's keys."""
 
     def __init__(self) -> None:
         self.in_force: dict[str, bytes] = {}
         """The `Authorization` each node with a key file gets under the config in force, by IP."""
-        self._read: tuple[Config | None, dict[str, bytes]] = (None, {})
+        self.tls_in_force: dict[str, ssl.SSLContext] = {}
+        """The context each https node's connections are made with under the config in force, by IP."""
+        self._read: tuple[Config | None, dict[str, bytes], dict[str, ssl.SSLContext]] = (None, {}, {})
 
     async def read(self, config: Config | None) -> None:
-        """Read the key files `config` names, off the event loop, for `take_up`."""
-        self._read = config, await trio.to_thread.run_sync(upstream_authorizations, config)
+        """Read the key and TLS files `config` names, off the event loop, for `take_up`."""
+        self._read = config, *await trio.to_thread.run_sync(_upstream_credentials, config)
 
     async def read_before(self, event: Event) -> None:
         """`read` the config `event` puts in force, if it puts one (a follower's step before
@@ -90,12 +100,13 @@ class UpstreamKeys:
             await self.read(event.config)
 
     def take_up(self, config: Config | None) -> None:
-        """`config` has just been put in force: its keys, as `read` read them. A config that
-        names no key file needs no read."""
-        read_for, authorizations = self._read
+        """`config` has just been put in force: its keys and contexts, as `read` read them. A
+        config that names no key file and no https node needs no read."""
+        read_for, authorizations, contexts = self._read
         if read_for is not config:
-            if config is not None and config.upstream_key_files():
-                raise RuntimeError("a config was put in force before its upstream key files were read")
-            authorizations = {}
+            if config is not None and (config.upstream_key_files() or config.https_nodes()):
+                raise RuntimeError("a config was put in force before its upstream key and TLS files were read")
+            authorizations, contexts = {}, {}
         self.in_force = authorizations
-        self._read = (None, {})
+        self.tls_in_force = contexts
+        self._read = (None, {}, {})

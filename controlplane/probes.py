@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import ssl
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -97,28 +98,45 @@ class ProbeClient:
         for key in [key for key in self._prepared if key[0] == host]:
             del self._prepared[key]
 
-    async def get(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> ProbeResponse:
+    async def get(
+        self,
+        host: str,
+        port: int,
+        path: bytes,
+        timeout: float,
+        authorization: bytes = b"",
+        tls: ssl.SSLContext | None = None,
+    ) -> ProbeResponse:
         """`get_steps` run in the calling task."""
-        return await drive(self.get_steps(host, port, path, timeout, authorization))
+        return await drive(self.get_steps(host, port, path, timeout, authorization, tls))
 
-    def get_steps(self, host: str, port: int, path: bytes, timeout: float, authorization: bytes = b"") -> Exchange:
+    def get_steps(
+        self,
+        host: str,
+        port: int,
+        path: bytes,
+        timeout: float,
+        authorization: bytes = b"",
+        tls: ssl.SSLContext | None = None,
+    ) -> Exchange:
         """The status and body of `GET path` on host:port (with that `Authorization` header, if
-        any), as an exchange; raises ProbeError on a transport failure, when connecting and
+        any; over HTTPS with `tls`), as an exchange; raises ProbeError on a transport failure, when connecting and
         reading take longer than `timeout` seconds, or when the body is too big (then the
         connection is dropped unread)."""
         key = (host, port, path, authorization)
         request = self._prepared.get(key)
-        if request is None:
+        if request is None or request.pool.tls is not tls:  # new, or a reload's new context
             headers = (*_HEADERS, (b"authorization", authorization)) if authorization else _HEADERS
-            request = self._prepared[key] = self._http.prepare(b"GET", host, port, path, headers)
+            request = self._prepared[key] = self._http.prepare(b"GET", host, port, path, headers, tls=tls)
         try:
             status, body = yield from request_steps(request, trio.current_time() + timeout, self.max_body_bytes)
         except BodyTooLarge as exc:
             raise ProbeError(str(exc)) from None
         except HttpError as exc:
-            raise ProbeError(f'Get "{node_url(host, port, path)}": {exc}') from None
+            raise ProbeError(f'Get "{node_url(host, port, path, tls is not None)}": {exc}') from None
         except TimedOut:
-            raise ProbeError(f'Get "{node_url(host, port, path)}": timed out after {timeout:g}s') from None
+            url = node_url(host, port, path, tls is not None)
+            raise ProbeError(f'Get "{url}": timed out after {timeout:g}s') from None
         return ProbeResponse(status, body)
 
 
@@ -129,33 +147,37 @@ def parsed(parse: Callable[[bytes], Any], body: bytes) -> Exchange:
     return parse(body)
 
 
-def node_url(ip: str, port: int, path: bytes) -> str:
+def node_url(ip: str, port: int, path: bytes, https: bool = False) -> str:
     host = f"[{ip}]" if ":" in ip else ip
-    return f"http://{host}:{port}{path.decode()}"
+    return f"{'https' if https else 'http'}://{host}:{port}{path.decode()}"
 
 
 # --- health and GPU metrics (one health check) ----------------------------------------------
 
 
-def check_node(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
+def check_node(
+    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, tls: ssl.SSLContext | None = None
+) -> Exchange:
     """One health check as plinth runs it: `/health`, then the GPU scrape.
 
     Returns (HealthProbed, GpuScraped), or (ProbeCrashed,) if anything raised unexpectedly:
     plinth's recovered panic, which leaves the node's health untouched.
     """
     try:
-        health = yield from probe_health(client, node, timeout=timeout, now=now)
+        health = yield from probe_health(client, node, timeout=timeout, now=now, tls=tls)
         gpus = yield from scrape_gpus(client, node, timeout=timeout, now=now)
     except Exception as exc:
         return (ProbeCrashed(at=now(), node=node.ip, error=f"{type(exc).__name__}: {exc}"),)
     return (health, gpus)
 
 
-def probe_health(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
-    """`GET /health` on the vLLM port: healthy iff it answers 200 (a HealthProbed)."""
+def probe_health(
+    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, tls: ssl.SSLContext | None = None
+) -> Exchange:
+    """`GET /health` on the vLLM port (over HTTPS with `tls`): healthy iff it answers 200 (a HealthProbed)."""
     started = trio.current_time()
     try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/health", timeout)
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/health", timeout, tls=tls)
     except ProbeError as exc:
         return HealthProbed(at=now(), node=node.ip, ok=False, error=str(exc), latency=_since(started))
     return HealthProbed(
@@ -243,7 +265,13 @@ def _gpu_label(token: str) -> str:
 
 
 def scrape_load(
-    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, authorization: bytes = b""
+    client: ProbeClient,
+    node: NodeConfig,
+    *,
+    timeout: float,
+    now: Clock,
+    authorization: bytes = b"",
+    tls: ssl.SSLContext | None = None,
 ) -> Exchange:
     """`GET /metrics` on the vLLM port (a LoadScraped): the requests running and waiting, and
     the KV-cache usage, or the error (capped) when the scrape gave no usable answer.
@@ -253,7 +281,7 @@ def scrape_load(
     already get it with every model listing and completion, so sending it reveals nothing new.
     """
     try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization)
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization, tls)
         if response.status != 200:
             raise ProbeError(f"vLLM metrics endpoint returned status {response.status}")
         load = yield from parsed(parse_vllm_load, response.body)
@@ -350,13 +378,19 @@ def _capped(error: str) -> str:
 
 
 def list_models(
-    client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, authorization: bytes = b""
+    client: ProbeClient,
+    node: NodeConfig,
+    *,
+    timeout: float,
+    now: Clock,
+    authorization: bytes = b"",
+    tls: ssl.SSLContext | None = None,
 ) -> Exchange:
     """`GET /v1/models` (a ModelsListed): the ids the node serves, in its order, or None and the
     error (§8.3). `authorization` is the node's upstream key header (vLLM's `--api-key` guards
     `/v1`; its `/health` is open, so the health check sends none)."""
     try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization)
+        response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization, tls)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
         models = yield from parsed(parse_model_list, response.body)

@@ -26,6 +26,7 @@ import contextlib
 import math
 import os
 import signal
+import ssl
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
@@ -132,6 +133,11 @@ class ControlPlane:
     def upstream_authorizations(self) -> dict[str, bytes]:
         """The `Authorization` each node with a key file gets under the snapshot's config."""
         return self.upstream_keys.in_force
+
+    @property
+    def upstream_tls(self) -> dict[str, ssl.SSLContext]:
+        """The context each https node's connections are made with under the snapshot's config."""
+        return self.upstream_keys.tls_in_force
 
     def now(self) -> float:
         """The clock events are stamped with."""
@@ -509,7 +515,9 @@ class Prober:
             return False
         self._health_in_flight.add(node.ip)
         self._readiness.start(
-            (_HEALTH, node.ip), check_node(self._client, node, timeout=self._timeout(), now=self._control_plane.now)
+            (_HEALTH, node.ip), check_node(
+                self._client, node, timeout=self._timeout(), now=self._control_plane.now, tls=self._tls(node.ip)
+            )
         )
         return True
 
@@ -523,6 +531,7 @@ class Prober:
             timeout=self._timeout(),
             now=self._control_plane.now,
             authorization=self._authorization(node.ip),
+            tls=self._tls(node.ip),
         )
         self._readiness.start((_MODELS, node.ip), listing)
 
@@ -562,6 +571,7 @@ class Prober:
             timeout=self._timeout(),
             now=self._control_plane.now,
             authorization=self._authorization(node.ip),
+            tls=self._tls(node.ip),
         )
         self._readiness.start((_LOAD, node.ip), scrape)
 
@@ -591,6 +601,9 @@ class Prober:
 
     def _authorization(self, ip: str) -> bytes:
         return self._control_plane.upstream_authorizations.get(ip, b"")
+
+    def _tls(self, ip: str) -> ssl.SSLContext | None:
+        return self._control_plane.upstream_tls.get(ip)
 
 
 _HEALTH, _MODELS, _LOAD = "health", "models", "load"

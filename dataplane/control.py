@@ -8,6 +8,7 @@ stream can be another.
 
 from __future__ import annotations
 
+import ssl
 from typing import Protocol
 
 from events.state import ClusterState
@@ -24,6 +25,11 @@ class ControlPlaneView(Protocol):
         """The `Authorization` each node with a key file gets under the snapshot's config, by IP:
         read off the event loop when this process took the config up, never on a request.
         Replaced together with the snapshot."""
+
+    @property
+    def upstream_tls(self) -> dict[str, ssl.SSLContext]:
+        """The context each https node's connections are made with under the snapshot's config,
+        by IP: built with `upstream_authorizations`, never on a request."""
 
     def now(self) -> float:
         """The clock events are stamped with."""

@@ -324,7 +324,14 @@ class Proxy:
                 headers.append((b"authorization", authorization))
         target = _TARGETS[exchange.path]
         return self._pool.request(
-            b"POST", node.ip, config.ports[node.ip], target, headers, body, connect_timeout=CONNECT_TIMEOUT
+            b"POST",
+            node.ip,
+            config.ports[node.ip],
+            target,
+            headers,
+            body,
+            connect_timeout=CONNECT_TIMEOUT,
+            tls=config.upstream_tls.get(node.ip),
         )
 
     def _failed(self, exchange: Exchange, error: Exception) -> tuple[Outcome, None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import ssl
 
 import msgspec
 
@@ -20,9 +21,15 @@ from events.types import Checkpoint
 
 class ConfigView:
     """What requests need from one config: node ports, limits, the default model, the keys
-    sent to nodes (`upstream_authorizations`, as the process read them when it took the config up)."""
+    sent to nodes and the TLS contexts of https nodes (`upstream_authorizations`, `upstream_tls`,
+    as the process read them when it took the config up)."""
 
-    def __init__(self, config: Config, upstream_authorizations: dict[str, bytes]) -> None:
+    def __init__(
+        self,
+        config: Config,
+        upstream_authorizations: dict[str, bytes],
+        upstream_tls: dict[str, ssl.SSLContext] | None = None,
+    ) -> None:
         self.config = config
         gateway = config.gateway
         self.default_model = config.models.default
@@ -49,6 +56,8 @@ class ConfigView:
         """/health shows each node's load only when it is scraped (plinth's body stays as it is)."""
         self.upstream_authorizations = upstream_authorizations
         """The `Authorization` each node with a key gets instead of the client's."""
+        self.upstream_tls = upstream_tls or {}
+        """The context each https node's connections are made with (a plain node has none)."""
         self.node_headers = {node.ip: node_header(node) for node in config.nodes}
         """The header naming the node that served a request (a node's own header may say anything)."""
         listed = [
@@ -143,7 +152,9 @@ class SnapshotViews:
         view = self._view
         if view is None or view.snapshot is not snapshot:
             same_config = view is not None and view.config.config is snapshot.config
-            config = view.config if same_config else ConfigView(snapshot.config, self._control_plane.upstream_authorizations)
+            config = view.config if same_config else ConfigView(
+                snapshot.config, self._control_plane.upstream_authorizations, self._control_plane.upstream_tls
+            )
             previous, view = view, SnapshotView(snapshot, config)
             if same_config and "metric_models" in vars(previous) and _same_lists(previous.snapshot, snapshot):
                 view.metric_models = previous.metric_models

@@ -178,6 +178,13 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     """One of ROLES: what the node does in prefill/decode disaggregation (vLLM's NixlConnector).
     A model whose candidates include a `prefill` or a `decode` node is served in two legs: the
     prefill on a `prefill` (or `both`) node, the decode on a `decode` (or `both`) node."""
+    scheme: str = "http"
+    """How the vLLM port is reached: "http" or "https" (the GPU exporter's port stays plain HTTP)."""
+    ca_file: str = ""
+    """https: the PEM CA certificates the node's certificate is checked against; "" = the system's."""
+    client_certificate: str = ""
+    client_key: str = ""
+    """https: the certificate (PEM chain) and key the gateway shows the node (mutual TLS); both or neither."""
 
 
 ROLES = ("both", "prefill", "decode")
@@ -270,6 +277,10 @@ class Config(Struct, frozen=True, kw_only=True):
     def disaggregation_roles(self) -> dict[str, str]:
         """The role of each node that is not `both`, by IP (empty: no disaggregation)."""
         return {node.ip: node.role for node in self.nodes if node.role != ROLES[0]}
+
+    def https_nodes(self) -> list[NodeConfig]:
+        """The nodes whose vLLM port is reached over HTTPS."""
+        return [node for node in self.nodes if node.scheme == "https"]
 
     def node(self, ip: str) -> NodeConfig | None:
         for node in self.nodes:

@@ -667,6 +667,10 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "ring": "ring-a",
         "api_key_file": "",
         "role": "both",
+        "scheme": "http",
+        "ca_file": "",
+        "client_certificate": "",
+        "client_key": "",
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config

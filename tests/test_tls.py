@@ -1,6 +1,10 @@
 """HTTPS on the API listener (`[gateway] tls_certificate`, `tls_key`): the OpenAI SDK through it
 with the CA that signed the certificate, workers included; the metrics listener stays plain
-HTTP. Certificates are made in the test (trustme). Config mistakes name the key and the file."""
+HTTP. Nodes reached over HTTPS (`[[nodes]] scheme = "https"`, `ca_file`, `client_certificate`,
+`client_key`): probes, discovery, completions and streams through a simulated node serving
+HTTPS, and a node whose certificate is not trusted (or that wants a client certificate it does
+not get) is unhealthy with the TLS failure as its error. Certificates are made in the test
+(trustme). Config mistakes name the key and the file."""
 
 from __future__ import annotations
 
@@ -12,25 +16,37 @@ import pytest
 import trustme
 
 from controlplane.config import ConfigError, load_config
+from events.state import Discovery
 from fixtures.node import serve_nodes, token_texts
 
-from harness import MODEL, config_text, free_port, node_specs, wait_until_ready
+from harness import MODEL, chat, config_text, free_port, node_specs, running_gateway, sse_events, wait_until_ready
 from test_cli_serve import interlock_serve
 
 HI = [{"role": "user", "content": "hi"}]
+QUICK_DEATH = {"health_interval": "50ms", "health_fail_threshold": 1}
+
+
+def issued(tmp_path, authority: trustme.CA, name: str, host: str) -> tuple[str, str]:
+    """A certificate for `host` signed by `authority`, and its key: two PEM paths named `name`."""
+    issued_cert = authority.issue_cert(host)
+    certificate, key = tmp_path / f"{name}.pem", tmp_path / f"{name}.key"
+    issued_cert.private_key_pem.write_to_path(str(key))
+    for index, blob in enumerate(issued_cert.cert_chain_pems):
+        blob.write_to_path(str(certificate), append=index > 0)
+    return str(certificate), str(key)
+
+
+def ca_file(tmp_path, authority: trustme.CA, name: str) -> str:
+    path = tmp_path / f"{name}.pem"
+    authority.cert_pem.write_to_path(str(path))
+    return str(path)
 
 
 @pytest.fixture
 def certificate_files(tmp_path):
     """A CA's PEM file, and a certificate for 127.0.0.1 it signed with its key: three paths."""
     authority = trustme.CA()
-    server = authority.issue_cert("127.0.0.1")
-    ca, certificate, key = tmp_path / "ca.pem", tmp_path / "gateway.pem", tmp_path / "gateway.key"
-    authority.cert_pem.write_to_path(str(ca))
-    server.private_key_pem.write_to_path(str(key))
-    for index, blob in enumerate(server.cert_chain_pems):
-        blob.write_to_path(str(certificate), append=index > 0)
-    return str(ca), str(certificate), str(key)
+    return ca_file(tmp_path, authority, "ca"), *issued(tmp_path, authority, "gateway", "127.0.0.1")
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -83,4 +99,90 @@ def test_tls_settings_that_cannot_serve_are_refused_naming_the_key_and_the_file(
     )
     assert f"gateway.tls_certificate: {ca} and {ca} are not a PEM certificate and its key" in refusal(
         tls_certificate=ca, tls_key=ca
+    )
+
+
+async def test_a_node_reached_over_https_is_probed_discovered_and_proxied(tmp_path):
+    authority = trustme.CA()
+    specs = node_specs(1, tokens=4)
+    specs[0].certificate, specs[0].key = issued(tmp_path, authority, "node", specs[0].host)
+    https = {"scheme": "https", "ca_file": ca_file(tmp_path, authority, "ca")}
+    async with serve_nodes(specs) as nodes, running_gateway(tmp_path, nodes, node_settings={"n1": https}) as gateway:
+        await gateway.discovered()
+        node = gateway.node("127.0.0.2")
+        completion = await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat())
+        stream = await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat(stream=True))
+    assert node.models.state == Discovery.KNOWN and node.models.names == (MODEL,)
+    assert node.status == "healthy" and gateway.logged("node health changed") == []
+    assert completion.status_code == 200
+    assert completion.json()["choices"][0]["message"]["content"] == "".join(token_texts("n1", 4))
+    assert stream.status_code == 200 and sse_events(stream.text)[-1] == "[DONE]"
+    assert [request.path for request in nodes[0].requests].count("/v1/chat/completions") == 2
+
+
+async def test_a_node_whose_certificate_the_ca_does_not_sign_is_unhealthy_naming_the_tls_failure(tmp_path):
+    specs = node_specs(1)
+    specs[0].certificate, specs[0].key = issued(tmp_path, trustme.CA(), "node", specs[0].host)
+    https = {"scheme": "https", "ca_file": ca_file(tmp_path, trustme.CA(), "other-ca")}
+    async with (
+        serve_nodes(specs) as nodes,
+        running_gateway(tmp_path, nodes, node_settings={"n1": https}, **QUICK_DEATH) as gateway,
+    ):
+        await gateway.wait_for(lambda: gateway.node("127.0.0.2").status == "dead")
+        [change] = gateway.logged("node health changed")
+    assert change["error"].startswith(f'Get "https://127.0.0.2:{nodes[0].vllm_port}/health": dial tcp 127.0.0.2:')
+    assert change["error"].endswith("tls: certificate verify failed: unable to get local issuer certificate")
+    assert not any(request.path == "/health" for request in nodes[0].requests)
+
+
+async def test_mutual_tls_sends_the_client_certificate_and_a_node_that_gets_none_is_unhealthy(tmp_path):
+    authority, clients = trustme.CA(), trustme.CA()
+    specs = node_specs(2)
+    for spec in specs:
+        spec.certificate, spec.key = issued(tmp_path, authority, spec.name, spec.host)
+        spec.client_ca = ca_file(tmp_path, clients, "client-ca")
+    client_certificate, client_key = issued(tmp_path, clients, "gateway-client", "gateway.example")
+    https = {"scheme": "https", "ca_file": ca_file(tmp_path, authority, "ca")}
+    settings = {"n1": https | {"client_certificate": client_certificate, "client_key": client_key}, "n2": https}
+    async with (
+        serve_nodes(specs) as nodes,
+        running_gateway(tmp_path, nodes, node_settings=settings, **QUICK_DEATH) as gateway,
+    ):
+        await gateway.wait_for(lambda: gateway.node("127.0.0.3").status == "dead")
+        [change] = gateway.logged("node health changed")
+        completion = await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat())
+    assert completion.status_code == 200 and completion.headers["x-served-by"] == "n1"
+    assert change["node"] == "127.0.0.3" and gateway.node("127.0.0.2").status == "healthy"
+    # The simulated node drops the connection without a TLS alert when the handshake fails.
+    assert change["error"] == (
+        f'Get "https://127.0.0.3:{nodes[1].vllm_port}/health": '
+        "the server closed the connection before the response head was complete"
+    )
+    assert not any(request.path == "/health" for request in nodes[1].requests)
+
+
+def test_node_tls_settings_that_cannot_connect_are_refused_naming_the_key_and_the_file(tmp_path):
+    authority = trustme.CA()
+    ca = ca_file(tmp_path, authority, "ca")
+    certificate, key = issued(tmp_path, authority, "client", "gateway.example")
+
+    def refusal(**settings: object) -> str:
+        path = tmp_path / "gateway.toml"
+        text = config_text([], models=()) + "[[nodes]]\nip = \"10.0.0.1\"\n"
+        text += "".join(f"{name} = {value!r}\n".replace("'", '"') for name, value in settings.items())
+        path.write_text(text)
+        with pytest.raises(ConfigError) as raised:
+            load_config(path)
+        return str(raised.value)
+
+    assert 'nodes[0].scheme: scheme must be "http" or "https" (got "tls")' in refusal(scheme="tls")
+    assert 'nodes[0].ca_file: ca_file is set: scheme must be "https"' in refusal(ca_file=ca)
+    missing = str(tmp_path / "missing.pem")
+    assert f"nodes[0].ca_file: reading {missing}: No such file or directory" in refusal(scheme="https", ca_file=missing)
+    assert f"nodes[0].ca_file: {key} holds no PEM CA certificate" in refusal(scheme="https", ca_file=key)
+    assert "nodes[0].client_key: client_certificate is set: client_key must be set too" in refusal(
+        scheme="https", client_certificate=certificate
+    )
+    assert f"nodes[0].client_certificate: {ca} and {ca} are not a PEM certificate and its key" in refusal(
+        scheme="https", client_certificate=ca, client_key=ca
     )

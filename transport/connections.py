@@ -6,6 +6,10 @@ A connection's socket work is written once, as calls that never block (`send_now
 `transport.readiness.Wait`. Connecting is written once, as steps (`connect_steps`), which the
 async client drives in its own task.
 
+A pool whose `tls` is an SSLContext makes TLS connections (`TlsConnection`): the handshake is
+one more step of connecting, and the TLS socket is driven through the same non-blocking calls.
+A plain pool's connections never meet the TLS code.
+
 A pool keeps at most `max_idle` idle connections, each for at most `idle_seconds` (checked when
 one is taken or given back: there is no reaper task). An idle connection the server closed
 meanwhile is noticed before reuse (it reads as readable) and dropped.
@@ -16,7 +20,9 @@ from __future__ import annotations
 import errno
 import math
 import os
+import select
 import socket
+import ssl
 
 import trio
 
@@ -30,11 +36,15 @@ RECEIVE_SIZE = 65536
 class Pool:
     """The idle connections to one (host, port), most recently used last."""
 
-    __slots__ = ("host", "port", "max_idle", "idle_seconds", "address", "host_header", "idle", "retired")
+    __slots__ = ("host", "port", "tls", "max_idle", "idle_seconds", "address", "host_header", "idle", "retired")
 
-    def __init__(self, host: str, port: int, max_idle: int, idle_seconds: float) -> None:
+    def __init__(
+        self, host: str, port: int, max_idle: int, idle_seconds: float, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.host = host
         self.port = port
+        self.tls = tls
+        """None: plain HTTP; else HTTPS, the server's certificate checked against `host`."""
         self.max_idle = max_idle
         self.idle_seconds = idle_seconds
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -116,8 +126,41 @@ def connect_steps(pool: Pool, addresses: list | None, deadline: float) -> Exchan
             raw.close()
             failure = OSError(code, os.strerror(code))
             continue
+        if pool.tls is not None:
+            return (yield from _handshake_steps(pool, pool.tls, raw, deadline))
         return Connection(pool, raw)
     raise ConnectFailed(f"dial tcp {pool.address}: connect: {os_error_text(failure)}")
+
+
+def _handshake_steps(pool: Pool, context: ssl.SSLContext, raw: socket.socket, deadline: float) -> Exchange:
+    """The TLS handshake on the connected socket `raw`; a TlsConnection. A failed handshake is a
+    ConnectFailed (no request byte was sent) naming what TLS refused."""
+    try:
+        sock = context.wrap_socket(raw, server_hostname=pool.host, do_handshake_on_connect=False)
+    except BaseException:
+        raw.close()
+        raise
+    try:
+        while True:
+            try:
+                sock.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                yield Wait(sock, READ, deadline)
+            except ssl.SSLWantWriteError:
+                yield Wait(sock, WRITE, deadline)
+    except ssl.SSLCertVerificationError as error:
+        sock.close()
+        reason = f"certificate verify failed: {error.verify_message}"
+        raise ConnectFailed(f"dial tcp {pool.address}: tls: {reason}") from None
+    except (ssl.SSLError, OSError) as error:
+        sock.close()
+        reason = getattr(error, "reason", None) or os_error_text(error)
+        raise ConnectFailed(f"dial tcp {pool.address}: tls handshake: {reason}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return TlsConnection(pool, sock)
 
 
 class Connection:
@@ -133,9 +176,13 @@ class Connection:
     def __init__(self, pool: Pool, sock: socket.socket) -> None:
         self.pool = pool
         self.socket = sock
-        self._trio_socket = trio.socket.from_stdlib_socket(sock)
+        self._trio_socket = self._closed_through_trio(sock)
         """The same socket, closed through trio so that a task waiting on it is woken."""
         self.idle_since = 0.0
+
+    @staticmethod
+    def _closed_through_trio(sock: socket.socket) -> trio.socket.SocketType:
+        return trio.socket.from_stdlib_socket(sock)
 
     def readable(self) -> bool:
         """An idle connection that is readable has been closed by the server (or has stray bytes)."""
@@ -225,6 +272,59 @@ class Connection:
             if (found := _scan(scanner, data, first, reused)) is not None:
                 return found
             first = False
+
+
+class TlsConnection(Connection):
+    """A connection over TLS (`ssl.SSLSocket`, non-blocking): the same socket work, where the
+    socket not being ready shows as SSLWantReadError or SSLWantWriteError. Bytes TLS already
+    decrypted are read before waiting (`receive` tries first, except right after a request)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _closed_through_trio(sock: socket.socket) -> trio.socket.SocketType:
+        return _TlsSocketCloser(sock)  # type: ignore[return-value]
+
+    def send_now(self, data: bytes | memoryview) -> int:
+        try:
+            return self.socket.send(data)
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+            return 0
+        except OSError as error:
+            raise WriteFailed(f"write: {_tls_error_text(error)}") from None
+
+    def receive_now(self) -> bytes | None:
+        try:
+            return self.socket.recv(RECEIVE_SIZE)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+            return None
+        except OSError as error:
+            raise ConnectionLost(f"read: {_tls_error_text(error)}") from None
+
+
+class _TlsSocketCloser:
+    """What a Connection needs of a trio socket, for an SSLSocket (which trio does not wrap)."""
+
+    __slots__ = ("_socket",)
+
+    def __init__(self, sock: ssl.SSLSocket) -> None:
+        self._socket = sock
+
+    def is_readable(self) -> bool:
+        sock = self._socket
+        return sock.fileno() >= 0 and (sock.pending() > 0 or bool(select.select([sock], [], [], 0)[0]))
+
+    def close(self) -> None:
+        sock = self._socket
+        if sock.fileno() >= 0:
+            trio.lowlevel.notify_closing(sock)
+        sock.close()
+
+
+def _tls_error_text(error: OSError) -> str:
+    if isinstance(error, ssl.SSLError):
+        return f"tls: {error.reason or error}"
+    return os_error_text(error)
 
 
 def _scan(scanner: HeadScanner, data: bytes, first: bool, reused: bool) -> tuple[Head, bytes] | None:

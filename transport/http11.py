@@ -13,7 +13,10 @@ the probes send the same requests as steps (`transport/steps.py`).
         body = await response.read_body(limit=4096)      # or: async for chunk in response
         ...
 
-What it leaves out: TLS, proxies, redirects, cookies, content decoding, pipelining, streamed
+HTTPS: a request given an `ssl.SSLContext` (`tls`) goes over TLS, to the pool of TLS
+connections made with that context (a new context, after a reload, starts a new pool).
+
+What it leaves out: proxies, redirects, cookies, content decoding, pipelining, streamed
 request bodies, and timeouts. Callers bound the waits that must end with trio cancel scopes;
 only connecting has a deadline of its own (`connect_timeout`), so that a dial failure
 (ConnectFailed, nothing sent) can be told apart from a later one.
@@ -30,6 +33,7 @@ connection; for any other request the error is a WriteFailed, and the caller dec
 from __future__ import annotations
 
 import socket
+import ssl
 from collections.abc import Sequence
 
 import trio
@@ -94,14 +98,31 @@ class HttpClient:
         for key in [key for key in self._pools if key[0] == host]:
             self._pools.pop(key).retire()
 
-    def prepare(self, method: bytes, host: str, port: int, target: bytes, headers: Headers = ()) -> PreparedRequest:
+    def _pool(self, host: str, port: int, tls: ssl.SSLContext | None) -> Pool:
+        """The pool of host:port's connections made with `tls` (replacing one made with another)."""
+        pool = self._pools.get((host, port))
+        if pool is None or pool.tls is not tls:
+            if pool is not None:
+                pool.retire()
+            pool = self._pools[(host, port)] = Pool(host, port, self.max_idle_per_host, self.idle_seconds, tls)
+        return pool
+
+    def prepare(
+        self,
+        method: bytes,
+        host: str,
+        port: int,
+        target: bytes,
+        headers: Headers = (),
+        *,
+        tls: ssl.SSLContext | None = None,
+    ) -> PreparedRequest:
         """A body-less request built once, to be sent as often as needed with `request_steps`
-        (on this client's connections to host:port, until `forget(host)`). Headers as for `request`."""
+        (on this client's connections to host:port, until `forget(host)` or a request to it with
+        another `tls`). Headers and `tls` as for `request`."""
         if self._closed:
             raise RuntimeError("prepare on a closed HttpClient")
-        pool = self._pools.get((host, port))
-        if pool is None:
-            pool = self._pools[(host, port)] = Pool(host, port, self.max_idle_per_host, self.idle_seconds)
+        pool = self._pool(host, port, tls)
         try:
             addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
         except socket.gaierror:
@@ -118,20 +139,22 @@ class HttpClient:
         body: bytes = b"",
         *,
         connect_timeout: float | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Response:
         """Send a request and return the response once its head has arrived; read its body with
         `read_body`, `next_chunk` or `async for`, and `close()` it if you stop early.
 
         The client writes the `Host` header and, for a body or a POST, PUT or PATCH,
         `Content-Length`: `headers` must not include those, `Transfer-Encoding` or `Connection`.
+        `tls`: HTTPS, with connections made with this context (None: plain HTTP).
         Raises ConnectFailed (also when connecting takes longer than `connect_timeout`
         seconds), WriteFailed, ConnectionLost or ProtocolError.
         """
         if self._closed:
             raise RuntimeError("request on a closed HttpClient")
         pool = self._pools.get((host, port))
-        if pool is None:
-            pool = self._pools[(host, port)] = Pool(host, port, self.max_idle_per_host, self.idle_seconds)
+        if pool is None or pool.tls is not tls:
+            pool = self._pool(host, port, tls)
         message = _request_bytes(method, target, pool.host_header, headers, body)
         retry_allowed = not body and (method == b"GET" or method == b"HEAD")
         while True:
