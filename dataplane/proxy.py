@@ -143,18 +143,20 @@ class Proxy:
         ticket = self._admission.ticket(exchange)
         ledger = self._open_ledger(exchange, ticket)
         try:
+            refused = None
             if ticket.tenant.limited:
                 refused = await self._admission.admit(ticket, exchange)
-                if refused is not None:
-                    ledger.request_ended(refused.status)
-                    return refused
             else:
                 self._admission.counted(ticket)
-            # The gateway's queue goes here (issue 22, item 3): once the tenant's limits have
-            # admitted the request, it waits its turn while the model's pool is saturated:
-            #   await self._admit(ticket.tenant.name, ticket.priority, ticket.fairness_id,
-            #                     ticket.tenant.max_queue_seconds)
-            reply = await self._route(exchange, ledger)
+            if refused is not None:
+                ledger.request_ended(refused.status)
+                reply = refused
+            else:
+                # The gateway's queue goes here (issue 22, item 3): once the tenant's limits have
+                # admitted the request, it waits its turn while the model's pool is saturated:
+                #   await self._admit(ticket.tenant.name, ticket.priority, ticket.fairness_id,
+                #                     ticket.tenant.max_queue_seconds)
+                reply = await self._route(exchange, ledger)
         except trio.Cancelled:
             ledger.client_left()
             raise

@@ -38,6 +38,7 @@ class TenantLimits:
     """What requests need of a config's tenants, computed once per config (`ConfigView`)."""
 
     def __init__(self, config: Config) -> None:
+        self.config = config
         self.key_digests: tuple[tuple[bytes, str], ...] = tuple(
             [(digest.encode(), GATEWAY_TENANT) for digest in config.gateway.api_key_hashes]
             + [(digest.encode(), tenant.name) for tenant in config.tenants for digest in tenant.api_key_hashes]

@@ -1,0 +1,312 @@
+"""Tenants and their limits (issue 22): requests per minute, tokens per minute settled to the
+nodes' `usage`, requests in flight, through the OpenAI SDK (its RateLimitError, OpenAI's
+headers), a reload that changes limits, and limits held across two workers. Real gateway, real
+sockets, simulated nodes."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from events.decisions import Verdict
+from fixtures.node import token_texts
+
+from harness import MODEL, Gateway, decision_records, node_specs, nodes_and_gateway, sse_events
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def tenants(*tables: dict[str, object]) -> str:
+    """`[[tenants]]` tables as TOML."""
+    lines = []
+    for table in tables:
+        lines.append("[[tenants]]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in table.items()]
+    return "\n".join(lines) + "\n"
+
+
+def sdk(gateway: Gateway, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=gateway.url + "/v1",
+        api_key=key,
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpxClient(trust_env=False),
+    )
+
+
+async def records_for(gateway: Gateway, decisions: Path, count: int) -> list:
+    await gateway.wait_for(lambda: len(decision_records(decisions)) >= count)
+    return decision_records(decisions)
+
+
+async def test_requests_per_minute_through_the_sdk(tmp_path):
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants(
+        {"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2, "priority": 3},
+        {"name": "team-b", "api_keys": ["key-b"]},
+    )
+    async with nodes_and_gateway(tmp_path, node_specs(1), extra=extra, decision_log=str(decisions)) as (_, gateway):
+        async with sdk(gateway, "key-a") as a, sdk(gateway, "key-b") as b:
+            first = await a.chat.completions.with_raw_response.create(model=MODEL, messages=HI)
+            second = await a.chat.completions.with_raw_response.create(model=MODEL, messages=HI)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await a.chat.completions.create(model=MODEL, messages=HI)
+            unlimited = await b.chat.completions.with_raw_response.create(model=MODEL, messages=HI)
+        records = await records_for(gateway, decisions, 4)
+        metrics = await gateway.metrics()
+
+    assert first.headers["x-ratelimit-limit-requests"] == "2"
+    assert first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert second.headers["x-ratelimit-remaining-requests"] == "0"
+    assert first.headers["x-ratelimit-reset-requests"].endswith("s")
+    assert "x-ratelimit-limit-requests" not in unlimited.headers
+    assert "x-ratelimit-limit-tokens" not in first.headers
+    error = refused.value
+    assert error.status_code == 429 and error.code == "rate_limit_exceeded"
+    assert error.type == "rate_limit_exceeded"
+    assert "team-a" in error.message and "requests" in error.message
+    headers = error.response.headers
+    assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) > 0
+    assert int(headers["retry-after-ms"]) <= int(headers["retry-after"]) * 1000
+    assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
+
+    admissions = [record.admission for record in records]
+    assert [(admission.tenant, admission.verdict) for admission in admissions] == [
+        ("team-a", Verdict.ADMITTED),
+        ("team-a", Verdict.ADMITTED),
+        ("team-a", Verdict.REFUSED),
+        ("team-b", Verdict.ADMITTED),
+    ]
+    refusal = admissions[2]
+    assert (refusal.refused_by, refusal.limit, refusal.remaining, refusal.priority) == ("requests", 2, 0, 3)
+    assert records[2].status == 429 and records[2].attempts == ()
+    assert 'interlock_admission_requests_total{priority="3",tenant="team-a"} 2.0' in metrics
+    assert 'interlock_admission_refusals_total{limit="requests",priority="3",tenant="team-a"} 1.0' in metrics
+    assert 'interlock_admission_requests_total{priority="0",tenant="team-b"} 1.0' in metrics
+
+
+async def test_tokens_are_reserved_then_settled_to_the_usage_the_node_reports(tmp_path):
+    """Not streamed: the reservation (max_tokens plus the prompt's estimate) is settled to the
+    answer's usage; the tokens counted are what the nodes reported."""
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    specs = node_specs(1, tokens=5)
+    async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as (_, gateway):
+        async with sdk(gateway, "key-a") as a:
+            answers = [
+                await a.chat.completions.with_raw_response.create(model=MODEL, messages=HI, max_tokens=50),
+                await a.completions.with_raw_response.create(model=MODEL, prompt="hello there"),
+            ]
+        records = await records_for(gateway, decisions, 2)
+        metrics = await gateway.metrics()
+
+    usage = [answer.parse().usage.total_tokens for answer in answers]
+    assert [record.admission.tokens_used for record in records] == usage
+    reserved = [record.admission.tokens_reserved for record in records]
+    assert 50 < reserved[0] < 50 + 200 and reserved[1] > 1024  # the default completion bound
+    assert answers[0].headers["x-ratelimit-limit-tokens"] == "100000"
+    assert int(answers[0].headers["x-ratelimit-remaining-tokens"]) <= 100_000 - reserved[0]
+    assert f'interlock_admission_tokens_total{{priority="0",tenant="team-a"}} {float(sum(usage))}' in metrics
+
+
+async def test_a_token_limit_refuses_once_spent_and_says_so(tmp_path):
+    """A request is admitted while any tokens are left; the node's usage beyond the minute's
+    limit is owed, and refuses the next until it has refilled."""
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 30})
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=40), extra=extra) as (_, gateway):
+        async with sdk(gateway, "key-a") as a:
+            await a.chat.completions.create(model=MODEL, messages=HI)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await a.chat.completions.create(model=MODEL, messages=HI, max_tokens=1)
+    assert "tokens" in refused.value.message
+    headers = refused.value.response.headers
+    assert headers["x-ratelimit-limit-tokens"] == "30" and headers["x-ratelimit-remaining-tokens"] == "0"
+    assert int(headers["retry-after-ms"]) > 2000  # forty-odd tokens owed, at half a token a second
+
+
+async def test_a_stream_asks_the_node_for_usage_and_the_client_does_not_see_it(tmp_path):
+    """The client did not ask for usage: the node is asked, its usage chunk is settled and left
+    out of the client's stream, every other event unchanged."""
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    specs = node_specs(1, tokens=4)
+    async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as ([node], gateway):
+        body = {"model": MODEL, "messages": HI, "stream": True, "temperature": 0.5}
+        response = await gateway.http.post(
+            gateway.url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer key-a"}
+        )
+        [record] = await records_for(gateway, decisions, 1)
+        sent = json.loads(node.requests[-1].body)
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(chunk["choices"] for chunk in chunks) and len(chunks) == 4
+    assert "".join(chunk["choices"][0]["delta"]["content"] for chunk in chunks) == "".join(token_texts("n1", 4))
+    assert response.text.count("\n\n") == len(events)  # every event whole, nothing added
+    assert sent["stream_options"] == {"include_usage": True} and sent["temperature"] == 0.5
+    assert record.admission.tokens_used is not None and record.admission.tokens_used > 4  # prompt and completion
+
+
+async def test_a_stream_whose_client_asked_for_usage_gets_it(tmp_path):
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1, tokens=4), extra=extra, decision_log=str(decisions)
+    ) as ([node], gateway):
+        async with sdk(gateway, "key-a") as a:
+            stream = await a.chat.completions.create(
+                model=MODEL, messages=HI, stream=True, stream_options={"include_usage": True}
+            )
+            chunks = [chunk async for chunk in stream]
+        [record] = await records_for(gateway, decisions, 1)
+        sent = json.loads(node.requests[-1].body)
+    assert sent["stream_options"] == {"include_usage": True}
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage is not None
+    assert record.admission.tokens_used == usage.total_tokens
+
+
+async def test_an_unlimited_tenants_stream_is_left_alone(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=3)) as ([node], gateway):
+        body = {"model": MODEL, "messages": HI, "stream": True}
+        response = await gateway.http.post(gateway.url + "/v1/chat/completions", json=body)
+        sent = json.loads(node.requests[-1].body)
+    assert "stream_options" not in sent
+    assert "x-ratelimit-limit-requests" not in response.headers
+
+
+async def test_requests_in_flight(tmp_path):
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "max_in_flight": 1})
+    specs = node_specs(1, tokens=100, tpot=0.02)
+    async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as (_, gateway):
+        async with sdk(gateway, "key-a") as a:
+            stream = await a.chat.completions.create(model=MODEL, messages=HI, stream=True)
+            first = await anext(aiter(stream))
+            with pytest.raises(openai.RateLimitError) as refused:
+                await a.chat.completions.create(model=MODEL, messages=HI)
+            async for _ in stream:
+                pass
+            after = await a.chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
+        records = await records_for(gateway, decisions, 3)
+    assert first.choices and after.choices
+    assert "in flight" in refused.value.message
+    refusal = next(record.admission for record in records if record.status == 429)
+    assert (refusal.refused_by, refusal.limit, refusal.remaining) == ("in_flight", 1, 0)
+
+
+async def test_priority_follows_the_objective_header_down_never_up(tmp_path):
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "priority": 5})
+    extra += "[admission]\nobjectives = { batch = 1, critical = 9 }\n"
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1), extra=extra, decision_log=str(decisions)
+    ) as (_, gateway):
+        for objective in ("batch", "critical", "unknown"):
+            headers = {
+                "authorization": "Bearer key-a",
+                "x-gateway-inference-objective": objective,
+                "x-gateway-inference-fairness-id": f"user-{objective}",
+            }
+            response = await gateway.http.post(
+                gateway.url + "/v1/chat/completions", json={"model": MODEL, "messages": HI}, headers=headers
+            )
+            assert response.status_code == 200
+        records = await records_for(gateway, decisions, 3)
+    assert [(record.admission.priority, record.admission.fairness_id) for record in records] == [
+        (1, "user-batch"),
+        (5, "user-critical"),
+        (5, "user-unknown"),
+    ]
+
+
+async def test_without_keys_every_request_is_the_default_tenant_whose_limits_apply(tmp_path):
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "default", "requests_per_minute": 1})
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1), extra=extra, decision_log=str(decisions)
+    ) as (_, gateway):
+        body = {"model": MODEL, "messages": HI}
+        statuses = [
+            (await gateway.http.post(gateway.url + "/v1/chat/completions", json=body)).status_code for _ in range(2)
+        ]
+        records = await records_for(gateway, decisions, 2)
+    assert statuses == [200, 429]
+    assert {record.admission.tenant for record in records} == {"default"}
+
+
+async def test_gateway_keys_are_a_tenant_without_limits(tmp_path):
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1})
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1), extra=extra, api_keys=["old-key"], decision_log=str(decisions)
+    ) as (_, gateway):
+        body = {"model": MODEL, "messages": HI}
+        for key, expected in (("old-key", 200), ("old-key", 200), ("key-a", 200), ("key-a", 429), ("nope", 401)):
+            response = await gateway.http.post(
+                gateway.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+            )
+            assert response.status_code == expected, key
+        records = await records_for(gateway, decisions, 4)
+    assert [record.admission.tenant for record in records] == ["gateway", "gateway", "team-a", "team-a"]
+
+
+async def test_a_reload_changes_limits_without_resetting_what_was_used(tmp_path):
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2})
+    async with nodes_and_gateway(tmp_path, node_specs(1), extra=extra) as (nodes, gateway):
+        async with sdk(gateway, "key-a") as a:
+            await a.chat.completions.create(model=MODEL, messages=HI)
+            await a.chat.completions.create(model=MODEL, messages=HI)
+            with pytest.raises(openai.RateLimitError):
+                await a.chat.completions.create(model=MODEL, messages=HI)
+            text = gateway.config_path.read_text().replace("requests_per_minute = 2", "requests_per_minute = 3")
+            gateway.config_path.write_text(text)
+            assert await gateway.control_plane.reload()
+            raw = await a.chat.completions.with_raw_response.create(model=MODEL, messages=HI)
+            with pytest.raises(openai.RateLimitError) as refused:
+                await a.chat.completions.create(model=MODEL, messages=HI)
+    # Two of three used before the reload: one more, then refused (a reset would allow three).
+    assert raw.headers["x-ratelimit-limit-requests"] == "3"
+    assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+    assert refused.value.response.headers["x-ratelimit-limit-requests"] == "3"
+
+
+async def test_limits_hold_for_the_host_across_two_workers(tmp_path):
+    """Two workers lease the leader's quota in blocks: together they admit the limit (and what
+    refilled meanwhile), not the limit each."""
+    decisions = tmp_path / "decisions.jsonl"
+    limit = 20
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": limit})
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1), extra=extra, workers=2, decision_log=str(decisions)
+    ) as (_, gateway):
+        statuses: list[int] = []
+        started = trio.current_time()
+
+        async def client() -> None:
+            # A new connection per request, so that the kernel hands them to both workers.
+            for _ in range(10):
+                async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+                    response = await http.post(
+                        gateway.url + "/v1/chat/completions",
+                        json={"model": MODEL, "messages": HI},
+                        headers={"authorization": "Bearer key-a"},
+                    )
+                statuses.append(response.status_code)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(4):
+                nursery.start_soon(client)
+        elapsed = trio.current_time() - started
+        records = await records_for(gateway, decisions, 40)
+    admitted = statuses.count(200)
+    refilled = math.ceil(elapsed * limit / 60)
+    assert statuses.count(429) == 40 - admitted
+    assert limit - 2 <= admitted <= limit + refilled  # each worker may end holding a lease's block (one)
+    assert {record.worker for record in records if record.status == 200} == {1, 2}
