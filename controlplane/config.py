@@ -650,11 +650,38 @@ def _check_routing(invalid: Callable[[str, str], ConfigError], config: Config) -
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_in_flight")
 
 
+def load_tenants(path: str | os.PathLike[str]) -> tuple[TenantConfig, ...]:
+    """The `[[tenants]]` tables of a file (a whole config, or those tables alone), checked as
+    the loader checks them but for their keys, which are not read (`interlock whatif --tenants`
+    replays recorded requests, which name their tenant)."""
+    path = os.fspath(path)
+    document = _read_toml(path)
+    tables = next((value for key, value in document.items() if key.lower() == "tenants"), [])
+    schema = msgspec.inspect.type_info(TenantConfig)
+    if not isinstance(tables, list):
+        raise ConfigError(path, "tenants", "parsing config: tenants must be an array of tables ([[tenants]])")
+    limits = []
+    for index, table in enumerate(tables):
+        table = _match_field_names(table, schema, f"tenants[{index}].", lambda key, closest: None)
+        if isinstance(table, dict):
+            table = {key: value for key, value in table.items() if key not in ("api_key_hashes", "api_key_file")}
+        try:
+            limits.append(msgspec.convert(table, TenantConfig))
+        except msgspec.ValidationError as exc:
+            message, key = _split_validation_error(exc)
+            raise ConfigError(path, f"tenants[{index}]{'.' + key if key else ''}", f"parsing config: {message}") from None
+    tenants = tuple(limits)
+    _check_tenants(lambda key, message: ConfigError(path, key, message), GatewayConfig(), tenants, AdmissionConfig(), keys=False)
+    return tenants
+
+
 def _check_tenants(
     invalid: Callable[[str, str], ConfigError],
     gateway: GatewayConfig,
     tenants: tuple[TenantConfig, ...],
     admission: AdmissionConfig,
+    *,
+    keys: bool = True,
 ) -> None:
     """The `[[tenants]]` tables, in file order, then `[admission]`: names given and unique
     (`gateway` is the tenant of `[gateway]`'s keys when it has some), limits positive, a tenant
@@ -679,7 +706,7 @@ def _check_tenants(
             math.isfinite(tenant.max_queue_seconds) and tenant.max_queue_seconds >= 0
         ):
             raise invalid(f"{key}.max_queue_seconds", "max_queue_seconds must be a finite number of at least 0")
-        if not tenant.api_key_hashes and tenant.name != DEFAULT_TENANT:
+        if keys and not tenant.api_key_hashes and tenant.name != DEFAULT_TENANT:
             raise invalid(
                 f"{key}.api_keys",
                 f"tenant {go_quote(tenant.name)} has no keys (api_keys, api_key_hashes or api_key_file); "

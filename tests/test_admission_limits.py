@@ -14,8 +14,10 @@ import openai
 import pytest
 import trio
 
+from controlplane.config import ConfigError, load_config
 from events.decisions import Verdict
 from fixtures.node import token_texts
+from interlock.cli import main
 
 from harness import MODEL, Gateway, decision_records, node_specs, nodes_and_gateway, sse_events
 
@@ -310,3 +312,75 @@ async def test_limits_hold_for_the_host_across_two_workers(tmp_path):
     assert statuses.count(429) == 40 - admitted
     assert limit - 2 <= admitted <= limit + refilled  # each worker may end holding a lease's block (one)
     assert {record.worker for record in records if record.status == 200} == {1, 2}
+
+
+async def test_explain_and_whatif_tell_who_was_limited(tmp_path, capsys):
+    """`explain --request-id` prints a refused request's admission; `whatif --tenants` replays
+    the records under other limits (open-loop)."""
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants(
+        {"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2, "priority": 2},
+        {"name": "team-b", "api_keys": ["key-b"]},
+    )
+    async with nodes_and_gateway(tmp_path, node_specs(1), extra=extra, decision_log=str(decisions)) as (_, gateway):
+        for index, key in enumerate(["key-a", "key-a", "key-a", "key-b", "key-b", "key-b"]):
+            await gateway.http.post(
+                gateway.url + "/v1/chat/completions",
+                json={"model": MODEL, "messages": HI},
+                headers={"authorization": f"Bearer {key}", "x-request-id": f"r{index}"},
+            )
+        await records_for(gateway, decisions, 6)
+
+    assert main(["explain", "--request-id", "r2", "--decisions", str(decisions)]) == 0
+    out = capsys.readouterr().out
+    lines = {line.split("  ")[0]: line.split("  ", 1)[1].strip() for line in out.splitlines() if "  " in line}
+    assert lines["tenant"] == "team-a" and lines["priority"] == "2"
+    assert lines["admission"].startswith("refused by requests: limit 2, 0 left, whole again in")
+    assert lines["status"] == "429"
+
+    other = tmp_path / "other.toml"
+    other.write_text(tenants({"name": "team-a", "requests_per_minute": 5}, {"name": "team-b", "max_in_flight": 1, "requests_per_minute": 1}))
+    assert main(["whatif", "--tenants", str(other), "--decisions", str(decisions), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["note"].startswith("open-loop")
+    by_tenant = {outcome["tenant"]: outcome for outcome in report["tenants"]}
+    assert by_tenant["team-a"] | {"refused": by_tenant["team-a"]["refused"]} == {
+        "tenant": "team-a", "requests": 3, "admitted": 3, "refused": {}, "recorded_refused": 1,
+        "newly_refused": 0, "newly_admitted": 1, "tokens_estimated": 3,
+    }  # fmt: skip
+    assert (by_tenant["team-b"]["admitted"], by_tenant["team-b"]["refused"]) == (1, {"requests": 2})
+    assert by_tenant["team-b"]["newly_refused"] == 2
+
+    assert main(["whatif", "--tenants", str(other), "--decisions", str(decisions)]) == 0
+    text = capsys.readouterr().out
+    assert "2 by requests" in text and "open-loop" in text
+
+
+@pytest.mark.parametrize(
+    ("tables", "key", "message"),
+    [
+        (
+            [{"name": "a", "api_keys": ["k"]}, {"name": "b", "api_keys": ["k"]}],
+            "tenants[1].api_keys",
+            'a key of tenant "b" is also a key of "a"',
+        ),
+        ([{"name": "a"}], "tenants[0].api_keys", 'tenant "a" has no keys'),
+        ([{"name": "a", "api_keys": ["k"]}, {"name": "a", "api_keys": ["j"]}], "tenants[1].name", "is also tenants[0]"),
+        ([{"name": "a", "api_keys": ["k"], "requests_per_minute": 0}], "tenants[0].requests_per_minute", "greater than zero"),
+        ([{"api_keys": ["k"]}], "tenants[0].name", "must have a name"),
+    ],
+)
+def test_bad_tenants_are_refused_naming_the_key(tmp_path, tables, key, message):
+    path = tmp_path / "gateway.toml"
+    path.write_text('[[nodes]]\nip = "10.0.0.1"\n' + tenants(*tables))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert refused.value.key == key and message in refused.value.message
+
+
+def test_a_gateway_key_in_a_tenant_is_refused(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text('[gateway]\napi_keys = ["k"]\n[[nodes]]\nip = "10.0.0.1"\n' + tenants({"name": "a", "api_keys": ["k"]}))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert refused.value.message.endswith("is also a key of [gateway]: a key belongs to one tenant")
