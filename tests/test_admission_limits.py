@@ -13,11 +13,15 @@ import httpx
 import openai
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from controlplane.config import ConfigError, load_config
+from dataplane.admission import UsageTap
 from events.decisions import Verdict
 from fixtures.node import token_texts
 from interlock.cli import main
+from interlock.describe import describe_config
 
 from harness import MODEL, Gateway, decision_records, node_specs, nodes_and_gateway, sse_events
 
@@ -384,3 +388,35 @@ def test_a_gateway_key_in_a_tenant_is_refused(tmp_path):
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert refused.value.message.endswith("is also a key of [gateway]: a key belongs to one tenant")
+
+
+CHUNKS = [
+    b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n',
+    b'data: {"choices":[{"index":0,"delta":{"content":" there"}}],"usage":null}\n\n',
+    b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+@given(st.lists(st.integers(min_value=0, max_value=sum(map(len, CHUNKS))), max_size=12), st.booleans())
+def test_the_usage_tap_reads_usage_however_the_stream_is_cut(cuts, strip):
+    """Pieces cut anywhere: the tap reads the usage, and the client gets every byte but the
+    usage event (all of them when it asked for usage)."""
+    body = b"".join(CHUNKS)
+    points = sorted({0, len(body), *cuts})
+    tap = UsageTap(strip=strip)
+    out = b"".join(tap.feed(body[start:end]) for start, end in zip(points, points[1:])) + tap.finish()
+    assert tap.tokens == 9
+    assert out == (body.replace(CHUNKS[2], b"") if strip else body)
+
+
+def test_check_config_shows_tenants(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(
+        '[[nodes]]\nip = "10.0.0.1"\n'
+        + tenants({"name": "a", "api_keys": ["k"], "priority": 2, "requests_per_minute": 10, "max_in_flight": 3})
+        + "[admission]\nobjectives = { batch = 1 }\n"
+    )
+    summary = describe_config(load_config(path))
+    assert "  a  priority 2  1 keys  10 requests/min, 3 in flight" in summary.splitlines()
+    assert "objectives (x-gateway-inference-objective): batch = 1" in summary
