@@ -712,6 +712,8 @@ def _check_tenants(
                 f"tenant {go_quote(tenant.name)} has no keys (api_keys, api_key_hashes or api_key_file); "
                 f"only {go_quote(DEFAULT_TENANT)} serves requests without keys",
             )
+    if admission.default_max_tokens <= 0:
+        raise invalid("admission.default_max_tokens", "default_max_tokens must be greater than zero")
     for name in admission.objectives:
         if not name or len(name) > MAX_TENANT_NAME_LENGTH:
             raise invalid("admission.objectives", f"an objective's name must be 1 to {MAX_TENANT_NAME_LENGTH} characters")

@@ -8,7 +8,7 @@ there, tokens to the `usage` the node reported. A refusal is a 429 in OpenAI's s
 `x-ratelimit-*` headers, so the SDKs' own back-off works.
 
 Tokens are counted only for tenants with `tokens_per_minute`: the reservation is the body's
-`max_completion_tokens` or `max_tokens` (else DEFAULT_MAX_TOKENS) plus the body's length / 4 for
+`max_completion_tokens` or `max_tokens` (else `admission.default_max_tokens`) plus the body's length / 4 for
 the prompt. For a stream the node is asked for usage (`stream_options.include_usage`) and the
 usage chunk reaches only a client that asked for it (`UsageTap`), every other byte unchanged.
 """
@@ -27,7 +27,7 @@ from dataplane.headers import Headers, request_id_header
 from dataplane.metrics import RequestMetrics
 from dataplane.quota import IN_FLIGHT, REQUESTS, TOKENS, LimitState, Quota
 from dataplane.tenants import TenantView
-from events.config import DEFAULT_MAX_TOKENS, DEFAULT_TENANT
+from events.config import DEFAULT_TENANT
 from events.decisions import Admission as AdmissionRecord
 from events.decisions import Verdict
 
@@ -138,7 +138,10 @@ class Admission:
         quota = self.quota
         quota.configure(exchange.view.config.tenant_limits.quota_limits)
         if tenant.counts_tokens:
-            ticket.tokens_reserved = _reservation(exchange.body, tenant.tokens_per_minute or 0)
+            tenant_limits = exchange.view.config.tenant_limits
+            ticket.tokens_reserved = _reservation(
+                exchange.body, tenant_limits.default_max_tokens, tenant.tokens_per_minute or 0
+            )
             if exchange.stream and exchange.path in GENERATION_PATHS:
                 asked_body = with_include_usage(exchange.body)
                 ticket.tap = UsageTap(strip=asked_body is not None)
@@ -219,13 +222,14 @@ class _TokenFields(msgspec.Struct):
 _decode_token_fields = msgspec.json.Decoder(_TokenFields)
 
 
-def _reservation(body: bytes, limit: int) -> int:
-    """Tokens reserved at admission: the completion's bound and the prompt's estimate, at most the limit."""
+def _reservation(body: bytes, default: int, limit: int) -> int:
+    """Tokens reserved at admission: the completion's bound (`default` when the body names
+    none) and the prompt's estimate, at most the limit."""
     try:
         fields = _decode_token_fields.decode(body)
-        completion = fields.max_completion_tokens or fields.max_tokens or DEFAULT_MAX_TOKENS
+        completion = fields.max_completion_tokens or fields.max_tokens or default
     except (msgspec.DecodeError, RecursionError):
-        completion = DEFAULT_MAX_TOKENS
+        completion = default
     return max(1, min(limit, completion + len(body) // 4))
 
 

@@ -48,6 +48,7 @@ class TenantLimits:
         for name in (GATEWAY_TENANT, DEFAULT_TENANT):
             self.tenants.setdefault(name, TenantView(TenantConfig(name=name)))
         self.objectives = dict(config.admission.objectives)
+        self.default_max_tokens = config.admission.default_max_tokens
         self.quota_limits = {
             (tenant.name, limit): value
             for tenant in self.tenants.values()

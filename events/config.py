@@ -235,7 +235,7 @@ may set its limits)."""
 GATEWAY_TENANT = "gateway"
 """The tenant of the keys in `[gateway]`: no limits."""
 DEFAULT_MAX_TOKENS = 1024
-"""Tokens reserved for a request's completion when its body names no `max_tokens`."""
+"""`admission.default_max_tokens`'s default."""
 
 
 class TenantConfig(Struct, frozen=True, kw_only=True):
@@ -262,6 +262,9 @@ class AdmissionConfig(Struct, frozen=True, kw_only=True):
     objectives: dict[str, int] = {}
     """Named priorities that llm-d's `x-gateway-inference-objective` header may ask for (a
     request's priority is never raised above its tenant's)."""
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    """Tokens reserved for a completion whose body names no `max_tokens` (a tenant with a
+    token limit)."""
 
 
 class Config(Struct, frozen=True, kw_only=True):

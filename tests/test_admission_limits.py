@@ -102,6 +102,7 @@ async def test_tokens_are_reserved_then_settled_to_the_usage_the_node_reports(tm
     answer's usage; the tokens counted are what the nodes reported."""
     decisions = tmp_path / "decisions.jsonl"
     extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    extra += "[admission]\ndefault_max_tokens = 300\n"
     specs = node_specs(1, tokens=5)
     async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as (_, gateway):
         async with sdk(gateway, "key-a") as a:
@@ -115,7 +116,7 @@ async def test_tokens_are_reserved_then_settled_to_the_usage_the_node_reports(tm
     usage = [answer.parse().usage.total_tokens for answer in answers]
     assert [record.admission.tokens_used for record in records] == usage
     reserved = [record.admission.tokens_reserved for record in records]
-    assert 50 < reserved[0] < 50 + 200 and reserved[1] > 1024  # the default completion bound
+    assert 50 < reserved[0] < 50 + 200 and 300 < reserved[1] < 300 + 200  # the default completion bound
     assert answers[0].headers["x-ratelimit-limit-tokens"] == "100000"
     assert int(answers[0].headers["x-ratelimit-remaining-tokens"]) <= 100_000 - reserved[0]
     assert f'interlock_admission_tokens_total{{priority="0",tenant="team-a"}} {float(sum(usage))}' in metrics
