@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from pathlib import Path
 
 import httpx
@@ -19,11 +20,21 @@ from hypothesis import strategies as st
 from controlplane.config import ConfigError, load_config
 from dataplane.admission import UsageTap
 from events.decisions import Verdict
-from fixtures.node import token_texts
+from fixtures.node import serve_nodes, token_texts
 from interlock.cli import main
 from interlock.describe import describe_config
 
-from harness import MODEL, Gateway, decision_records, node_specs, nodes_and_gateway, sse_events
+from harness import (
+    MODEL,
+    Gateway,
+    decision_records,
+    free_port,
+    node_specs,
+    nodes_and_gateway,
+    serve_process,
+    sse_events,
+    write_config,
+)
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -421,3 +432,42 @@ def test_check_config_shows_tenants(tmp_path):
     summary = describe_config(load_config(path))
     assert "  a  priority 2  1 keys  10 requests/min, 3 in flight" in summary.splitlines()
     assert "objectives (x-gateway-inference-objective): batch = 1" in summary
+
+
+async def test_a_client_that_leaves_while_its_worker_waits_for_a_lease_gets_a_record(tmp_path):
+    """The leader is stopped (SIGSTOP) while a worker asks it for a lease: the client gives up,
+    and once the leader runs again the request's record says the client left, and the request
+    was not counted as admitted (it took nothing)."""
+    port, metrics_port = free_port(), free_port()
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 20})
+    body = {"model": MODEL, "messages": HI}
+    async with serve_nodes(node_specs(1)) as nodes:
+        config = write_config(tmp_path, nodes, workers=2, decision_log=str(decisions), extra=extra)
+        text = config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{port}"', 1)
+        config.write_text(text.replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"'))
+        async with serve_process(config) as gateway, httpx.AsyncClient(trust_env=False, timeout=10) as http:
+            await gateway.wait_for_log("api server listening")
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            headers = {"authorization": "Bearer key-a"}
+            with trio.fail_after(15):
+                while True:  # until a worker serves (the first lease is a block of one request)
+                    try:
+                        if (await http.post(url, json=body, headers=headers)).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        await trio.sleep(0.05)
+            gateway.process.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(httpx.ReadTimeout):
+                    await http.post(url, json=body, headers={**headers, "x-request-id": "left"}, timeout=0.3)
+            finally:
+                gateway.process.send_signal(signal.SIGCONT)
+            with trio.fail_after(10):
+                while not [record for record in decision_records(decisions) if record.request_id == "left"]:
+                    await trio.sleep(0.05)
+            metrics = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+    [left] = [record for record in decision_records(decisions) if record.request_id == "left"]
+    assert left.status is None and left.attempts == ()
+    assert left.admission.tenant == "team-a" and left.admission.refused_by == ""
+    assert 'interlock_admission_requests_total{priority="0",tenant="team-a"} 1.0' in metrics
