@@ -45,12 +45,12 @@ from events.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
+    DEFAULT_TENANT,
     DEFAULT_VLLM_PORT,
+    GATEWAY_TENANT,
     LOG_FORMATS,
     LOG_LEVELS,
     POLICIES,
-    DEFAULT_TENANT,
-    GATEWAY_TENANT,
     ROLES,
     AdmissionConfig,
     Config,
@@ -669,9 +669,12 @@ def load_tenants(path: str | os.PathLike[str]) -> tuple[TenantConfig, ...]:
             limits.append(msgspec.convert(table, TenantConfig))
         except msgspec.ValidationError as exc:
             message, key = _split_validation_error(exc)
-            raise ConfigError(path, f"tenants[{index}]{'.' + key if key else ''}", f"parsing config: {message}") from None
+            where = f"tenants[{index}]" + (f".{key}" if key else "")
+            raise ConfigError(path, where, f"parsing config: {message}") from None
     tenants = tuple(limits)
-    _check_tenants(lambda key, message: ConfigError(path, key, message), GatewayConfig(), tenants, AdmissionConfig(), keys=False)
+    _check_tenants(
+        lambda key, message: ConfigError(path, key, message), GatewayConfig(), tenants, AdmissionConfig(), keys=False
+    )
     return tenants
 
 
@@ -716,7 +719,9 @@ def _check_tenants(
         raise invalid("admission.default_max_tokens", "default_max_tokens must be greater than zero")
     for name in admission.objectives:
         if not name or len(name) > MAX_TENANT_NAME_LENGTH:
-            raise invalid("admission.objectives", f"an objective's name must be 1 to {MAX_TENANT_NAME_LENGTH} characters")
+            raise invalid(
+                "admission.objectives", f"an objective's name must be 1 to {MAX_TENANT_NAME_LENGTH} characters"
+            )
 
 
 MAX_TENANT_NAME_LENGTH = 128

@@ -130,8 +130,10 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
     if admission.verdict == Verdict.REFUSED:
         verdict = (
             f"refused by {admission.refused_by.replace('_', ' ')}: limit {_or_dash(admission.limit)}, "
-            f"{_or_dash(admission.remaining)} left, whole again in {_or_dash(admission.reset)} s"
+            f"{_or_dash(admission.remaining)} left"
         )
+        if admission.reset:  # a per-minute limit (in-flight slots come back as requests end)
+            verdict += f", whole again in {admission.reset:g} s"
     elif admission.verdict == Verdict.QUEUED:
         verdict = f"queued for {admission.queued_ms:.0f} ms"
     else:

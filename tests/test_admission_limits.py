@@ -355,7 +355,12 @@ async def test_explain_and_whatif_tell_who_was_limited(tmp_path, capsys):
     assert lines["status"] == "429"
 
     other = tmp_path / "other.toml"
-    other.write_text(tenants({"name": "team-a", "requests_per_minute": 5}, {"name": "team-b", "max_in_flight": 1, "requests_per_minute": 1}))
+    other.write_text(
+        tenants(
+            {"name": "team-a", "requests_per_minute": 5},
+            {"name": "team-b", "max_in_flight": 1, "requests_per_minute": 1},
+        )
+    )
     assert main(["whatif", "--tenants", str(other), "--decisions", str(decisions), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["note"].startswith("open-loop")
@@ -382,7 +387,11 @@ async def test_explain_and_whatif_tell_who_was_limited(tmp_path, capsys):
         ),
         ([{"name": "a"}], "tenants[0].api_keys", 'tenant "a" has no keys'),
         ([{"name": "a", "api_keys": ["k"]}, {"name": "a", "api_keys": ["j"]}], "tenants[1].name", "is also tenants[0]"),
-        ([{"name": "a", "api_keys": ["k"], "requests_per_minute": 0}], "tenants[0].requests_per_minute", "greater than zero"),
+        (
+            [{"name": "a", "api_keys": ["k"], "requests_per_minute": 0}],
+            "tenants[0].requests_per_minute",
+            "greater than zero",
+        ),
         ([{"api_keys": ["k"]}], "tenants[0].name", "must have a name"),
     ],
 )
@@ -396,7 +405,8 @@ def test_bad_tenants_are_refused_naming_the_key(tmp_path, tables, key, message):
 
 def test_a_gateway_key_in_a_tenant_is_refused(tmp_path):
     path = tmp_path / "gateway.toml"
-    path.write_text('[gateway]\napi_keys = ["k"]\n[[nodes]]\nip = "10.0.0.1"\n' + tenants({"name": "a", "api_keys": ["k"]}))
+    gateway_keys = '[gateway]\napi_keys = ["k"]\n[[nodes]]\nip = "10.0.0.1"\n'
+    path.write_text(gateway_keys + tenants({"name": "a", "api_keys": ["k"]}))
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert refused.value.message.endswith("is also a key of [gateway]: a key belongs to one tenant")
@@ -436,31 +446,37 @@ def test_check_config_shows_tenants(tmp_path):
 
 async def test_a_client_that_leaves_while_its_worker_waits_for_a_lease_gets_a_record(tmp_path):
     """The leader is stopped (SIGSTOP) while a worker asks it for a lease: the client gives up,
-    and once the leader runs again the request's record says the client left, and the request
-    was not counted as admitted (it took nothing)."""
+    and once the leader runs again the request's record says the client left before any
+    attempt, and the request was not counted as admitted (it took nothing)."""
     port, metrics_port = free_port(), free_port()
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 20})
+    # One request a minute, a lease of one: once the first is served, no worker holds any.
+    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1})
     body = {"model": MODEL, "messages": HI}
     async with serve_nodes(node_specs(1)) as nodes:
         config = write_config(tmp_path, nodes, workers=2, decision_log=str(decisions), extra=extra)
         text = config.read_text().replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{port}"', 1)
-        config.write_text(text.replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"'))
+        text = text.replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"')
+        config.write_text(text)
         async with serve_process(config) as gateway, httpx.AsyncClient(trust_env=False, timeout=10) as http:
             await gateway.wait_for_log("api server listening")
-            url = f"http://127.0.0.1:{port}/v1/chat/completions"
-            headers = {"authorization": "Bearer key-a"}
+            gateway_url = f"http://127.0.0.1:{port}"
+            ready: set[str] = set()
             with trio.fail_after(15):
-                while True:  # until a worker serves (the first lease is a block of one request)
-                    try:
-                        if (await http.post(url, json=body, headers=headers)).status_code == 200:
-                            break
-                    except httpx.TransportError:
-                        await trio.sleep(0.05)
+                while len(ready) < 2:  # both workers route (no request of the tenant is spent on a 503)
+                    response = await http.get(gateway_url + "/ready", headers={"connection": "close"})
+                    if response.status_code == 200:
+                        ready.add(response.headers["x-interlock-worker"])
+            url = gateway_url + "/v1/chat/completions"
+            headers = {"authorization": "Bearer key-a"}
+            assert (await http.post(url, json=body, headers=headers)).status_code == 200
             gateway.process.send_signal(signal.SIGSTOP)
             try:
                 with pytest.raises(httpx.ReadTimeout):
                     await http.post(url, json=body, headers={**headers, "x-request-id": "left"}, timeout=0.3)
+                # The leader stays stopped a little longer, so that the worker sees its client leave
+                # before a grant could reach it (within LEASE_WAIT_SECONDS, when it would not wait more).
+                await trio.sleep(0.3)
             finally:
                 gateway.process.send_signal(signal.SIGCONT)
             with trio.fail_after(10):
