@@ -8,8 +8,8 @@ there, tokens to the `usage` the node reported. A refusal is a 429 in OpenAI's s
 `x-ratelimit-*` headers, so the SDKs' own back-off works.
 
 Tokens are counted only for tenants with `tokens_per_minute`: the reservation is the body's
-`max_completion_tokens` or `max_tokens` (else `admission.default_max_tokens`) plus the body's length / 4 for
-the prompt. For a stream the node is asked for usage (`stream_options.include_usage`) and the
+`max_completion_tokens` or `max_tokens` (else `admission.default_max_tokens`) plus the body's length over
+PROMPT_BYTES_PER_TOKEN for the prompt. For a stream the node is asked for usage (`stream_options.include_usage`) and the
 usage chunk reaches only a client that asked for it (`UsageTap`), every other byte unchanged.
 """
 
@@ -33,6 +33,9 @@ from events.decisions import Verdict
 
 OBJECTIVE_HEADER = b"x-gateway-inference-objective"
 FAIRNESS_HEADER = b"x-gateway-inference-fairness-id"
+PROMPT_BYTES_PER_TOKEN = 4
+"""The prompt's estimate at admission: a token per this many bytes of body (English text and
+JSON run near it; the settlement corrects it)."""
 MAX_FAIRNESS_ID_LENGTH = 128
 """A longer fairness id is clipped: it goes into decision records."""
 
@@ -230,7 +233,7 @@ def _reservation(body: bytes, default: int, limit: int) -> int:
         completion = fields.max_completion_tokens or fields.max_tokens or default
     except (msgspec.DecodeError, RecursionError):
         completion = default
-    return max(1, min(limit, completion + len(body) // 4))
+    return max(1, min(limit, completion + len(body) // PROMPT_BYTES_PER_TOKEN))
 
 
 class _Usage(msgspec.Struct):

@@ -9,7 +9,7 @@ difference, so the count over a minute follows what the nodes reported.
 
 The authority (`Buckets`) lives in one process: the gateway itself, or the leader of `serve
 --workers`. A gateway alone takes from it directly (`LocalQuota`); a worker takes quota in
-blocks (`LeasedQuota`: a lease of about a twentieth of the limit), asked up its socketpair
+blocks (`LeasedQuota`: a lease is the limit over LEASE_FRACTION), asked up its socketpair
 (`QuotaAsk`), granted down it (`QuotaGrant`), and gives back what it has not used after
 LEASE_SECONDS (`QuotaReturn`), so that there is no message per request.
 """
@@ -301,8 +301,8 @@ class LeasedQuota:
         return LimitState(state.limit, state.remaining + max(0, math.floor(lease.held)), state.reset, state.retry)
 
     async def return_unused(self) -> None:
-        """Every LEASE_SECONDS / 4: give back what each lease has held unused since its last
-        grant for LEASE_SECONDS (a debt is settled the same way)."""
+        """Give back what each lease has held unused since its last grant for LEASE_SECONDS (a
+        debt is settled the same way), looking a few times per LEASE_SECONDS."""
         while True:
             await trio.sleep(LEASE_SECONDS / 4)
             now = trio.current_time()
