@@ -45,15 +45,19 @@ from events.config import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
+    DEFAULT_TENANT,
     DEFAULT_VLLM_PORT,
+    GATEWAY_TENANT,
     LOG_FORMATS,
     LOG_LEVELS,
     POLICIES,
     ROLES,
+    AdmissionConfig,
     Config,
     FleetConfig,
     GatewayConfig,
     NodeConfig,
+    TenantConfig,
 )
 
 
@@ -274,21 +278,36 @@ def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any
     return document, texts
 
 
-def _take_inline_api_keys(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """Take `gateway.api_keys` (the client keys themselves) out of the document, as the SHA-256
-    hex digests the schema keeps (`api_key_hashes`), so that no key goes further than here."""
+def _take_inline_api_keys(path: str, document: dict[str, Any]) -> tuple[dict[str, Any], InlineKeys]:
+    """Take the client keys themselves (`gateway.api_keys`, `tenants[i].api_keys`) out of the
+    document, as the SHA-256 hex digests the schema keeps (`api_key_hashes`), so that no key
+    goes further than here. Returns the digests by table: "gateway", or the tenant's index."""
+    digests: InlineKeys = {}
     for section, table in document.items():
-        if section.lower() != "gateway" or not isinstance(table, dict):
-            continue
-        for key in [key for key in table if key.lower() == "api_keys"]:
-            keys = table.pop(key)
-            if not isinstance(keys, list) or not all(isinstance(item, str) for item in keys):
-                raise ConfigError(path, "gateway.api_keys", "parsing config: api_keys must be an array of strings")
-            for index, item in enumerate(keys):
-                if not item:
-                    raise ConfigError(path, f"gateway.api_keys[{index}]", "an API key must not be empty")
-            return document, tuple(hashlib.sha256(item.encode()).hexdigest() for item in keys)
-    return document, ()
+        if section.lower() == "gateway" and isinstance(table, dict):
+            digests["gateway"] = _pop_api_keys(path, "gateway", table)
+        elif section.lower() == "tenants" and isinstance(table, list):
+            for index, tenant in enumerate(table):
+                if isinstance(tenant, dict):
+                    digests[index] = _pop_api_keys(path, f"tenants[{index}]", tenant)
+    return document, digests
+
+
+InlineKeys = dict[str | int, tuple[str, ...]]
+
+
+def _pop_api_keys(path: str, where: str, table: dict[str, Any]) -> tuple[str, ...]:
+    """The digests of a table's `api_keys`, taken out of it."""
+    digests: tuple[str, ...] = ()
+    for key in [key for key in table if key.lower() == "api_keys"]:
+        keys = table.pop(key)
+        if not isinstance(keys, list) or not all(isinstance(item, str) for item in keys):
+            raise ConfigError(path, f"{where}.api_keys", "parsing config: api_keys must be an array of strings")
+        for index, item in enumerate(keys):
+            if not item:
+                raise ConfigError(path, f"{where}.api_keys[{index}]", "an API key must not be empty")
+        digests += tuple(hashlib.sha256(item.encode()).hexdigest() for item in keys)
+    return digests
 
 
 def _split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
@@ -432,21 +451,40 @@ def _validate(path: str, config: Config) -> Config:
     return replace(config, gateway=gateway)
 
 
-def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, ...]) -> Config:
+def _with_access_keys(path: str, config: Config, inline_key_hashes: InlineKeys) -> Config:
     """Check the access settings and gather every accepted client key digest (`api_keys`,
-    `api_key_hashes`, `api_key_file`'s lines) into `api_key_hashes`, in that order, once each.
-    Each upstream key file must hold a usable key now (it is read again by each process)."""
+    `api_key_hashes`, `api_key_file`'s lines), of `[gateway]` and of each tenant, into its
+    `api_key_hashes`, in that order, once each; a key belongs to one tenant (`[gateway]`'s keys
+    are the tenant GATEWAY_TENANT). Each upstream key file must hold a usable key now (it is
+    read again by each process)."""
     gateway = config.gateway
-    digests = list(inline_key_hashes)
-    for index, digest in enumerate(gateway.api_key_hashes):
-        if not SHA256_HEX.fullmatch(digest.lower()):
-            raise ConfigError(path, f"gateway.api_key_hashes[{index}]", NOT_A_DIGEST)
-        digests.append(digest.lower())
-    if gateway.api_key_file:
-        try:
-            digests += read_key_digests(gateway.api_key_file)
-        except ValueError as exc:
-            raise ConfigError(path, "gateway.api_key_file", str(exc)) from None
+    gateway = replace(
+        gateway,
+        api_key_hashes=_gathered_digests(
+            path, "gateway", inline_key_hashes.get("gateway", ()), gateway.api_key_hashes, gateway.api_key_file
+        ),
+    )
+    tenants = tuple(
+        replace(
+            tenant,
+            api_key_hashes=_gathered_digests(
+                path, f"tenants[{index}]", inline_key_hashes.get(index, ()), tenant.api_key_hashes, tenant.api_key_file
+            ),
+        )
+        for index, tenant in enumerate(config.tenants)
+    )
+    _check_tenants(lambda key, message: ConfigError(path, key, message), gateway, tenants, config.admission)
+    owners = dict.fromkeys(gateway.api_key_hashes, GATEWAY_TENANT)
+    for index, tenant in enumerate(tenants):
+        for digest in tenant.api_key_hashes:
+            owner = owners.setdefault(digest, tenant.name)
+            if owner != tenant.name:
+                raise ConfigError(
+                    path,
+                    f"tenants[{index}].api_keys",
+                    f"a key of tenant {go_quote(tenant.name)} is also a key of "
+                    f"{go_quote(owner) if owner != GATEWAY_TENANT else '[gateway]'}: a key belongs to one tenant",
+                )
     for key, key_file in [("gateway.upstream_api_key_file", gateway.upstream_api_key_file)] + [
         (f"nodes[{index}].api_key_file", node.api_key_file) for index, node in enumerate(config.nodes)
     ]:
@@ -455,7 +493,24 @@ def _with_access_keys(path: str, config: Config, inline_key_hashes: tuple[str, .
                 read_upstream_key(key_file)
             except ValueError as exc:
                 raise ConfigError(path, key, str(exc)) from None
-    return replace(config, gateway=replace(gateway, api_key_hashes=tuple(dict.fromkeys(digests))))
+    return replace(config, gateway=gateway, tenants=tenants)
+
+
+def _gathered_digests(
+    path: str, where: str, inline: tuple[str, ...], hashes: tuple[str, ...], key_file: str
+) -> tuple[str, ...]:
+    """One table's client key digests: its `api_keys` (hashed), `api_key_hashes`, `api_key_file`."""
+    digests = list(inline)
+    for index, digest in enumerate(hashes):
+        if not SHA256_HEX.fullmatch(digest.lower()):
+            raise ConfigError(path, f"{where}.api_key_hashes[{index}]", NOT_A_DIGEST)
+        digests.append(digest.lower())
+    if key_file:
+        try:
+            digests += read_key_digests(key_file)
+        except ValueError as exc:
+            raise ConfigError(path, f"{where}.api_key_file", str(exc)) from None
+    return tuple(dict.fromkeys(digests))
 
 
 def _check_tls_files(gateway: GatewayConfig, invalid: Callable[[str, str], ConfigError]) -> None:
@@ -590,6 +645,87 @@ def _check_routing(invalid: Callable[[str, str], ConfigError], config: Config) -
                 f"models.available[{index}].policy",
                 f'policy must be one of {policies}, or "" for routing.policy (got {go_quote(model.policy)})',
             )
+
+
+_LIMITS = ("requests_per_minute", "tokens_per_minute", "max_in_flight")
+
+
+def load_tenants(path: str | os.PathLike[str]) -> tuple[TenantConfig, ...]:
+    """The `[[tenants]]` tables of a file (a whole config, or those tables alone), checked as
+    the loader checks them but for their keys, which are not read (`interlock whatif --tenants`
+    replays recorded requests, which name their tenant)."""
+    path = os.fspath(path)
+    document = _read_toml(path)
+    tables = next((value for key, value in document.items() if key.lower() == "tenants"), [])
+    schema = msgspec.inspect.type_info(TenantConfig)
+    if not isinstance(tables, list):
+        raise ConfigError(path, "tenants", "parsing config: tenants must be an array of tables ([[tenants]])")
+    limits = []
+    for index, table in enumerate(tables):
+        table = _match_field_names(table, schema, f"tenants[{index}].", lambda key, closest: None)
+        if isinstance(table, dict):
+            table = {key: value for key, value in table.items() if key not in ("api_key_hashes", "api_key_file")}
+        try:
+            limits.append(msgspec.convert(table, TenantConfig))
+        except msgspec.ValidationError as exc:
+            message, key = _split_validation_error(exc)
+            where = f"tenants[{index}]" + (f".{key}" if key else "")
+            raise ConfigError(path, where, f"parsing config: {message}") from None
+    tenants = tuple(limits)
+    _check_tenants(
+        lambda key, message: ConfigError(path, key, message), GatewayConfig(), tenants, AdmissionConfig(), keys=False
+    )
+    return tenants
+
+
+def _check_tenants(
+    invalid: Callable[[str, str], ConfigError],
+    gateway: GatewayConfig,
+    tenants: tuple[TenantConfig, ...],
+    admission: AdmissionConfig,
+    *,
+    keys: bool = True,
+) -> None:
+    """The `[[tenants]]` tables, in file order, then `[admission]`: names given and unique
+    (`gateway` is the tenant of `[gateway]`'s keys when it has some), limits positive, a tenant
+    with keys unless it is the keyless DEFAULT_TENANT."""
+    seen: dict[str, int] = {}
+    for index, tenant in enumerate(tenants):
+        key = f"tenants[{index}]"
+        if not tenant.name:
+            raise invalid(f"{key}.name", "a tenant must have a name")
+        if len(tenant.name) > MAX_TENANT_NAME_LENGTH:
+            raise invalid(f"{key}.name", f"a tenant's name must be at most {MAX_TENANT_NAME_LENGTH} characters")
+        earlier = seen.setdefault(tenant.name, index)
+        if earlier != index:
+            raise invalid(f"{key}.name", f"tenant {go_quote(tenant.name)} is also tenants[{earlier}]")
+        if tenant.name == GATEWAY_TENANT and gateway.api_key_hashes:
+            raise invalid(f"{key}.name", f"{go_quote(GATEWAY_TENANT)} is the tenant of [gateway]'s keys")
+        for limit in _LIMITS:
+            value = getattr(tenant, limit)
+            if value is not None and value <= 0:
+                raise invalid(f"{key}.{limit}", f"{limit} must be greater than zero (leave it out for no limit)")
+        if tenant.max_queue_seconds is not None and not (
+            math.isfinite(tenant.max_queue_seconds) and tenant.max_queue_seconds >= 0
+        ):
+            raise invalid(f"{key}.max_queue_seconds", "max_queue_seconds must be a finite number of at least 0")
+        if keys and not tenant.api_key_hashes and tenant.name != DEFAULT_TENANT:
+            raise invalid(
+                f"{key}.api_keys",
+                f"tenant {go_quote(tenant.name)} has no keys (api_keys, api_key_hashes or api_key_file); "
+                f"only {go_quote(DEFAULT_TENANT)} serves requests without keys",
+            )
+    if admission.default_max_tokens <= 0:
+        raise invalid("admission.default_max_tokens", "default_max_tokens must be greater than zero")
+    for name in admission.objectives:
+        if not name or len(name) > MAX_TENANT_NAME_LENGTH:
+            raise invalid(
+                "admission.objectives", f"an objective's name must be 1 to {MAX_TENANT_NAME_LENGTH} characters"
+            )
+
+
+MAX_TENANT_NAME_LENGTH = 128
+"""A tenant's or an objective's name labels metrics and fills decision records: bounded."""
 
 
 _FLEET_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -28,17 +28,19 @@ def unauthorized_reply() -> Reply:
 _BEARER = b"bearer "
 
 
-def key_accepted(headers: list[tuple[bytes, bytes]], digests: tuple[bytes, ...]) -> bool:
-    """Whether the request's `Authorization: Bearer <key>` holds a key whose digest is accepted."""
+def key_tenant(headers: list[tuple[bytes, bytes]], digests: tuple[tuple[bytes, str], ...]) -> str | None:
+    """The tenant whose key the request's `Authorization: Bearer <key>` holds, None when it holds
+    no accepted key. `digests` pairs each accepted digest with its tenant."""
     presented = None
     for name, value in headers:
         if name == b"authorization":
             presented = value
             break
     if presented is None or presented[: len(_BEARER)].lower() != _BEARER:
-        return False
+        return None
     digest = hashlib.sha256(presented[len(_BEARER) :].strip()).hexdigest().encode()
-    accepted = False
-    for candidate in digests:
-        accepted |= hmac.compare_digest(digest, candidate)
-    return accepted
+    tenant = None
+    for candidate, owner in digests:
+        if hmac.compare_digest(digest, candidate):
+            tenant = owner
+    return tenant

@@ -32,7 +32,7 @@ import time
 import msgspec
 import trio
 
-from dataplane.access import key_accepted, unauthorized_reply
+from dataplane.access import key_tenant, unauthorized_reply
 from dataplane.app import create_app
 from dataplane.control import ControlPlaneView
 from dataplane.errors import (
@@ -52,6 +52,7 @@ from dataplane.headers import forward_headers, request_id_header
 from dataplane.hypercorn_receive import queued_message
 from dataplane.proxy import Proxy
 from dataplane.views import ConfigView, SnapshotView, SnapshotViews
+from events.config import DEFAULT_TENANT
 from events.types import MAX_MODEL_NAME_LENGTH
 
 
@@ -101,16 +102,21 @@ class ApiApp:
                 await self._quart(scope, receive, send)
             return
         view = self._views.current()
-        if view.config.api_key_digests and not _admitted(scope, view.config):
-            await _refuse(receive, send, unauthorized_reply())
-        elif scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
-            await self._completion(scope, receive, send, view)
+        tenant = DEFAULT_TENANT
+        if view.config.api_key_digests and not (view.config.health_open and scope["path"] in ("/health", "/ready")):
+            # With keys, every request but an open /health or /ready (a load balancer's check) needs one.
+            tenant = key_tenant(scope["headers"], view.config.api_key_digests)
+            if tenant is None:
+                await _refuse(receive, send, unauthorized_reply())
+                return
+        if scope["method"] == "POST" and scope["path"] in ROUTED_PATHS:
+            await self._completion(scope, receive, send, view, tenant)
         elif "://" in scope["path"] and not scope["path"].startswith("/"):
             await self(_origin_form(scope), receive, send)
         else:
             await self._quart(scope, receive, send)
 
-    async def _completion(self, scope, receive, send, view: SnapshotView) -> None:
+    async def _completion(self, scope, receive, send, view: SnapshotView, tenant: str) -> None:
         started = time.perf_counter()
         request_id = declared_length = None
         for name, value in scope["headers"]:
@@ -127,7 +133,7 @@ class ApiApp:
         async with trio.open_nursery() as nursery:
             watch = _DisconnectWatch(receive, nursery.cancel_scope)
             nursery.start_soon(watch.run)
-            reply = await self._reply(scope, body, request_id, view, started)
+            reply = await self._reply(scope, body, request_id, view, started, tenant)
             last = await _send_all_but_last(send, reply)
             if last is None:
                 # No last send: hypercorn then closes the connection without the body's end (the
@@ -137,7 +143,9 @@ class ApiApp:
             watch.answered = True
             await send({"type": "http.response.body", "body": last, "more_body": False})
 
-    async def _reply(self, scope, body: bytes | ApiError, request_id: str, view: SnapshotView, started: float) -> Reply:
+    async def _reply(
+        self, scope, body: bytes | ApiError, request_id: str, view: SnapshotView, started: float, tenant: str
+    ) -> Reply:
         """Steps 1-3 of plinth's pipeline here, the rest in the proxy."""
         if isinstance(body, ApiError):
             return error_reply(body, request_id_header(request_id), close=True)
@@ -172,6 +180,7 @@ class ApiApp:
             view=view,
             at=self._control_plane.now(),
             started=started,
+            tenant=tenant,
         )
         return await self._proxy.forward(exchange)
 
@@ -268,14 +277,6 @@ async def _read_rest(receive, pieces: list[bytes], config: ConfigView) -> bytes 
                 return b"".join(pieces)
             waiting.deadline = min(give_up_at, trio.current_time() + config.body_idle_timeout)
     return REQUEST_TIMEOUT
-
-
-def _admitted(scope, config: ConfigView) -> bool:
-    """With client keys configured: whether the request holds one, or needs none (an open
-    /health or /ready: a load balancer's check carries no key)."""
-    if config.health_open and scope["path"] in ("/health", "/ready"):
-        return True
-    return key_accepted(scope["headers"], config.api_key_digests)
 
 
 async def _refuse(receive, send, reply: Reply) -> None:

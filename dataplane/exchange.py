@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataplane.headers import Headers
 from dataplane.views import SnapshotView
+from events.config import DEFAULT_TENANT
 from events.decisions import AttemptOutcome
 
 
 class Exchange:
     """A completion request past its body checks (`dataplane.asgi`), on its way to a node."""
 
-    __slots__ = ("request_id", "path", "model", "alias", "stream", "body", "headers", "view", "at", "started")
+    __slots__ = ("request_id", "path", "model", "alias", "stream", "body", "headers", "view", "at", "started", "tenant")
 
     def __init__(
         self,
@@ -25,6 +26,7 @@ class Exchange:
         at: float,
         started: float,
         alias: str = "",
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.request_id = request_id
         self.path = path
@@ -44,6 +46,8 @@ class Exchange:
         """When it arrived, on the control plane's clock."""
         self.started = started
         """When it arrived, on `time.perf_counter` (its duration's start)."""
+        self.tenant = tenant
+        """The tenant its key belongs to (`dataplane.access.key_tenant`)."""
 
 
 class Outcome:

@@ -16,6 +16,7 @@ from controlplane.balancer import Balancer
 from controlplane.logs import JsonLog
 from controlplane.policies import Choice
 from controlplane.routing import DECODE, PREFILL, Route
+from dataplane.admission import Ticket
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS
@@ -61,11 +62,15 @@ class Ledger:
 
     __slots__ = (
         "_books", "exchange", "route", "policy", "prefix", "metric_model", "attempts", "passed",
-        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts",
+        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "ticket",
     )  # fmt: skip
 
-    def __init__(self, books: Books, exchange: Exchange, route: Route, policy: Policy, prefix: str) -> None:
+    def __init__(
+        self, books: Books, exchange: Exchange, route: Route, policy: Policy, prefix: str, ticket: Ticket
+    ) -> None:
         self._books = books
+        self.ticket = ticket
+        """Its admission (`dataplane.admission`): settled when the request ends."""
         self.exchange = exchange
         self.route = route
         self.policy = policy
@@ -162,8 +167,10 @@ class Ledger:
     # --- the request's end
 
     def request_ended(self, status: int) -> None:
-        """The request's one duration and status in the metrics, and its decision record."""
+        """The request's one duration and status in the metrics, its admission settled, and its
+        decision record."""
         exchange = self.exchange
+        self.ticket.end(status)
         self._books.metrics.request_done(
             self.metric_model, exchange.path, status, time.perf_counter() - exchange.started
         )
@@ -171,6 +178,7 @@ class Ledger:
 
     def client_left(self) -> None:
         """The client went away before anything was sent: no answer, no metrics (plinth); the record says so."""
+        self.ticket.end(None)
         self._record(None)
 
     def _record(self, status: int | None) -> None:
@@ -202,6 +210,7 @@ class Ledger:
                 candidates=choice.candidates if choice else (),
                 margin=choice.margin if choice else None,
                 remembered=choice.remembered if choice else "",
+                admission=self.ticket.record(),
             )
         )
 

@@ -95,6 +95,25 @@ class RequestMetrics:
         self._picks = counter(
             "interlock_routing_picks_total", "Nodes chosen for an attempt, by the routing policy that chose", "policy"
         )
+        self._admitted = counter(
+            "interlock_admission_requests_total",
+            "Requests admitted, by tenant (the configured ones, gateway, default) and priority",
+            "tenant",
+            "priority",
+        )
+        self._admitted_tokens = counter(
+            "interlock_admission_tokens_total",
+            "Tokens (prompt plus completion, as the nodes reported them) of tenants with a token limit",
+            "tenant",
+            "priority",
+        )
+        self._refused = counter(
+            "interlock_admission_refusals_total",
+            "Requests refused by a tenant's limit (requests, tokens, in_flight)",
+            "tenant",
+            "priority",
+            "limit",
+        )
         # With `serve --workers N` each worker counts its own: the leader's /metrics sums the
         # workers alive (a dead worker's requests are no longer in flight).
         self._node_in_flight = _Children(
@@ -150,6 +169,16 @@ class RequestMetrics:
     def truncated(self, node: str) -> None:
         """A committed response cut short by node `node` (its IP: the label stays bounded by the config)."""
         self._truncated(node).inc()
+
+    def admission_admitted(self, tenant: str, priority: int) -> None:
+        """Labels from the config: a configured tenant's name and a configured priority."""
+        self._admitted(tenant, priority).inc()
+
+    def admission_tokens(self, tenant: str, priority: int, tokens: int) -> None:
+        self._admitted_tokens(tenant, priority).inc(tokens)
+
+    def admission_refused(self, tenant: str, priority: int, limit: str) -> None:
+        self._refused(tenant, priority, limit).inc()
 
     def excluded(self, model: str, reason: str, count: int) -> None:
         """`count` nodes dropped by the model filter for `reason` (missing, empty or expired)."""

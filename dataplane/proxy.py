@@ -32,6 +32,7 @@ from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.policies import PREFIX_AFFINITY
 from controlplane.prefix import prompt_prefix
 from controlplane.routing import PREFILL, pick_pool
+from dataplane.admission import Admission, Ticket, UsageTap
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.errors import (
@@ -58,6 +59,7 @@ from dataplane.exchange import Exchange, Outcome
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
 from dataplane.metrics import RequestMetrics
+from dataplane.quota import LocalQuota, Quota
 from events.state import NodeState
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
 from transport.http11 import Response as UpstreamResponse
@@ -111,6 +113,7 @@ class Proxy:
         log: JsonLog,
         decisions: DecisionRecorder | None = None,
         *,
+        quota: Quota | None = None,
         response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
         first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
     ) -> None:
@@ -126,6 +129,7 @@ class Proxy:
         self._first_chunk_timeout = first_chunk_timeout
         self._flowing: set[Relay] = set()
         """The committed bodies still flowing, for `end_streams`."""
+        self._admission = Admission(quota or LocalQuota(), metrics)
 
     def end_streams(self) -> None:
         """End every body still flowing, now (the shutdown grace is over): an event stream
@@ -134,7 +138,33 @@ class Proxy:
             relay.end()
 
     async def forward(self, exchange: Exchange) -> Reply:
-        """The response for the client: the node's (complete, or committed and still flowing) or an error."""
+        """The response for the client: the node's (complete, or committed and still flowing) or
+        an error. A limited tenant's every answer carries its `x-ratelimit-*` headers."""
+        ticket = self._admission.ticket(exchange)
+        ledger = self._open_ledger(exchange, ticket)
+        try:
+            refused = None
+            if ticket.tenant.limited:
+                refused = await self._admission.admit(ticket, exchange)
+            else:
+                self._admission.counted(ticket)
+            if refused is not None:
+                ledger.request_ended(refused.status)
+                reply = refused
+            else:
+                # The gateway's queue goes here (issue 22, item 3): once the tenant's limits have
+                # admitted the request, it waits its turn while the model's pool is saturated:
+                #   await self._admit(ticket.tenant.name, ticket.priority, ticket.fairness_id,
+                #                     ticket.tenant.max_queue_seconds)
+                reply = await self._route(exchange, ledger)
+        except trio.Cancelled:
+            ledger.client_left()
+            raise
+        if ticket.headers:
+            reply.headers += ticket.headers
+        return reply
+
+    def _open_ledger(self, exchange: Exchange, ticket: Ticket) -> Ledger:
         view = exchange.view
         config = view.config
         route = view.route(exchange.model)
@@ -144,7 +174,11 @@ class Proxy:
             if policy == PREFIX_AFFINITY or config.decision_log
             else ""
         )
-        ledger = Ledger(self._books, exchange, route, policy, prefix)
+        return Ledger(self._books, exchange, route, policy, prefix, ticket)
+
+    async def _route(self, exchange: Exchange, ledger: Ledger) -> Reply:
+        """The attempt loop over the route's candidates (a disaggregated request's two legs)."""
+        route = ledger.route
         for reason, count in route.exclusion_counts:
             self._metrics.excluded(ledger.metric_model, reason, count)
         candidates = route.candidates
@@ -153,33 +187,31 @@ class Proxy:
                 self._warn_unserved(exchange)
             return self._error(ledger, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
         tried: set[str] = set()
-        try:
-            if ledger.leg:  # a disaggregated generation: first its prefill leg
-                prefilled = await self._prefill(exchange, ledger, *route.legs)
-                if isinstance(prefilled, Reply):
-                    return prefilled
-                exchange.body = decode_body(exchange.body, prefilled)
-                ledger.decode_began()
-                candidates = route.legs[1]
-            for _ in range(len(candidates)):
-                node = self._pick(ledger, candidates, tried)
-                if node is None:
-                    break
-                tried.add(node.ip)
-                ended = await self._attempt(exchange, ledger, node)
-                if isinstance(ended, Reply):  # committed: its relay ends the attempt and the request
-                    ledger.committed(node.ip)
-                    return ended
-                outcome, reply = ended
-                ledger.attempt_ended(node.ip, outcome)
-                if outcome.kind == FAILED:
-                    return self._error(ledger, UPSTREAM_ERROR)
-                if reply is not None:
-                    ledger.request_ended(reply.status)
-                    return reply
-        except trio.Cancelled:
-            ledger.client_left()
-            raise
+        if ledger.leg:  # a disaggregated generation: first its prefill leg
+            prefilled = await self._prefill(exchange, ledger, *route.legs)
+            if isinstance(prefilled, Reply):
+                return prefilled
+            exchange.body = decode_body(exchange.body, prefilled)
+            ledger.decode_began()
+            candidates = route.legs[1]
+        for _ in range(len(candidates)):
+            node = self._pick(ledger, candidates, tried)
+            if node is None:
+                break
+            tried.add(node.ip)
+            ended = await self._attempt(exchange, ledger, node)
+            if isinstance(ended, Reply):  # committed: its relay ends the attempt and the request
+                ledger.committed(node.ip)
+                return ended
+            outcome, reply = ended
+            ledger.attempt_ended(node.ip, outcome)
+            if outcome.kind == FAILED:
+                return self._error(ledger, UPSTREAM_ERROR)
+            if reply is not None:
+                if ledger.ticket.tenant.counts_tokens and isinstance(reply.body, bytes):
+                    ledger.ticket.read_usage(reply.body)
+                ledger.request_ended(reply.status)
+                return reply
         return self._error(ledger, NO_REACHABLE_NODE)
 
     async def _prefill(
@@ -421,7 +453,8 @@ class Proxy:
         (until `deadline`, for a non-streaming answer)."""
         served_by = exchange.view.config.node_headers[node.ip]
         headers = client_headers(upstream, exchange.request_id, served_by, with_length=True)
-        return Reply(upstream.status, headers, Relay(ledger, node.ip, upstream, first, deadline, self._flowing))
+        relay = Relay(ledger, node.ip, upstream, first, deadline, self._flowing)
+        return Reply(upstream.status, headers, relay)
 
 
 class Relay:
@@ -469,6 +502,9 @@ class Relay:
         next_chunk = upstream.next_chunk
         if self._deadline != math.inf:
             next_chunk = functools.partial(_next_chunk_by, upstream, self._deadline)
+        tap = self._ledger.ticket.tap
+        if tap is not None:
+            send_piece = functools.partial(_send_tapped, tap, send_piece)
         self._flowing.add(self)
         try:
             await send_head()
@@ -477,6 +513,8 @@ class Relay:
             try:
                 while chunk := await next_chunk():
                     await send_piece(chunk)
+                if tap is not None and (rest := tap.finish()):
+                    await send_piece(rest)
             except Exception as error:
                 if self._ended:
                     error = SHUTTING_DOWN.message
@@ -509,6 +547,12 @@ def _abandoned(ledger: Ledger, node: NodeState, upstream: UpstreamResponse | Non
         ledger.attempt_ended(node.ip, Outcome(CLIENT_GONE, status=status))
     else:
         ledger.attempt_ended(node.ip, Outcome(FAILED, status=status, error=error))
+
+
+async def _send_tapped(tap: UsageTap, send_piece: Callable[[bytes], Awaitable[None]], piece: bytes) -> None:
+    """Send what the usage tap lets through of `piece` (`dataplane.admission.UsageTap`)."""
+    if piece := tap.feed(piece):
+        await send_piece(piece)
 
 
 async def _next_chunk_by(upstream: UpstreamResponse, deadline: float) -> bytes:

@@ -12,6 +12,7 @@ import msgspec
 
 from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import Route, pick_pool
+from dataplane.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
 from dataplane.headers import node_header
 from events.config import Config
@@ -49,7 +50,9 @@ class ConfigView:
         self.load_bound = routing.load_bound
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
-        self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
+        self.tenant_limits = TenantLimits(config)
+        self.api_key_digests = self.tenant_limits.key_digests
+        """Every accepted client key's digest with its tenant; () when no key is needed."""
         self.health_open = not gateway.health_requires_api_key
         self.health_hides_errors = gateway.health_hides_errors
         self.health_shows_load = config.load_scrape_interval() > 0

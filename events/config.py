@@ -229,6 +229,44 @@ class FleetConfig(Struct, frozen=True, kw_only=True):
     0: one per server of the cluster the replica knows, up to three."""
 
 
+DEFAULT_TENANT = "default"
+"""The tenant of every request when no client keys are configured (a `[[tenants]]` of that name
+may set its limits)."""
+GATEWAY_TENANT = "gateway"
+"""The tenant of the keys in `[gateway]`: no limits."""
+DEFAULT_MAX_TOKENS = 1024
+"""`admission.default_max_tokens`'s default."""
+
+
+class TenantConfig(Struct, frozen=True, kw_only=True):
+    """`[[tenants]]`: who a client is (its keys) and how much it may use. Every limit is optional."""
+
+    name: str = ""
+    api_key_hashes: tuple[str, ...] = ()
+    """SHA-256 hex digests of the tenant's keys, gathered by the loader as `[gateway]`'s are
+    (`api_keys` hashed as read, `api_key_hashes`, the lines of `api_key_file`)."""
+    api_key_file: str = ""
+    priority: int = 0
+    """Higher is served first when requests wait."""
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    """Prompt plus completion tokens, as the node reports them in `usage`."""
+    max_in_flight: int | None = None
+    max_queue_seconds: float | None = None
+    """How long a request of the tenant may wait in the gateway's queue (a Go duration in the file)."""
+
+
+class AdmissionConfig(Struct, frozen=True, kw_only=True):
+    """`[admission]`: how requests are admitted."""
+
+    objectives: dict[str, int] = {}
+    """Named priorities that llm-d's `x-gateway-inference-objective` header may ask for (a
+    request's priority is never raised above its tenant's)."""
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    """Tokens reserved for a completion whose body names no `max_tokens` (a tenant with a
+    token limit)."""
+
+
 class Config(Struct, frozen=True, kw_only=True):
     cluster: ClusterConfig = ClusterConfig()
     gateway: GatewayConfig = GatewayConfig()
@@ -237,6 +275,8 @@ class Config(Struct, frozen=True, kw_only=True):
     routing: RoutingConfig = RoutingConfig()
     fleet: FleetConfig | None = None
     """None: one host, no NATS (no `[fleet]` table and no `serve --fleet`)."""
+    tenants: tuple[TenantConfig, ...] = ()
+    admission: AdmissionConfig = AdmissionConfig()
 
     def aliases(self) -> dict[str, str]:
         """Each alias (`ModelEntry.target`) with the model it stands for."""

@@ -64,6 +64,43 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     NOT_DRAWN, OVER_LOAD_BOUND)."""
 
 
+class Verdict(StrEnum):
+    """What admission made of a request (JSON: the value)."""
+
+    ADMITTED = "admitted"
+    """Admitted at once."""
+    QUEUED = "queued"
+    """Admitted after waiting in the gateway's queue (`queued_ms`)."""
+    REFUSED = "refused"
+    """Refused (`refused_by` names the limit, with its state)."""
+
+
+class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Who a request was for and what admission made of it."""
+
+    tenant: str
+    """The tenant its key belongs to (`[[tenants]]`; `gateway` for `[gateway]`'s keys, `default`
+    without keys)."""
+    priority: int = 0
+    """Its tenant's priority, or lower when an `x-gateway-inference-objective` asked for less."""
+    fairness_id: str = ""
+    """llm-d's `x-gateway-inference-fairness-id` (clipped), "" when absent."""
+    verdict: Verdict = Verdict.ADMITTED
+    refused_by: str = ""
+    """The limit that refused it (`requests`, `tokens`, `in_flight`), "" when admitted."""
+    limit: int | None = None
+    remaining: int | None = None
+    reset: float | None = None
+    """The refusing limit's state: the limit, what was left, seconds until it is whole again."""
+    queued_ms: float = 0.0
+    """Milliseconds it waited in the gateway's queue."""
+    tokens_reserved: int = 0
+    """Tokens taken from the tenant's `tokens_per_minute` at admission (its `max_tokens`, or the
+    default, plus its prompt's estimate); 0 when the tenant has no token limit."""
+    tokens_used: int | None = None
+    """The tokens the node reported (`usage`: prompt plus completion), when it reported them."""
+
+
 class Decision(msgspec.Struct, frozen=True):
     """One completion request that reached routing (past the body checks)."""
 
@@ -108,6 +145,8 @@ class Decision(msgspec.Struct, frozen=True):
     alias: str = ""
     """The alias the client named (`models.available` `target`), routed as `model`; "" when the
     client named the model itself, and in records from before aliases."""
+    admission: Admission | None = None
+    """Its tenant and admission verdict; None in records from before admission."""
 
 
 _decode_decision = msgspec.json.Decoder(Decision)

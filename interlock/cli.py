@@ -14,6 +14,7 @@
     interlock whatif LOG… --decisions FILE… [--policy P] [--since T] [--until T] [--cache-entries N] [--json]
                     [--progress SECONDS]
     interlock whatif LOG… --health KEY=VALUE[,…] [--decisions FILE…] [--since T] [--until T] [--json]
+    interlock whatif --tenants FILE --decisions FILE… [--since T] [--until T] [--json]
     interlock verify LOG… --decisions FILE… [--since T] [--until T] [--show N] [--json]
     interlock fleet export DIR --fleet URL[,URL…] [--name N]
 
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
+from controlplane.config import ConfigError, Overrides, UnknownKey, load_config, load_tenants
 from controlplane.gocompat import parse_go_duration, parse_listen_address
 from controlplane.logs import format_timestamp
 from controlplane.reducer import RESTART_KEYS
@@ -76,7 +77,16 @@ from interlock.render import (
 from interlock.timeline import TimelineError, build_timeline, render_html
 from interlock.verify import DEFAULT_SHOWN, incomplete_warning, verify
 from interlock.verify import render_report as render_verify_report
-from interlock.whatif import DEFAULT_CACHE_ENTRIES, PROGRESS_SECONDS, RECORDED, WHAT_IF_POLICIES, render_report, what_if
+from interlock.admission_whatif import render_tenants_what_if, tenants_what_if
+from interlock.whatif import (
+    DEFAULT_CACHE_ENTRIES,
+    PROGRESS_SECONDS,
+    RECORDED,
+    WHAT_IF_POLICIES,
+    in_span,
+    render_report,
+    what_if,
+)
 from journal.segments import LogFileError
 from journal.writer import unwritable_log_reason
 
@@ -374,7 +384,7 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "whatif", help="route a recorded run's requests again under another policy, offline, and compare"
     )
-    _add_log_arguments(parser, moment=False)
+    _add_log_arguments(parser, moment=False, optional=True)
     _add_decision_logs(parser, required=False)
     parser.add_argument(
         "--health",
@@ -382,6 +392,12 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
         help="replay the run's probe results under other health rules instead (keys: "
         + ", ".join(HEALTH_KEYS)
         + "; probe times are the recorded ones) and compare the nodes' health intervals and ejections",
+    )
+    parser.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="admit the recorded requests again under the [[tenants]] limits of FILE (open-loop: requests "
+        "arrive as recorded) and report who would have been limited; reads only the decision logs",
     )
     parser.add_argument(
         "--policy",
@@ -418,6 +434,10 @@ def run_whatif(args: argparse.Namespace) -> int:
     if args.since is not None and args.until is not None and args.since > args.until:
         return _error(args, "argument --since: must not be after --until")
     warn = _warner(args)
+    if args.tenants is not None:
+        return _tenants_what_if(args, warn)
+    if not args.logs:
+        return _error(args, "the following arguments are required: LOG (or --tenants)")
     if args.health is not None:
         return _health_what_if(args, warn)
     if not args.decisions:
@@ -438,6 +458,26 @@ def run_whatif(args: argparse.Namespace) -> int:
         _print_json(msgspec.to_builtins(report))
     else:
         print(render_report(report))
+    return EXIT_OK
+
+
+def _tenants_what_if(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
+    if not args.decisions:
+        return _error(args, "argument --tenants: --decisions is required")
+    if args.health is not None or args.policy != RECORDED:
+        return _error(args, "argument --tenants: not with --health or --policy")
+    try:
+        tenants = load_tenants(args.tenants)
+    except ConfigError as error:
+        return _error(args, f"argument --tenants: {error}")
+    decisions = in_span(
+        (decision for decision, _ in read_decisions_with_gaps(args.decisions, warn)), args.since, args.until
+    )
+    report = tenants_what_if(decisions, tenants)
+    if args.json:
+        _print_json(msgspec.to_builtins(report))
+    else:
+        print(render_tenants_what_if(report))
     return EXIT_OK
 
 

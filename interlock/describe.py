@@ -51,6 +51,7 @@ def describe_config(config: Config) -> str:
         lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
     else:
         lines.append("client API keys: none (every client is served)")
+    lines += _describe_tenants(config)
     key_files = config.upstream_key_files()
     if key_files:
         lines.append(f"upstream keys: sent to {len(key_files)} of {len(config.nodes)} nodes")
@@ -60,6 +61,31 @@ def describe_config(config: Config) -> str:
         lines.append("unanswered requests: 502 (retry_unanswered = false)")
     lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
+
+
+def _describe_tenants(config: Config) -> list[str]:
+    """Each tenant's keys, priority and limits, and the named priorities, as `check-config` shows them."""
+    if not config.tenants and not config.admission.objectives:
+        return []
+    lines = [f"tenants ({len(config.tenants)}):"]
+    for tenant in config.tenants:
+        limits = [
+            f"{value} {what}"
+            for value, what in (
+                (tenant.requests_per_minute, "requests/min"),
+                (tenant.tokens_per_minute, "tokens/min"),
+                (tenant.max_in_flight, "in flight"),
+            )
+            if value is not None
+        ]
+        if tenant.max_queue_seconds is not None:
+            limits.append(f"queued at most {tenant.max_queue_seconds:g} s")
+        keys = f"{len(tenant.api_key_hashes)} keys" if tenant.api_key_hashes else "no keys"
+        lines.append(f"  {tenant.name}  priority {tenant.priority}  {keys}  {', '.join(limits) or 'no limits'}")
+    if config.admission.objectives:
+        named = ", ".join(f"{name} = {priority}" for name, priority in config.admission.objectives.items())
+        lines.append(f"objectives (x-gateway-inference-objective): {named}")
+    return lines
 
 
 def _describe_routing(config: Config) -> str:

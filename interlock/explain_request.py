@@ -18,7 +18,7 @@ from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.errors import model_not_found
-from events.decisions import AttemptOutcome, AttemptRecord, Decision
+from events.decisions import Admission, AttemptOutcome, AttemptRecord, Decision, Verdict
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 
@@ -95,6 +95,7 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
             ["ring pool", ", ".join(decision.ring_pool) or "none"],
             ["status", final_status(decision)],
             ["duration", f"{decision.duration * 1000:.1f} ms"],
+            *_admission_rows(decision.admission),
         ],
     )
     lines.append("")
@@ -119,6 +120,29 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
         times = ", ".join(f"{format_timestamp(record.at)} (status {_or_dash(record.status)})" for record in earlier)
         lines += ["", f"{len(earlier)} earlier request(s) with this id, not shown: {times}"]
     return "\n".join(lines)
+
+
+def _admission_rows(admission: Admission | None) -> list[list[str]]:
+    """Who the request was for and what admission made of it (nothing for older records)."""
+    if admission is None:
+        return []
+    tenant = admission.tenant + (f" (fairness id {admission.fairness_id})" if admission.fairness_id else "")
+    if admission.verdict == Verdict.REFUSED:
+        verdict = (
+            f"refused by {admission.refused_by.replace('_', ' ')}: limit {_or_dash(admission.limit)}, "
+            f"{_or_dash(admission.remaining)} left"
+        )
+        if admission.reset:  # a per-minute limit (in-flight slots come back as requests end)
+            verdict += f", whole again in {admission.reset:g} s"
+    elif admission.verdict == Verdict.QUEUED:
+        verdict = f"queued for {admission.queued_ms:.0f} ms"
+    else:
+        verdict = "admitted at once"
+    rows = [["tenant", tenant], ["priority", str(admission.priority)], ["admission", verdict]]
+    if admission.tokens_reserved:
+        used = "not reported" if admission.tokens_used is None else str(admission.tokens_used)
+        rows.append(["tokens", f"{admission.tokens_reserved} reserved, {used} used"])
+    return rows
 
 
 def _attempts_table(heading: str, attempts: tuple[AttemptRecord, ...]) -> list[str]:

@@ -48,6 +48,7 @@ from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
+from dataplane.quota import Quota
 from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
 from dataplane.views import SnapshotViews
 from events.config import DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
@@ -145,12 +146,14 @@ async def api_application(
     decisions: DecisionRecorder | None,
     *,
     worker: int = 0,
+    quota: Quota | None = None,
     registry: CollectorRegistry | None = None,
     response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
     first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
 ) -> AsyncIterator[ApiApp]:
     """The API listener's application on a control plane (the gateway's own, or a worker's
-    follower), with its connections to the nodes, open until the block ends."""
+    follower), with its connections to the nodes, open until the block ends. `quota`: where
+    tenants' quota is taken (a worker's leases; by default this process holds it)."""
     async with new_upstream_pool() as upstream_pool:
         proxy = Proxy(
             control_plane,
@@ -158,6 +161,7 @@ async def api_application(
             RequestMetrics(registry if registry is not None else CollectorRegistry()),
             log,
             decisions,
+            quota=quota,
             response_header_timeout=response_header_timeout,
             first_chunk_timeout=first_chunk_timeout,
         )

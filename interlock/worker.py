@@ -23,6 +23,7 @@ import trio
 
 from controlplane.follower import Follower, OutOfStep
 from controlplane.logs import JsonLog
+from dataplane.quota import LeasedQuota, QuotaGrant
 from events.decisions import Decision
 from events.types import Checkpoint
 from interlock.serve import api_application, serve_on_socket, tls_files
@@ -87,6 +88,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
     """Serve until SIGTERM or the leader's end of the socketpair closes; the exit code."""
     leader = trio.SocketStream(trio.socket.from_stdlib_socket(leader_socket))
     reports = _Reports(index, log)
+    leases = LeasedQuota(reports.report)
     follower = Follower(reports.report)
     events = _events(leader)
     first = await anext(events, None)
@@ -116,6 +118,9 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
                 if isinstance(event, ReplicaStatus):
                     follower.follow_replica(event.headers, event.stale)
                     continue
+                if isinstance(event, QuotaGrant):
+                    leases.granted(event)
+                    continue
                 await follower.upstream_keys.read_before(event)
                 config = follower.snapshot.config
                 follower.apply(event)
@@ -139,8 +144,12 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
                 stop.set()
                 return
 
-    async with api_application(follower, log, reports, worker=index) as api_app, trio.open_nursery() as nursery:
+    async with (
+        api_application(follower, log, reports, worker=index, quota=leases) as api_app,
+        trio.open_nursery() as nursery,
+    ):
         nursery.start_soon(follow)
+        nursery.start_soon(leases.return_unused)
         nursery.start_soon(report)
         nursery.start_soon(stop_on_sigterm)
         await serve_on_socket(

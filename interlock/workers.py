@@ -30,6 +30,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import msgspec
 import prometheus_client
@@ -38,6 +39,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from controlplane.logs import JsonLog
 from controlplane.runtime import ControlPlane
+from dataplane.quota import LeaseAuthority, QuotaAsk, QuotaGrant, QuotaReturn
+from dataplane.tenants import TenantLimits
 from events.decisions import Decision
 from events.log import encode_event
 from events.state import ClusterState
@@ -74,14 +77,16 @@ class ReplicaStatus(msgspec.Struct, frozen=True, tag="replica_status", tag_field
 
 NOT_IN_A_FLEET = ReplicaStatus(headers={}, stale="")
 
-Report = UpstreamFailed | UpstreamRecovered | DecisionMade
+Report = UpstreamFailed | UpstreamRecovered | DecisionMade | QuotaAsk | QuotaReturn
 """What a worker sends its leader."""
 
 encode_report = msgspec.json.Encoder().encode
 decode_report = msgspec.json.Decoder(Report).decode
 encode_status = msgspec.json.Encoder().encode
-decode_from_leader = msgspec.json.Decoder(Event | ReplicaStatus).decode
-"""A line down a worker's socketpair: an event (as in the event log) or a `ReplicaStatus`."""
+encode_grant = msgspec.json.Encoder().encode
+decode_from_leader = msgspec.json.Decoder(Event | ReplicaStatus | QuotaGrant).decode
+"""A line down a worker's socketpair: an event (as in the event log), a `ReplicaStatus`, or a
+`QuotaGrant` (the leader's answer to the worker's `QuotaAsk`, `dataplane.quota`)."""
 
 
 def usable_cores() -> int:
@@ -178,7 +183,17 @@ class WorkerPool:
         self._finished = trio.Event()
         self._status = NOT_IN_A_FLEET
         self._sharing_status = trio.CancelScope()
+        self._tenant_limits = TenantLimits(control_plane.snapshot.config)
+        self.leases = LeaseAuthority(self._quota_limits)
+        """The host's tenant quota: the workers lease it (`dataplane.quota`)."""
         control_plane.add_listener(self._fan_out)
+
+    def _quota_limits(self) -> dict[tuple[str, str], int]:
+        """The limits of the config in force, computed once per config."""
+        config = self._control_plane.snapshot.config
+        if self._tenant_limits.config is not config:
+            self._tenant_limits = TenantLimits(config)
+        return self._tenant_limits.quota_limits
 
     def _fan_out(self, event: Event, state: ClusterState, step: object) -> None:
         """Every applied event, to every registered worker (called in the reducer task)."""
@@ -200,9 +215,13 @@ class WorkerPool:
                         link.push(line)
                 await trio.sleep(REPLICA_STATUS_SECONDS)
 
-    def _handle_report(self, report: Report) -> None:
+    def _handle_report(self, index: int, link: _Link, report: Report) -> None:
         if isinstance(report, DecisionMade):
             self._record_decision(report.record)
+        elif isinstance(report, QuotaAsk):
+            link.push(encode_grant(self.leases.ask(index, report)) + b"\n")
+        elif isinstance(report, QuotaReturn):
+            self.leases.returned(index, report)
         else:
             self._control_plane.observe(report)
 
@@ -270,7 +289,7 @@ class WorkerPool:
             task_status.started()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._feed, link, process)
-                nursery.start_soon(link.receive_reports, self._handle_report)
+                nursery.start_soon(link.receive_reports, partial(self._handle_report, index, link))
                 try:
                     await process.wait()
                 finally:
@@ -282,6 +301,7 @@ class WorkerPool:
             return process.returncode
         finally:
             del self._links[index]
+            self.leases.worker_gone(index)
             if (process := self._processes.pop(index, None)) is not None:
                 self._metrics.running.dec()
                 mark_process_dead(process.pid, self._metrics_dir)  # its requests are no longer in flight
