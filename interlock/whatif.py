@@ -462,9 +462,9 @@ def render_report(report: WhatIfReport) -> str:
     if report.moved:
         lines += ["", f"requests whose pick changes (the first {len(report.moved)} of {report.changed}):", ""]
         lines += format_table(
-            ["REQUEST ID", "LEG", "RECORDED", "ROUTED AGAIN", "MARGIN"],
+            ["REQUEST ID", "RECORDED", "ROUTED AGAIN", "MARGIN"],
             [
-                [moved.request_id, moved.leg or "-", moved.recorded, moved.routed_again, _margin(moved.margin)]
+                [_leg_named(moved), moved.recorded, moved.routed_again, _margin(moved.margin)]
                 for moved in report.moved
             ],
         )
@@ -482,6 +482,11 @@ _POLICY_TEXTS = {
     RECORDED: "the policy each was routed by",
     CONFIGURED: "the policy the config in force names for its model",
 }
+
+
+def _leg_named(moved: Moved) -> str:
+    """The request's id, and the leg whose pick changes when it is a disaggregated request's."""
+    return f"{moved.request_id} ({moved.leg})" if moved.leg else moved.request_id
 
 
 def _margin(margin: float | None) -> str:
