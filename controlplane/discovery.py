@@ -20,12 +20,18 @@ still loading its model)."""
 
 
 def next_discovery(
-    before: ModelDiscovery, names: tuple[str, ...] | None, error: str, threshold: int, now: float
+    before: ModelDiscovery,
+    names: tuple[str, ...] | None,
+    error: str,
+    threshold: int,
+    now: float,
+    parents: tuple[tuple[str, str], ...] = (),
 ) -> tuple[ModelDiscovery, bool]:
     """plinth's applyResult (§8.2): the next record and whether the model list changed.
 
     `names` is None exactly when the fetch failed with `error`; `threshold` is the number of
-    consecutive failures after which the list expires.
+    consecutive failures after which the list expires; `parents` are the listed adapters' base
+    models, kept with the list.
     """
     if names is None:
         fails = before.fails + 1
@@ -37,8 +43,8 @@ def next_discovery(
             state = before.state
         return msgspec.structs.replace(before, state=state, fails=fails, empties=0, last_error=error), False
     if names:
-        changed = before.names != names
-        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now), changed
+        changed = before.names != names or before.parents != parents
+        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now, parents=parents), changed
     empties = before.empties + 1
     if empties >= EMPTIES_BEFORE_KNOWN_EMPTY:
         changed = bool(before.names)
@@ -49,7 +55,7 @@ def next_discovery(
 def models_listed(node: NodeState, event: ModelsListed, config: Config, out: StepBuilder) -> NodeState:
     before = node.models
     after, list_changed = next_discovery(
-        before, event.models, event.error, config.gateway.health_fail_threshold, event.at
+        before, event.models, event.error, config.gateway.health_fail_threshold, event.at, event.parents
     )
     if after.state != before.state:
         if after.state == Discovery.KNOWN_EMPTY:
@@ -70,13 +76,14 @@ def models_listed(node: NodeState, event: ModelsListed, config: Config, out: Ste
 
 def configured_models_missing(ring: str, names: tuple[str, ...], config: Config) -> list[str]:
     """plinth's warnConfigModelsMissing (§8.5): configured models a node of `ring` ("" for a
-    standalone node) should serve but does not (`names`)."""
+    standalone node) should serve but does not (`names`). Adapters are left out: a node serves
+    one only once loaded."""
     missing = []
     available_names = set()
     listed = frozenset(names)
     for entry in config.models.available:
         available_names.add(entry.name)
-        if entry.ring == ring and entry.name and not entry.target and entry.name not in listed:
+        if entry.ring == ring and entry.name and not entry.target and not entry.parent and entry.name not in listed:
             missing.append(entry.name)
     default = config.models.default
     if default and default not in available_names and default not in listed:

@@ -33,7 +33,7 @@ from controlplane.routing import PREFILL, Route, pick_pool
 from events.decisions import CandidateScore, Decision, Exclusion, missing_inputs
 from events.state import ClusterState, NodeState
 from interlock.render import format_table
-from interlock.whatif import States, first_pick, in_span, legs_of, process_of, recorded_choice
+from interlock.whatif import Leg, States, first_pick, in_span, legs_of, process_of, recorded_choice
 
 DEFAULT_SHOWN = 20
 """Divergences (and records not verified) named in the report; the rest are counted."""
@@ -160,7 +160,7 @@ def _compare(decision: Decision, state: ClusterState, picker: Balancer, *, lacki
     legs = [(leg, pick_pool(leg.candidates, decision.at, passed_over=passed_over)) for leg in legs_of(decision, route)]
     differ("excluded", decision.excluded, route.excluded + tuple(passed))
     for leg, pool in legs:
-        _compare_pick(leg.decision, pool, state, picker, _leg_differ(leg.name, differ), complete=not lacking)
+        _compare_pick(leg, pool, state, picker, _leg_differ(leg.name, differ), complete=not lacking)
         if not pool:
             break  # a leg without a node ends the request
     return differences
@@ -174,7 +174,7 @@ def _leg_differ(leg: str, differ: Callable[[str, object, object], None]) -> Call
 
 
 def _compare_pick(
-    decision: Decision,
+    leg: Leg,
     pool: list[NodeState],
     state: ClusterState,
     picker: Balancer,
@@ -183,13 +183,14 @@ def _compare_pick(
     complete: bool,
 ) -> None:
     """One leg's first pick (a whole request's, or the record as one leg's) made again from `pool`."""
+    decision = leg.decision
     recorded = first_pick(decision)
     if not pool or recorded is None:  # a 503 for want of a node, recorded or derived
         differ("pick", recorded, "one of " + _text(tuple(node.ip for node in pool)) if pool else None)
         return
     if not complete:
         return
-    choice = recorded_choice(picker, decision, pool, state)
+    choice = recorded_choice(picker, decision, pool, state, adapter=leg.adapter)
     _compare_candidates(decision.candidates, choice.candidates, differ)
     differ("margin", decision.margin, choice.margin)
     differ("remembered", decision.remembered, choice.remembered)

@@ -184,7 +184,7 @@ def what_if(
             balancer = balancers[process, leg.name == PREFILL]
             if policy in (RECORDED, CONFIGURED):
                 configured = state.config.model_policy(made.model) if policy == CONFIGURED and state.config else None
-                choice = recorded_choice(balancer, made, pool, state, policy=configured)
+                choice = recorded_choice(balancer, made, pool, state, policy=configured, adapter=leg.adapter)
             else:
                 choice = balancer.choose(
                     [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
@@ -194,6 +194,7 @@ def what_if(
                     request_id=made.request_id,
                     prefix=made.prefix,
                     load_bound=_load_bound(state),
+                    adapter=leg.adapter,
                 )  # remembered: the what-if world's memory
             node = choice.node.ip
             if each is not None:
@@ -249,11 +250,17 @@ def in_span(decisions: Iterable[Decision], since: float | None, until: float | N
 
 
 def recorded_choice(
-    balancer: Balancer, decision: Decision, pool: list[NodeState], state: ClusterState, policy: str | None = None
+    balancer: Balancer,
+    decision: Decision,
+    pool: list[NodeState],
+    state: ClusterState,
+    policy: str | None = None,
+    adapter: str = "",
 ) -> Choice:
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
     picker, under `policy` (None: the one the record names) and with the inputs the record holds
-    (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered node)."""
+    (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered
+    node), with a LoRA `adapter`'s affinity (`Route.adapter`)."""
     return balancer.choose(
         pool,
         policy or decision.policy,
@@ -263,6 +270,7 @@ def recorded_choice(
         prefix=decision.prefix,
         load_bound=_load_bound(state),
         remembered=decision.remembered,
+        adapter=adapter,
     )
 
 
@@ -277,6 +285,8 @@ class Leg(NamedTuple):
     name: str
     decision: Decision
     candidates: list[NodeState]
+    adapter: str
+    """The LoRA adapter whose affinity the pick follows (`Route.adapter`)."""
 
 
 def legs_of(decision: Decision, route: Route) -> list[Leg]:
@@ -284,12 +294,12 @@ def legs_of(decision: Decision, route: Route) -> list[Leg]:
     (`Route.legs`, GENERATION_PATHS): a whole request's one; a disaggregated one's prefill leg,
     then, when the prefill answered (its last attempt completed with 200), the decode leg."""
     if route.legs is None or decision.path not in GENERATION_PATHS:
-        return [Leg("", decision, route.candidates)]
+        return [Leg("", decision, route.candidates, route.adapter)]
     prefill, decode = route.legs
-    legs = [Leg(PREFILL, decision.prefill_leg(), prefill if decode else [])]  # no decode node: no pick at all
+    legs = [Leg(PREFILL, decision.prefill_leg(), prefill if decode else [], route.adapter)]  # no decode node: no pick
     last = decision.prefill_attempts[-1] if decision.prefill_attempts else None
     if last is not None and last.outcome == AttemptOutcome.COMPLETED and last.status == 200:
-        legs.append(Leg(DECODE, decision, decode))
+        legs.append(Leg(DECODE, decision, decode, route.adapter))
     return legs
 
 
