@@ -4,9 +4,10 @@ what each load's events (requested, loaded, failed) do to the node's state.
 A configured adapter is due on a node of its ring that is healthy and online, lists the
 adapter's parent and not the adapter, and has had no load of it for LOAD_RETRY_SECONDS: so a
 failed load, one never answered, and one whose adapter the node stopped listing (a restart) are
-asked again after that back-off, never in a loop. `loads_due` reads time from the state (its
-last event), so the rule is a pure function of the state; the prober asks it at every round and
-loads through vLLM's runtime API (`controlplane.probes.load_adapter`), never the request path.
+asked again after that back-off, never in a loop. The rule (`adapters_due`) is asked at each
+model listing of the node, with the listing's time, and a due load is an effect of that event
+(`LoadAdapter`): the reducer stays pure, and the prober (the leader's, in a fleet) loads through
+vLLM's runtime API (`controlplane.probes.load_adapter`), never the request path.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 import msgspec
 
 from controlplane.transitions import MODELS, StepBuilder
-from events.config import Config, ModelEntry, NodeConfig
-from events.state import AdapterLoad, AdapterLoadState, ClusterState, Discovery, Health, NodeState
+from events.config import Config, ModelEntry
+from events.state import AdapterLoad, AdapterLoadState, Discovery, Health, NodeState
 from events.types import AdapterLoaded, AdapterLoadFailed, AdapterLoadRequested
 
 LOAD_RETRY_SECONDS = 60.0
@@ -23,26 +24,19 @@ LOAD_RETRY_SECONDS = 60.0
 again (it failed, was never answered, or the node lost it)."""
 
 
-def loads_due(state: ClusterState) -> list[tuple[NodeConfig, ModelEntry]]:
-    """Each (node, adapter) whose load is due now (the module's rule), in config order."""
-    config = state.config
-    adapters = config.loaded_adapters() if config is not None else {}
-    due: list[tuple[NodeConfig, ModelEntry]] = []
-    if not adapters:
-        return due
-    for node_config in config.nodes:
-        node = state.nodes.get(node_config.ip)
-        if node is None or node.status != Health.HEALTHY or node.is_offline(state.at):
+def adapters_due(node: NodeState, config: Config, now: float) -> list[ModelEntry]:
+    """The configured adapters whose load onto `node` is due at `now` (the module's rule)."""
+    adapters = config.loaded_adapters()
+    if not adapters or node.status != Health.HEALTHY or node.is_offline(now) or node.models.state != Discovery.KNOWN:
+        return []
+    listed = node.models.listed
+    due = []
+    for entry in adapters.values():
+        if entry.ring != node.ring or entry.parent not in listed or entry.name in listed:
             continue
-        if node.models.state != Discovery.KNOWN:
-            continue
-        listed = node.models.listed
-        for entry in adapters.values():
-            if entry.ring != node.ring or entry.parent not in listed or entry.name in listed:
-                continue
-            last = node.adapter_load(entry.name)
-            if last is None or state.at - last.at >= LOAD_RETRY_SECONDS:
-                due.append((node_config, entry))
+        last = node.adapter_load(entry.name)
+        if last is None or now - last.at >= LOAD_RETRY_SECONDS:
+            due.append(entry)
     return due
 
 

@@ -2,14 +2,16 @@
 lines that say so (plinth §8.2-§8.5).
 
 The state machine (`next_discovery`) and its transition log (`models_listed`) live together
-here; the reducer only dispatches the events.
+here; the reducer only dispatches the events. A listing is also when a configured LoRA adapter's
+load onto the node may fall due (`controlplane.adapters`).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from controlplane.transitions import MODELS, StepBuilder
+from controlplane.adapters import adapters_due
+from controlplane.transitions import MODELS, LoadAdapter, StepBuilder
 from events.config import Config
 from events.state import Discovery, ModelDiscovery, NodeState
 from events.types import ModelsListed
@@ -71,7 +73,9 @@ def models_listed(node: NodeState, event: ModelsListed, config: Config, out: Ste
         out.log(MODELS, "info", "node model list changed", node=node.ip, models=",".join(after.names or ()))
         for model in configured_models_missing(node.ring, after.names or (), config):
             out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
-    return msgspec.structs.replace(node, models=after)
+    node = msgspec.structs.replace(node, models=after)
+    out.effects.extend(LoadAdapter(node.ip, adapter.name) for adapter in adapters_due(node, config, event.at))
+    return node
 
 
 def configured_models_missing(ring: str, names: tuple[str, ...], config: Config) -> list[str]:

@@ -41,10 +41,9 @@ from controlplane.journals import open_configured_log
 from controlplane.keyfiles import UpstreamKeys
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.adapters import loads_due
 from controlplane.probes import ProbeClient, check_node, list_models, load_adapter, scrape_load
 from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
+from controlplane.transitions import Effect, LoadAdapter, Recheck, StartProbing, Step, StopProbing
 from events.config import Config, GatewayConfig, ModelEntry, NodeConfig
 from events.log import encode_event, last_seq
 from events.state import ClusterState
@@ -450,8 +449,8 @@ class Prober:
     node, and the ticker waits until that round's checks have all ended (plinth's blocking
     round). A second ticker task starts the load scrapes (`_scrape_load_ticks`). The probes are
     exchanges run together by one `Readiness` (one wait for every socket, one timer), whose
-    results a third task turns into events. Each round also starts the loads of the LoRA
-    adapters due (`controlplane.adapters`), a task each: they are rare, and may take long.
+    results a third task turns into events. A step's `LoadAdapter` starts the load of a LoRA
+    adapter (`controlplane.adapters`), a task each: they are rare, and may take long.
     """
 
     def __init__(self, client: ProbeClient, control_plane: ControlPlane) -> None:
@@ -491,6 +490,8 @@ class Prober:
                 self._start_probes(effect.node, discovery=False)
             elif isinstance(effect, StartProbing):
                 self._start_probes(effect.node, discovery=True)
+            elif isinstance(effect, LoadAdapter):
+                self._start_adapter_load(effect.node, effect.adapter)
             elif isinstance(effect, StopProbing) and self._nursery is not None:
                 # Rounds only probe the nodes of the current snapshot; its connections can go.
                 self._nursery.start_soon(self._client.forget, effect.node)
@@ -512,7 +513,6 @@ class Prober:
             config = self._control_plane.snapshot.config
             for node in config.nodes:
                 self._start_discovery(node)
-            self._start_adapter_loads()
             self._round_ended = trio.Event()
             for node in config.nodes:
                 if self._start_health_check(node):
@@ -548,14 +548,16 @@ class Prober:
         )
         self._readiness.start((_MODELS, node.ip), listing)
 
-    def _start_adapter_loads(self) -> None:
-        """Load each configured LoRA adapter that is due on a node (`adapters.loads_due`, on
-        the state the last round left), unless its load is under way."""
-        for node, adapter in loads_due(self._control_plane.snapshot):
-            key = (node.ip, adapter.name)
-            if key not in self._adapter_loads_in_flight:
-                self._adapter_loads_in_flight.add(key)
-                self._nursery.start_soon(self._load_adapter, node, adapter)
+    def _start_adapter_load(self, ip: str, name: str) -> None:
+        """Load a configured LoRA adapter onto a node (a step's `LoadAdapter`), unless a load of
+        it is under way there."""
+        config = self._control_plane.snapshot.config
+        node = config.node(ip) if config is not None else None
+        adapter = config.loaded_adapters().get(name) if config is not None else None
+        if self._nursery is None or node is None or adapter is None or (ip, name) in self._adapter_loads_in_flight:
+            return
+        self._adapter_loads_in_flight.add((ip, name))
+        self._nursery.start_soon(self._load_adapter, node, adapter)
 
     async def _load_adapter(self, node: NodeConfig, adapter: ModelEntry) -> None:
         """One load: its request as an event, the node's answer as another, then the node's
