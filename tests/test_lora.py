@@ -5,6 +5,8 @@ a configured adapter through vLLM's runtime API (each load's request and answer 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -108,15 +110,32 @@ async def test_a_request_for_an_adapter_goes_where_it_runs_and_never_where_it_wo
 async def test_the_gateway_loads_a_configured_adapter_and_records_why(tmp_path):
     """n1 serves the adapter's parent and lacks it: the prober loads it through vLLM's runtime
     API, requested and loaded are events, the node lists it, and the SDK's request is served."""
-    events = tmp_path / "events.jsonl"
+    events, decisions = tmp_path / "events.jsonl", tmp_path / "decisions.jsonl"
     adapters = {SQL: {"parent": MODEL, "lora_path": "/adapters/sql"}}
     specs = [lora_node("n1", 0, {}, max_lora=2)]
-    async with nodes_and_gateway(tmp_path, specs, adapters=adapters, event_log=str(events)) as ([n1], gateway):
+    logs = {"event_log": str(events), "decision_log": str(decisions)}
+    async with nodes_and_gateway(tmp_path, specs, adapters=adapters, **logs) as ([n1], gateway):
         await gateway.wait_for(lambda: SQL in gateway.node(n1.host).models.listed)
         async with sdk_client(gateway) as client:
-            answer = await client.chat.completions.create(model=SQL, messages=[{"role": "user", "content": "hi"}])
+            answer = await client.chat.completions.with_raw_response.create(
+                model=SQL, messages=[{"role": "user", "content": "hi"}]
+            )
         await gateway.wait_for(lambda: len(recorded(events, AdapterLoadRequested, AdapterLoaded)) == 2)
+        await gateway.wait_for(lambda: len(decision_records(decisions)) == 1)
         messages = gateway.log.messages(n1.host)
+    request_id = answer.headers["x-request-id"]
+    explained = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", request_id,
+         "--decisions", str(decisions)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert explained.returncode == 0, explained.stderr
+    assert f"the gateway's loads of the adapter {SQL}:" in explained.stdout
+    assert "adapter load requested (adapter=sql-lora, parent=test-model, lora_path=/adapters/sql, reason=node serves" in (
+        explained.stdout
+    )
+    assert f"{n1.host}: seq" in explained.stdout and "adapter loaded (adapter=sql-lora)" in explained.stdout
+    answer = answer.parse()
     assert answer.model == SQL
     [load] = [request for request in n1.requests if request.path == "/v1/load_lora_adapter"]
     assert load.method == "POST" and load.json() == {"lora_name": SQL, "lora_path": "/adapters/sql"}
