@@ -225,3 +225,26 @@ def test_a_scrape_keeps_a_bounded_number_of_adapter_names_and_counts_the_rest():
 def test_a_listing_keeps_each_adapters_parent():
     body = b'{"data":[{"id":"m","parent":null},{"id":"sql","parent":"m"},{"id":"x"}]}'
     assert parse_model_list(body) == (("m", "sql", "x"), (("sql", "m"),))
+
+
+async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does():
+    from controlplane.probes import parse_vllm_load
+    from fixtures.node import serve_nodes
+
+    async with serve_nodes([lora_node("n1", 0, {}, max_lora=2)]) as [node], httpx.AsyncClient(trust_env=False) as http:
+        loaded = await http.post(node.url + "/v1/load_lora_adapter", json={"lora_name": SQL, "lora_path": "/a"})
+        again = await http.post(node.url + "/v1/load_lora_adapter", json={"lora_name": SQL, "lora_path": "/a"})
+        listing = parse_model_list((await http.get(node.url + "/v1/models")).content)
+        answer = await http.post(node.url + CHAT, json=chat(SQL))
+        metrics = parse_vllm_load((await http.get(node.url + "/metrics")).content)
+        unloaded = await http.post(node.url + "/v1/unload_lora_adapter", json={"lora_name": SQL})
+        gone = await http.post(node.url + "/v1/unload_lora_adapter", json={"lora_name": SQL})
+        node.behaviour.lora_updates = False
+        refused = await http.post(node.url + "/v1/load_lora_adapter", json={"lora_name": SQL, "lora_path": "/a"})
+    assert loaded.status_code == 200 and loaded.text == f"Success: LoRA adapter '{SQL}' added successfully."
+    assert again.status_code == 400 and "has already been loaded" in again.json()["message"]
+    assert listing == ((MODEL, SQL), ((SQL, MODEL),))
+    assert answer.status_code == 200 and answer.json()["model"] == SQL
+    assert metrics.lora is not None and (metrics.lora.max_lora, metrics.lora.running, metrics.lora.waiting) == (2, (), ())
+    assert unloaded.status_code == 200 and gone.status_code == 404
+    assert refused.status_code == 404
