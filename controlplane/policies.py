@@ -30,6 +30,11 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
     none is known). A node 3× slower is passed over once it holds a third of the requests: counted
     in requests, the bound would let its queue run long, each of its requests staying 3× as long.
     The bound is rounded up to whole requests of the node.
+
+A request for a LoRA adapter (`routing.Route.adapter`) has affinity under every policy: the
+candidates are ranked by what their scrape says of the adapter (`lora_standing`: running it,
+having it, or running as many adapters as they may while others wait), and the policy chooses
+among those of the best standing; the others follow in the record, passed over.
 """
 
 from __future__ import annotations
@@ -147,7 +152,8 @@ def _with_lora_affinity(policy: Policy, pool: Sequence[NodeState], adapter: str,
     candidates = [msgspec.structs.replace(c, lora=standings[c.node]) for c in best.candidates]
     for passed_over in choices[1:]:
         candidates += [
-            msgspec.structs.replace(c, lora=standings[c.node], note=c.note or LORA_AVOIDED) for c in passed_over.candidates
+            msgspec.structs.replace(c, lora=standings[c.node], note=c.note or LORA_AVOIDED)
+            for c in passed_over.candidates
         ]
     return best._replace(candidates=tuple(candidates))
 

@@ -149,7 +149,6 @@ class ProbeClient:
             raise ProbeError(f'Get "{url}": timed out after {timeout:g}s') from None
         return ProbeResponse(status, body)
 
-
     async def post(
         self,
         host: str,
@@ -360,15 +359,15 @@ _LORA_INFO = b"vllm:lora_requests_info"
 the label set was last current (a new set is added whenever they change)."""
 
 _LOAD_SAMPLE = re.compile(
-    rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc|lora_requests_info"
-    rb"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
+    rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc"
+    rb"|lora_requests_info|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
     rb'[ \t]*(\{(?:[^"}\n]++|"(?:[^"\\\n]++|\\.)*+")*+\})?[ \t]+([^ \t\r\n]+)'
 )
 """One sample line of a load gauge, of the LoRA gauge, or of the token histogram's sum or count,
 in Prometheus' text format: the name at the start of a line (so `# HELP` and `# TYPE` never
 match), any labels (a quoted value may hold `}`, spaces and escaped quotes), whitespace, the
-value; a timestamp after it is ignored. A longer name (`vllm:num_requests_running_max`) does not match: its next
-character is neither `{` nor blank. The labels are read in runs that never give back
+value; a timestamp after it is ignored. A longer name (`vllm:num_requests_running_max`) does not
+match: its next character is neither `{` nor blank. The labels are read in runs that never give back
 (possessive quantifiers): what the parse costs is mostly the labels of the histograms' sums."""
 
 

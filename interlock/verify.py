@@ -138,7 +138,9 @@ Difference = tuple[str, str, str]
 """(field, recorded, derived)"""
 
 
-def _compare(decision: Decision, state: ClusterState, picker: Balancer, *, lacking: tuple[str, ...]) -> list[Difference]:
+def _compare(
+    decision: Decision, state: ClusterState, picker: Balancer, *, lacking: tuple[str, ...]
+) -> list[Difference]:
     """The differences between `decision` and its routing made again on `state`: the route,
     then each leg's pick (`whatif.legs_of`), a leg's only when the record holds every input it
     needs (`lacking` names those it lacks)."""

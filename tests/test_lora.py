@@ -131,9 +131,8 @@ async def test_the_gateway_loads_a_configured_adapter_and_records_why(tmp_path):
     )  # fmt: skip
     assert explained.returncode == 0, explained.stderr
     assert f"the gateway's loads of the adapter {SQL}:" in explained.stdout
-    assert "adapter load requested (adapter=sql-lora, parent=test-model, lora_path=/adapters/sql, reason=node serves" in (
-        explained.stdout
-    )
+    requested_line = "adapter load requested (adapter=sql-lora, parent=test-model, lora_path=/adapters/sql, reason="
+    assert requested_line + "node serves the parent and lacks the adapter)" in explained.stdout
     assert f"{n1.host}: seq" in explained.stdout and "adapter loaded (adapter=sql-lora)" in explained.stdout
     answer = answer.parse()
     assert answer.model == SQL
@@ -245,6 +244,7 @@ async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does(
     assert again.status_code == 400 and "has already been loaded" in again.json()["message"]
     assert listing == ((MODEL, SQL), ((SQL, MODEL),))
     assert answer.status_code == 200 and answer.json()["model"] == SQL
-    assert metrics.lora is not None and (metrics.lora.max_lora, metrics.lora.running, metrics.lora.waiting) == (2, (), ())
+    lora = metrics.lora
+    assert lora is not None and (lora.max_lora, lora.running, lora.waiting) == (2, (), ())
     assert unloaded.status_code == 200 and gone.status_code == 404
     assert refused.status_code == 404

@@ -40,7 +40,8 @@ def model_node_series(page: str) -> set[str]:
 
 
 def test_a_listing_of_more_ids_than_the_cap_is_an_error_naming_the_count():
-    assert len(parse_model_list(model_list([f"m{index}" for index in range(MAX_LISTED_MODELS)])).ids) == MAX_LISTED_MODELS
+    listing = parse_model_list(model_list([f"m{index}" for index in range(MAX_LISTED_MODELS)]))
+    assert len(listing.ids) == MAX_LISTED_MODELS
     with pytest.raises(ProbeError) as caught:
         parse_model_list(model_list([f"m{index}" for index in range(MAX_LISTED_MODELS + 1)]))
     assert str(caught.value) == (
