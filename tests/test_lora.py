@@ -248,3 +248,23 @@ async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does(
     assert lora is not None and (lora.max_lora, lora.running, lora.waiting) == (2, (), ())
     assert unloaded.status_code == 200 and gone.status_code == 404
     assert refused.status_code == 404
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ('name = "sql"\nlora_path = "/a"', 'adapter "sql" has a lora_path but no parent'),
+        ('name = "sql"\nparent = "sql"', 'adapter "sql" names itself as its parent'),
+        ('name = "sql"\nparent = "m"\ntarget = "m"', 'alias "sql" cannot be an adapter too'),
+        ('name = "sql"\nparent = "chat"\n[[models.available]]\nname = "chat"\ntarget = "m"',
+         'adapter "sql" names the alias "chat" as its parent'),  # fmt: skip
+    ],
+)
+def test_an_adapter_that_cannot_be_loaded_is_refused_naming_its_key(tmp_path, entry, message):
+    from controlplane.config import ConfigError, load_config
+
+    path = tmp_path / "gateway.toml"
+    path.write_text(f'[[nodes]]\nip = "10.0.0.1"\n[[models.available]]\nname = "m"\n[[models.available]]\n{entry}\n')
+    with pytest.raises(ConfigError) as caught:
+        load_config(str(path))
+    assert caught.value.key == "models.available[1].parent" and message in str(caught.value)
