@@ -22,6 +22,7 @@ from controlplane.probes import parse_lora_labels, parse_model_list
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.transitions import LoadAdapter
 from events.config import Config, ModelEntry, ModelsConfig, NodeConfig
+from events.decisions import read_decisions_with_gaps
 from events.log import read_events
 from events.state import MAX_LORA_ADAPTERS, AdapterLoadState
 from events.types import (
@@ -34,6 +35,7 @@ from events.types import (
     RunStarted,
 )
 from fixtures.node import NodeSpec, SimulatedNode
+from interlock.verify import verify
 from journal.segments import list_segments
 
 from harness import MODEL, chat, decision_records, error_message, nodes_and_gateway
@@ -86,8 +88,8 @@ async def test_a_request_for_an_adapter_goes_where_it_runs_and_never_where_it_wo
         lora_node("b", 1, {SQL: MODEL}),
         lora_node("c", 2, {SQL: MODEL, "other": MODEL, "third": MODEL}),
     ]
-    decisions = tmp_path / "decisions.jsonl"
-    config = {"routing": {"policy": policy, **SCRAPED}, "decision_log": str(decisions)}
+    events, decisions = tmp_path / "events.jsonl", tmp_path / "decisions.jsonl"
+    config = {"routing": {"policy": policy, **SCRAPED}, "decision_log": str(decisions), "event_log": str(events)}
     async with nodes_and_gateway(tmp_path, specs, **config) as ([a, b, c], gateway):
         await gateway.discovered()
         async with held(b, SQL), held(c, "other", "third"):
@@ -105,6 +107,8 @@ async def test_a_request_for_an_adapter_goes_where_it_runs_and_never_where_it_wo
         (b.host, LORA_RUNNING, ""), (a.host, LORA_LOADED, LORA_AVOIDED), (c.host, LORA_FULL, LORA_AVOIDED)
     ]  # fmt: skip
     assert not [request for request in chats(c) if request.json()["model"] == SQL]
+    report = verify([events], read_decisions_with_gaps([decisions]))  # the standings made again from the log
+    assert (report.verified, report.divergent) == (1, 0), report.divergences
 
 
 async def test_the_gateway_loads_a_configured_adapter_and_records_why(tmp_path):
