@@ -41,12 +41,14 @@ class Balancer:
         request_id: str,
         prefix: str,
         load_bound: float,
+        adapter: str = "",
     ) -> Choice:
         """The data plane's pick from `pool` (not empty), with every candidate's score (`scored`,
-        or any policy but round robin; round robin unscored is plinth's pick and nothing more)."""
+        any policy but round robin, or a LoRA `adapter`'s affinity; round robin unscored is
+        plinth's pick and nothing more)."""
         rotation = self.rotation
         self.rotation += 1
-        if policy == ROUND_ROBIN and not scored:
+        if policy == ROUND_ROBIN and not scored and not adapter:
             return Choice(pool[rotation % len(pool)], (), None)
         return self.choose(
             pool,
@@ -56,6 +58,7 @@ class Balancer:
             request_id=request_id,
             prefix=prefix,
             load_bound=load_bound,
+            adapter=adapter,
         )
 
     def choose(
@@ -69,10 +72,11 @@ class Balancer:
         prefix: str,
         load_bound: float,
         remembered: str | None = None,
+        adapter: str = "",
     ) -> Choice:
-        """`policy`'s choice from `pool` (not empty), scored. Prefix affinity starts from the
-        node the prefix last went to (`remembered` when given: a recorded pick's), and
-        remembers the one it chose."""
+        """`policy`'s choice from `pool` (not empty), scored, with a LoRA `adapter`'s affinity
+        when given. Prefix affinity starts from the node the prefix last went to (`remembered`
+        when given: a recorded pick's), and remembers the one it chose."""
         affine = policy == PREFIX_AFFINITY and bool(prefix)
         if remembered is None:
             remembered = self.prefixes.node_of(prefix) if affine else ""
@@ -85,6 +89,7 @@ class Balancer:
             prefix=prefix,
             load_bound=load_bound,
             remembered=remembered,
+            adapter=adapter,
         )
         if affine:
             self.prefixes.remember(prefix, choice.node.ip)

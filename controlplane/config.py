@@ -440,6 +440,7 @@ def _validate(path: str, config: Config) -> Config:
 
     _check_addresses_and_models(invalid, config)
     _check_aliases(invalid, config)
+    _check_adapters(invalid, config)
     _check_routing(invalid, config)
     _check_fleet(invalid, config.fleet)
     gateway = replace(
@@ -620,6 +621,31 @@ def _check_aliases(invalid: Callable[[str, str], ConfigError], config: Config) -
                     f"alias {go_quote(model.name)} is routed as its target {go_quote(model.target)}: "
                     f"set {setting} on the target's entry",
                 )
+
+
+def _check_adapters(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
+    """A LoRA adapter (`parent`) applies to a base model other than itself, is no alias, and is
+    loaded (`lora_path`) only with its parent named."""
+    aliases = config.aliases()
+    for index, model in enumerate(config.models.available):
+        key = f"models.available[{index}]"
+        if model.lora_path and not model.parent:
+            raise invalid(
+                f"{key}.parent",
+                f"adapter {go_quote(model.name)} has a lora_path but no parent: name the base model it is loaded onto",
+            )
+        if not model.parent:
+            continue
+        if model.target:
+            raise invalid(f"{key}.parent", f"alias {go_quote(model.name)} cannot be an adapter too (target and parent)")
+        if model.parent == model.name:
+            raise invalid(f"{key}.parent", f"adapter {go_quote(model.name)} names itself as its parent")
+        if model.parent in aliases:
+            raise invalid(
+                f"{key}.parent",
+                f"adapter {go_quote(model.name)} names the alias {go_quote(model.parent)} as its parent "
+                "(a parent must be a served model)",
+            )
 
 
 def _check_routing(invalid: Callable[[str, str], ConfigError], config: Config) -> None:

@@ -2,14 +2,16 @@
 lines that say so (plinth §8.2-§8.5).
 
 The state machine (`next_discovery`) and its transition log (`models_listed`) live together
-here; the reducer only dispatches the events.
+here; the reducer only dispatches the events. A listing is also when a configured LoRA adapter's
+load onto the node may fall due (`controlplane.adapters`).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from controlplane.transitions import MODELS, StepBuilder
+from controlplane.adapters import adapters_due
+from controlplane.transitions import MODELS, LoadAdapter, StepBuilder
 from events.config import Config
 from events.state import Discovery, ModelDiscovery, NodeState
 from events.types import ModelsListed
@@ -20,12 +22,18 @@ still loading its model)."""
 
 
 def next_discovery(
-    before: ModelDiscovery, names: tuple[str, ...] | None, error: str, threshold: int, now: float
+    before: ModelDiscovery,
+    names: tuple[str, ...] | None,
+    error: str,
+    threshold: int,
+    now: float,
+    parents: tuple[tuple[str, str], ...] = (),
 ) -> tuple[ModelDiscovery, bool]:
     """plinth's applyResult (§8.2): the next record and whether the model list changed.
 
     `names` is None exactly when the fetch failed with `error`; `threshold` is the number of
-    consecutive failures after which the list expires.
+    consecutive failures after which the list expires; `parents` are the listed adapters' base
+    models, kept with the list.
     """
     if names is None:
         fails = before.fails + 1
@@ -37,8 +45,8 @@ def next_discovery(
             state = before.state
         return msgspec.structs.replace(before, state=state, fails=fails, empties=0, last_error=error), False
     if names:
-        changed = before.names != names
-        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now), changed
+        changed = before.names != names or before.parents != parents
+        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now, parents=parents), changed
     empties = before.empties + 1
     if empties >= EMPTIES_BEFORE_KNOWN_EMPTY:
         changed = bool(before.names)
@@ -49,7 +57,7 @@ def next_discovery(
 def models_listed(node: NodeState, event: ModelsListed, config: Config, out: StepBuilder) -> NodeState:
     before = node.models
     after, list_changed = next_discovery(
-        before, event.models, event.error, config.gateway.health_fail_threshold, event.at
+        before, event.models, event.error, config.gateway.health_fail_threshold, event.at, event.parents
     )
     if after.state != before.state:
         if after.state == Discovery.KNOWN_EMPTY:
@@ -65,18 +73,21 @@ def models_listed(node: NodeState, event: ModelsListed, config: Config, out: Ste
         out.log(MODELS, "info", "node model list changed", node=node.ip, models=",".join(after.names or ()))
         for model in configured_models_missing(node.ring, after.names or (), config):
             out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
-    return msgspec.structs.replace(node, models=after)
+    node = msgspec.structs.replace(node, models=after)
+    out.effects.extend(LoadAdapter(node.ip, adapter.name) for adapter in adapters_due(node, config, event.at))
+    return node
 
 
 def configured_models_missing(ring: str, names: tuple[str, ...], config: Config) -> list[str]:
     """plinth's warnConfigModelsMissing (§8.5): configured models a node of `ring` ("" for a
-    standalone node) should serve but does not (`names`)."""
+    standalone node) should serve but does not (`names`). Adapters are left out: a node serves
+    one only once loaded."""
     missing = []
     available_names = set()
     listed = frozenset(names)
     for entry in config.models.available:
         available_names.add(entry.name)
-        if entry.ring == ring and entry.name and not entry.target and entry.name not in listed:
+        if entry.ring == ring and entry.name and not entry.target and not entry.parent and entry.name not in listed:
             missing.append(entry.name)
     default = config.models.default
     if default and default not in available_names and default not in listed:

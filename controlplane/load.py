@@ -34,6 +34,7 @@ def load_scraped(node: NodeState, event: LoadScraped, config: Config, out: StepB
             token_seconds=event.token_seconds,
             tokens=event.tokens,
             scraped_at=event.at,
+            lora=event.lora,
         )
     return msgspec.structs.replace(node, load=load)
 

@@ -30,6 +30,11 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
     none is known). A node 3× slower is passed over once it holds a third of the requests: counted
     in requests, the bound would let its queue run long, each of its requests staying 3× as long.
     The bound is rounded up to whole requests of the node.
+
+A request for a LoRA adapter (`routing.Route.adapter`) has affinity under every policy: the
+candidates are ranked by what their scrape says of the adapter (`lora_standing`: running it,
+having it, or running as many adapters as they may while others wait), and the policy chooses
+among those of the best standing; the others follow in the record, passed over.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import msgspec
+
 from events.config import DEFAULT_LOAD_BOUND, POLICIES, Policy
 from events.decisions import CandidateScore
 from events.state import NodeState
@@ -49,7 +56,14 @@ ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY = POLICIES
 
 NOT_DRAWN = "not drawn"
 OVER_LOAD_BOUND = "load bound"
+LORA_AVOIDED = "lora affinity"
 """Notes on candidates passed over other than by their score."""
+
+LORA_RUNNING, LORA_LOADED, LORA_FULL = "running", "loaded", "full"
+"""What a candidate's scrape says of a request's LoRA adapter, best first: the node runs it (a
+running request uses it), has it (it lists the adapter; or its scrape is unknown), or runs as
+many adapters as it may (`max_lora`) while requests for others wait (this one would wait too)."""
+LORA_STANDINGS = (LORA_RUNNING, LORA_LOADED, LORA_FULL)
 
 
 class Choice(NamedTuple):
@@ -94,10 +108,18 @@ def choose(
     prefix: str = "",
     load_bound: float = DEFAULT_LOAD_BOUND,
     remembered: str = "",
+    adapter: str = "",
 ) -> Choice:
     """The node `policy` picks from `pool` (non-empty, in routing's order), with every
     candidate's score; an unknown policy name is round robin (a config names only known ones).
-    `remembered` is the node the prefix last went to (prefix affinity's only)."""
+    `remembered` is the node the prefix last went to (prefix affinity's only). A request for a
+    LoRA `adapter` is picked among the candidates of the best standing (`lora_standing`), the
+    others listed after them, passed over (LORA_AVOIDED), each with its standing."""
+    if adapter:
+        return _with_lora_affinity(
+            policy, pool, adapter, rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix,
+            load_bound=load_bound, remembered=remembered,
+        )  # fmt: skip
     if policy == LEAST_LOAD:
         return _least_load(pool, rotation, in_flight)
     if policy == POWER_OF_TWO:
@@ -105,6 +127,35 @@ def choose(
     if policy == PREFIX_AFFINITY:
         return _prefix_affinity(pool, in_flight, prefix, load_bound, remembered)
     return _round_robin(pool, rotation, in_flight)
+
+
+def lora_standing(node: NodeState, adapter: str) -> str:
+    """LORA_RUNNING, LORA_LOADED or LORA_FULL: what the node's last scrape says of `adapter`."""
+    load = node.load
+    lora = load.lora
+    if not load.known or lora is None:
+        return LORA_LOADED
+    if adapter in lora.running:
+        return LORA_RUNNING
+    if lora.max_lora and len(lora.running) >= lora.max_lora and any(name != adapter for name in lora.waiting):
+        return LORA_FULL
+    return LORA_LOADED
+
+
+def _with_lora_affinity(policy: Policy, pool: Sequence[NodeState], adapter: str, **inputs) -> Choice:
+    """The policy's choice among the candidates of the best standing; the candidates of each
+    other standing follow, as the policy orders them, noted LORA_AVOIDED."""
+    standings = {node.ip: lora_standing(node, adapter) for node in pool}
+    tiers = [[node for node in pool if standings[node.ip] == standing] for standing in LORA_STANDINGS]
+    choices = [choose(policy, tier, **inputs) for tier in tiers if tier]
+    best = choices[0]
+    candidates = [msgspec.structs.replace(c, lora=standings[c.node]) for c in best.candidates]
+    for passed_over in choices[1:]:
+        candidates += [
+            msgspec.structs.replace(c, lora=standings[c.node], note=c.note or LORA_AVOIDED)
+            for c in passed_over.candidates
+        ]
+    return best._replace(candidates=tuple(candidates))
 
 
 def node_loads(pool: Sequence[NodeState], in_flight: Mapping[str, int]) -> list[float]:

@@ -21,11 +21,21 @@ import ssl
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import msgspec
 import trio
 
-from events.config import NodeConfig
-from events.state import GpuSample
-from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped, HealthProbed, LoadScraped, ModelsListed, ProbeCrashed
+from events.config import ModelEntry, NodeConfig
+from events.state import MAX_LORA_ADAPTERS, GpuSample, LoraInfo
+from events.types import (
+    MAX_MODEL_NAME_LENGTH,
+    AdapterLoaded,
+    AdapterLoadFailed,
+    GpuScraped,
+    HealthProbed,
+    LoadScraped,
+    ModelsListed,
+    ProbeCrashed,
+)
 from transport.http11 import BodyTooLarge, HttpClient, HttpError
 from transport.steps import PreparedRequest, request_steps
 from transport.readiness import Exchange, InThread, TimedOut, drive
@@ -138,6 +148,37 @@ class ProbeClient:
             url = node_url(host, port, path, tls is not None)
             raise ProbeError(f'Get "{url}": timed out after {timeout:g}s') from None
         return ProbeResponse(status, body)
+
+    async def post(
+        self,
+        host: str,
+        port: int,
+        path: bytes,
+        body: bytes,
+        timeout: float,
+        authorization: bytes = b"",
+        tls: ssl.SSLContext | None = None,
+    ) -> ProbeResponse:
+        """The status and body of a JSON `POST path` (the control plane's rare requests to a
+        node, such as loading an adapter); ProbeError as `get_steps`."""
+        headers = [*_HEADERS, (b"content-type", b"application/json")]
+        if authorization:
+            headers.append((b"authorization", authorization))
+        url = node_url(host, port, path, tls is not None)
+        with trio.move_on_after(timeout):
+            try:
+                response = await self._http.request(
+                    b"POST", host, port, path, headers, body, connect_timeout=timeout, tls=tls
+                )
+                try:
+                    return ProbeResponse(response.status, await response.read_body(self.max_body_bytes))
+                finally:
+                    response.close()
+            except BodyTooLarge as exc:
+                raise ProbeError(str(exc)) from None
+            except HttpError as exc:
+                raise ProbeError(f'Post "{url}": {exc}') from None
+        raise ProbeError(f'Post "{url}": timed out after {timeout:g}s')
 
 
 def parsed(parse: Callable[[bytes], Any], body: bytes) -> Exchange:
@@ -297,6 +338,7 @@ def scrape_load(
         kv_cache_usage=load.kv_cache_usage,
         token_seconds=load.token_seconds,
         tokens=load.tokens,
+        lora=load.lora,
     )
 
 
@@ -312,16 +354,20 @@ _TOKEN_HISTOGRAMS = (b"vllm:inter_token_latency_seconds", b"vllm:time_per_output
 """The histogram of the time between two output tokens, under vLLM's newer name and its older
 one; when a node exports both, the newer one is read."""
 
+_LORA_INFO = b"vllm:lora_requests_info"
+"""vLLM's LoRA gauge: its labels name the adapters running and waiting, its value is the time
+the label set was last current (a new set is added whenever they change)."""
+
 _LOAD_SAMPLE = re.compile(
     rb"\n(vllm:(?:num_requests_running|num_requests_waiting|kv_cache_usage_perc|gpu_cache_usage_perc"
-    rb"|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
-    rb'[ \t]*(?:\{(?:[^"}\n]++|"(?:[^"\\\n]++|\\.)*+")*+\})?[ \t]+([^ \t\r\n]+)'
+    rb"|lora_requests_info|(?:inter_token_latency|time_per_output_token)_seconds_(?:sum|count)))"
+    rb'[ \t]*(\{(?:[^"}\n]++|"(?:[^"\\\n]++|\\.)*+")*+\})?[ \t]+([^ \t\r\n]+)'
 )
-"""One sample line of a load gauge, or of the token histogram's sum or count, in Prometheus'
-text format: the name at the start of a line (so `# HELP` and `# TYPE` never match), any labels
-(a quoted value may hold `}`, spaces and escaped quotes), whitespace, the value; a timestamp
-after it is ignored. A longer name (`vllm:num_requests_running_max`) does not match: its next
-character is neither `{` nor blank. The labels are read in runs that never give back
+"""One sample line of a load gauge, of the LoRA gauge, or of the token histogram's sum or count,
+in Prometheus' text format: the name at the start of a line (so `# HELP` and `# TYPE` never
+match), any labels (a quoted value may hold `}`, spaces and escaped quotes), whitespace, the
+value; a timestamp after it is ignored. A longer name (`vllm:num_requests_running_max`) does not
+match: its next character is neither `{` nor blank. The labels are read in runs that never give back
 (possessive quantifiers): what the parse costs is mostly the labels of the histograms' sums."""
 
 
@@ -335,6 +381,7 @@ class VllmLoad(NamedTuple):
     """The token histogram's sum: seconds between output tokens, counted since the node started."""
     tokens: float | None = None
     """The token histogram's count: the gaps between output tokens summed in `token_seconds`."""
+    lora: LoraInfo | None = None
 
 
 def parse_vllm_load(body: bytes) -> VllmLoad:
@@ -348,12 +395,18 @@ def parse_vllm_load(body: bytes) -> VllmLoad:
     sums: dict[bytes, float] = {}
     samples: dict[bytes, int] = {}
     kv_cache_usage = None
+    lora: tuple[float, bytes] | None = None
+    """The newest LoRA sample: its value and its labels."""
     for match in _LOAD_SAMPLE.finditer(b"\n" + body):
-        name, text = match.groups()
+        name, labels, text = match.groups()
+        value = parse_sample_value(text.decode("latin-1"))
+        if name == _LORA_INFO:  # label sets pile up as adapters come and go: only the newest counts
+            if value is not None and math.isfinite(value) and (lora is None or value >= lora[0]):
+                lora = value, labels or b""
+            continue
         samples[name] = count = samples.get(name, 0) + 1
         if count > MAX_LOAD_LABEL_SETS:
             raise ProbeError(f"{name.decode()}: more than {MAX_LOAD_LABEL_SETS} label sets")
-        value = parse_sample_value(text.decode("latin-1"))
         if value is None or not (math.isfinite(value) and value >= 0):
             continue
         if name in _KV_CACHE_USAGE:
@@ -367,11 +420,78 @@ def parse_vllm_load(body: bytes) -> VllmLoad:
         if histogram + b"_sum" in sums and histogram + b"_count" in sums:
             token_seconds, tokens = sums[histogram + b"_sum"], sums[histogram + b"_count"]
             break
-    return VllmLoad(sums.get(_RUNNING, 0.0), sums.get(_WAITING, 0.0), kv_cache_usage, token_seconds, tokens)
+    lora_info = parse_lora_labels(lora[1]) if lora is not None else None
+    return VllmLoad(sums.get(_RUNNING, 0.0), sums.get(_WAITING, 0.0), kv_cache_usage, token_seconds, tokens, lora_info)
+
+
+_LABEL = re.compile(rb'([A-Za-z_][A-Za-z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\]|\\.)*)"')
+_LABEL_ESCAPES = re.compile(rb"\\(.)")
+MAX_LORA_SLOTS = 1 << 16
+"""The largest `max_lora` kept (vLLM's `--max-loras` is a handful); a larger figure is read as this."""
+
+
+def parse_lora_labels(labels: bytes) -> LoraInfo:
+    """The `max_lora`, `running_lora_adapters` and `waiting_lora_adapters` labels of a
+    `vllm:lora_requests_info` sample (the adapters comma-separated). Each list keeps at most
+    MAX_LORA_ADAPTERS names of at most MAX_MODEL_NAME_LENGTH characters; the others are counted
+    in `truncated`."""
+    values = {
+        name: _LABEL_ESCAPES.sub(lambda escape: b"\n" if escape[1] == b"n" else escape[1], value)
+        for name, value in _LABEL.findall(labels)
+    }
+    truncated = 0
+
+    def adapters(label: bytes) -> tuple[str, ...]:
+        nonlocal truncated
+        names = [name for name in values.get(label, b"").decode("utf-8", "replace").split(",") if name]
+        kept = [name for name in names if len(name) <= MAX_MODEL_NAME_LENGTH][:MAX_LORA_ADAPTERS]
+        truncated += len(names) - len(kept)
+        return tuple(kept)
+
+    slots = values.get(b"max_lora", b"").strip()
+    max_lora = min(int(slots), MAX_LORA_SLOTS) if slots.isdigit() else 0
+    running, waiting = adapters(b"running_lora_adapters"), adapters(b"waiting_lora_adapters")
+    return LoraInfo(max_lora=max_lora, running=running, waiting=waiting, truncated=truncated)
 
 
 def _capped(error: str) -> str:
     return error if len(error) <= MAX_LOAD_ERROR_CHARS else error[: MAX_LOAD_ERROR_CHARS - 1] + "…"
+
+
+# --- loading a LoRA adapter (vLLM's runtime API) --------------------------------------------
+
+ADAPTER_LOAD_TIMEOUT = 120.0
+"""Seconds a node may take to answer a load of an adapter (vLLM may fetch it from a hub first)."""
+
+_ALREADY_LOADED = b"has already been loaded"
+"""vLLM's 400 for an adapter it has: the load's purpose is met."""
+
+
+async def load_adapter(
+    client: ProbeClient,
+    node: NodeConfig,
+    adapter: ModelEntry,
+    *,
+    now: Clock,
+    authorization: bytes = b"",
+    tls: ssl.SSLContext | None = None,
+) -> AdapterLoaded | AdapterLoadFailed:
+    """`POST /v1/load_lora_adapter {"lora_name", "lora_path"}` (vLLM run with
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): AdapterLoaded when the node has the adapter, else
+    AdapterLoadFailed with its status and answer, or the transport error (capped). Never raises
+    (cancellation aside)."""
+    body = msgspec.json.encode({"lora_name": adapter.name, "lora_path": adapter.lora_path})
+    try:
+        response = await client.post(
+            node.ip, node.vllm_port, b"/v1/load_lora_adapter", body, ADAPTER_LOAD_TIMEOUT, authorization, tls
+        )
+    except ProbeError as exc:
+        return AdapterLoadFailed(at=now(), node=node.ip, adapter=adapter.name, error=_capped(str(exc)))
+    if response.status == 200 or (response.status == 400 and _ALREADY_LOADED in response.body):
+        return AdapterLoaded(at=now(), node=node.ip, adapter=adapter.name)
+    answer = response.body.decode("utf-8", "replace")
+    error = _capped(f"load_lora_adapter returned status {response.status}: {answer}")
+    return AdapterLoadFailed(at=now(), node=node.ip, adapter=adapter.name, error=error, status=response.status)
 
 
 # --- model discovery (GH-31) ----------------------------------------------------------------
@@ -393,12 +513,12 @@ def list_models(
         response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization, tls)
         if response.status != 200:
             raise ProbeError(f"models endpoint returned status {response.status}")
-        models = yield from parsed(parse_model_list, response.body)
+        listing = yield from parsed(parse_model_list, response.body)
     except ProbeError as exc:
         return ModelsListed(at=now(), node=node.ip, error=str(exc))
     except Exception as exc:  # a bug must cost one listing, never the discovery loop
         return ModelsListed(at=now(), node=node.ip, error=f"model listing crashed: {type(exc).__name__}: {exc}")
-    return ModelsListed(at=now(), node=node.ip, models=models)
+    return ModelsListed(at=now(), node=node.ip, models=listing.ids, parents=listing.parents)
 
 
 MISSING_DATA = "parse model list: missing data field"
@@ -413,8 +533,17 @@ def _reject_constant(name: str) -> Any:
 _json_decoder = json.JSONDecoder(parse_constant=_reject_constant)
 
 
-def parse_model_list(body: bytes) -> tuple[str, ...]:
-    """The ids of an OpenAI model list, as plinth decodes it with Go's encoding/json.
+class ModelListing(NamedTuple):
+    ids: tuple[str, ...]
+    """Every entry's id, in the node's order."""
+    parents: tuple[tuple[str, str], ...]
+    """The entries with a `parent` (vLLM's loaded LoRA adapters), each with it."""
+
+
+def parse_model_list(body: bytes) -> ModelListing:
+    """The ids of an OpenAI model list, as plinth decodes it with Go's encoding/json, and the
+    parent of each entry that has one (a string, at most MAX_MODEL_NAME_LENGTH characters, or
+    the listing is an error; null or absent: not an adapter).
 
     Only the first JSON value counts (trailing bytes are ignored); a body without `data` (or
     with `data: null`) is an error, so an error object on HTTP 200 is never an empty list;
@@ -439,7 +568,8 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
         raise ProbeError(f"parse model list: data is {_json_kind(data)}, not an array")
     if len(data) > MAX_LISTED_MODELS:
         raise ProbeError(f"parse model list: {len(data)} models, more than the {MAX_LISTED_MODELS} a node may list")
-    ids = []
+    ids: list[str] = []
+    parents: list[tuple[str, str]] = []
     for index, item in enumerate(data):
         if item is not None and not isinstance(item, dict):
             raise ProbeError(f"parse model list: data[{index}] is {_json_kind(item)}, not an object")
@@ -452,7 +582,15 @@ def parse_model_list(body: bytes) -> tuple[str, ...]:
                 f" the {MAX_MODEL_NAME_LENGTH} a model name may have"
             )
         ids.append(_without_lone_surrogates(model_id or ""))
-    return tuple(ids)
+        parent = _field(item, "parent") if item is not None else None
+        if parent is not None:
+            if not isinstance(parent, str) or len(parent) > MAX_MODEL_NAME_LENGTH:
+                raise ProbeError(
+                    f"parse model list: data[{index}].parent is not a model name (a string of at most"
+                    f" {MAX_MODEL_NAME_LENGTH} characters)"
+                )
+            parents.append((ids[-1], _without_lone_surrogates(parent)))
+    return ModelListing(tuple(ids), tuple(parents))
 
 
 def _field(document: dict[str, Any], name: str) -> Any:

@@ -6,7 +6,8 @@ new state and the same `Step` (the transitions to log and the effects to run), b
 folding it over a recorded event log reproduces every state and every transition line of the
 live run. Cluster events (run, reload, stop) are handled here; node events go to the handler of
 the rule they feed: health (`controlplane.health`), model discovery (`controlplane.discovery`),
-load (`controlplane.load`), and the data plane's offline skip-set (here).
+load (`controlplane.load`), the loads of LoRA adapters (`controlplane.adapters`), and the data
+plane's offline skip-set (here).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from controlplane.adapters import adapter_load_failed, adapter_load_requested, adapter_loaded
 from controlplane.discovery import models_listed
 from controlplane.health import gpu_scraped, health_probed, probe_crashed
 from controlplane.load import load_scraped
@@ -32,6 +34,9 @@ from controlplane.transitions import (
 from events.config import Config
 from events.state import ClusterState, NodeMap, NodeState, node_mapping, with_node
 from events.types import (
+    AdapterLoaded,
+    AdapterLoadFailed,
+    AdapterLoadRequested,
     Checkpoint,
     ConfigReloaded,
     Event,
@@ -178,6 +183,9 @@ _NODE_HANDLERS: dict[type, Callable[[NodeState, Event, Config, StepBuilder], Nod
     LoadScraped: load_scraped,
     UpstreamFailed: _upstream_failed,
     UpstreamRecovered: _upstream_recovered,
+    AdapterLoadRequested: adapter_load_requested,
+    AdapterLoaded: adapter_loaded,
+    AdapterLoadFailed: adapter_load_failed,
 }
 """Events about one node (`event.node`): the handler gets that node and returns it, changed or not."""
 

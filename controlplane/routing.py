@@ -101,9 +101,9 @@ class Route:
     the model filter keeps and those it drops (with their reasons); when no candidate is left,
     whether the model is unknown (`is_unknown_model`). When a candidate has the role `prefill`
     or `decode` (`NodeConfig.role`), a generation is served in two legs: `legs` holds the
-    candidates of each (prefill, then decode), else it is None."""
+    candidates of each (prefill, then decode), else it is None. `adapter` names a LoRA adapter."""
 
-    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown", "legs")
+    __slots__ = ("ring", "ring_pool", "candidates", "excluded", "exclusion_counts", "unknown", "legs", "adapter")
 
     def __init__(self, state: ClusterState, model: str) -> None:
         self.ring = model_ring(state, model)
@@ -118,6 +118,16 @@ class Route:
             counts[reason] = counts.get(reason, 0) + 1
         self.exclusion_counts = tuple(counts.items())
         self.legs = disaggregated_legs(state, candidates)
+        self.adapter = model if is_adapter(state, model, candidates) else ""
+        """The model when it is a LoRA adapter (a pick then prefers the nodes that run it), else ""."""
+
+
+def is_adapter(state: ClusterState, model: str, candidates: list[NodeState]) -> bool:
+    """Whether `model` is a LoRA adapter: configured with a `parent`, or listed with one by a candidate."""
+    config = state.config
+    if config is not None and any(entry.name == model and entry.parent for entry in config.models.available):
+        return True
+    return any(model in node.models.adapters for node in candidates)
 
 
 def disaggregated_legs(

@@ -41,13 +41,21 @@ from controlplane.journals import open_configured_log
 from controlplane.keyfiles import UpstreamKeys
 from controlplane.logs import JsonLog
 from controlplane.metrics import ControlPlaneMetrics
-from controlplane.probes import ProbeClient, check_node, list_models, scrape_load
+from controlplane.probes import ProbeClient, check_node, list_models, load_adapter, scrape_load
 from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.transitions import Effect, Recheck, StartProbing, Step, StopProbing
-from events.config import Config, GatewayConfig, NodeConfig
+from controlplane.transitions import Effect, LoadAdapter, Recheck, StartProbing, Step, StopProbing
+from events.config import Config, GatewayConfig, ModelEntry, NodeConfig
 from events.log import encode_event, last_seq
 from events.state import ClusterState
-from events.types import Checkpoint, ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
+from events.types import (
+    AdapterLoadRequested,
+    Checkpoint,
+    ConfigReloaded,
+    Event,
+    ReloadRejected,
+    RunStarted,
+    RunStopped,
+)
 from journal.writer import LogAppender
 from transport.readiness import Readiness
 
@@ -441,7 +449,8 @@ class Prober:
     node, and the ticker waits until that round's checks have all ended (plinth's blocking
     round). A second ticker task starts the load scrapes (`_scrape_load_ticks`). The probes are
     exchanges run together by one `Readiness` (one wait for every socket, one timer), whose
-    results a third task turns into events.
+    results a third task turns into events. A step's `LoadAdapter` starts the load of a LoRA
+    adapter (`controlplane.adapters`), a task each: they are rare, and may take long.
     """
 
     def __init__(self, client: ProbeClient, control_plane: ControlPlane) -> None:
@@ -455,6 +464,8 @@ class Prober:
         """The nodes whose health checks the current round waits for."""
         self._round_ended = trio.Event()
         self._load_in_flight: set[str] = set()
+        self._adapter_loads_in_flight: set[tuple[str, str]] = set()
+        """(node, adapter) of each LoRA adapter load under way."""
         self._config_changed = trio.Event()
         """Set when a reload is applied, for the load ticker to read the new interval."""
 
@@ -479,6 +490,8 @@ class Prober:
                 self._start_probes(effect.node, discovery=False)
             elif isinstance(effect, StartProbing):
                 self._start_probes(effect.node, discovery=True)
+            elif isinstance(effect, LoadAdapter):
+                self._start_adapter_load(effect.node, effect.adapter)
             elif isinstance(effect, StopProbing) and self._nursery is not None:
                 # Rounds only probe the nodes of the current snapshot; its connections can go.
                 self._nursery.start_soon(self._client.forget, effect.node)
@@ -534,6 +547,36 @@ class Prober:
             tls=self._tls(node.ip),
         )
         self._readiness.start((_MODELS, node.ip), listing)
+
+    def _start_adapter_load(self, ip: str, name: str) -> None:
+        """Load a configured LoRA adapter onto a node (a step's `LoadAdapter`), unless a load of
+        it is under way there."""
+        config = self._control_plane.snapshot.config
+        node = config.node(ip) if config is not None else None
+        adapter = config.loaded_adapters().get(name) if config is not None else None
+        if self._nursery is None or node is None or adapter is None or (ip, name) in self._adapter_loads_in_flight:
+            return
+        self._adapter_loads_in_flight.add((ip, name))
+        self._nursery.start_soon(self._load_adapter, node, adapter)
+
+    async def _load_adapter(self, node: NodeConfig, adapter: ModelEntry) -> None:
+        """One load: its request as an event, the node's answer as another, then the node's
+        model list fetched again (so that routing sees the adapter at once)."""
+        control_plane = self._control_plane
+        try:
+            requested = AdapterLoadRequested(
+                at=control_plane.now(), node=node.ip, adapter=adapter.name, parent=adapter.parent,
+                lora_path=adapter.lora_path,
+            )  # fmt: skip
+            await control_plane.emit(requested)
+            answered = await load_adapter(
+                self._client, node, adapter, now=control_plane.now,
+                authorization=self._authorization(node.ip), tls=self._tls(node.ip),
+            )  # fmt: skip
+            await control_plane.emit(answered)
+            self._start_discovery(node)
+        finally:
+            self._adapter_loads_in_flight.discard((node.ip, adapter.name))
 
     def config_changed(self) -> None:
         """A config was applied (called by the reducer task; never blocks)."""

@@ -64,7 +64,14 @@ class StopProbing(msgspec.Struct, frozen=True, tag="stop_probing"):
     node: str
 
 
-Effect = Recheck | StartProbing | StopProbing
+class LoadAdapter(msgspec.Struct, frozen=True, tag="load_adapter"):
+    """Load this configured LoRA adapter onto this node (`controlplane.adapters`)."""
+
+    node: str
+    adapter: str
+
+
+Effect = Recheck | StartProbing | StopProbing | LoadAdapter
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -86,6 +86,12 @@ def model_not_found(model: str) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "NotFoundError")
 
 
+def adapter_loading(model: str) -> ApiError:
+    """A request for a LoRA adapter no node serves yet while the gateway loads it onto one
+    (`controlplane.adapters`): a 503 the SDKs retry, after its Retry-After."""
+    return ApiError(503, f"LoRA adapter `{model}` is being loaded onto a node", "adapter_loading")
+
+
 def error_reply(error: ApiError, *extra: tuple[bytes, bytes], close: bool = False) -> Reply:
     """The JSON error reply, with the `extra` headers; `close` adds `Connection: close`, for
     errors answered before the request body was fully read (hypercorn wedges a keep-alive

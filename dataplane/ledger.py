@@ -23,7 +23,7 @@ from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.metrics import RequestMetrics
 from events.config import Policy
-from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion
+from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion, LegPick
 from events.types import UpstreamFailed, UpstreamRecovered
 from transport.http11 import WriteFailed
 
@@ -62,7 +62,8 @@ class Ledger:
 
     __slots__ = (
         "_books", "exchange", "route", "policy", "prefix", "metric_model", "attempts", "passed",
-        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "ticket",
+        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "prefill_pick",
+        "ticket",
     )  # fmt: skip
 
     def __init__(
@@ -90,6 +91,8 @@ class Ledger:
         """The leg of a disaggregated request in progress (`routing.PREFILL`, then `DECODE`); "" for a whole one."""
         self.prefill_attempts: tuple[AttemptRecord, ...] = ()
         """A disaggregated request's prefill attempts, once its decode leg has begun."""
+        self.prefill_pick: LegPick | None = None
+        """Its prefill leg's first pick, once its decode leg has begun."""
 
     # --- picks
 
@@ -103,6 +106,7 @@ class Ledger:
         """The prefill leg is done: its attempts are set aside, and the decode leg's first pick
         is the one the record scores (the client's answer comes from that leg)."""
         self.prefill_attempts = tuple(self.attempts)
+        self.prefill_pick = _leg_pick(self.first_choice, self.rotation)
         self.attempts = []
         self.first_choice = None
         self.rotation = 0
@@ -188,6 +192,9 @@ class Ledger:
             return
         route = self.route
         choice = self.first_choice
+        prefill_pick = self.prefill_pick
+        if self.leg == PREFILL:  # the request ended in its prefill leg: its first pick is that leg's
+            choice, prefill_pick = None, _leg_pick(choice, self.rotation)
         decisions.record(
             Decision(
                 request_id=exchange.request_id,
@@ -206,11 +213,12 @@ class Ledger:
                 duration=time.perf_counter() - exchange.started,
                 policy=self.policy,
                 prefix=self.prefix,
-                rotation=self.rotation,
+                rotation=self.rotation if choice else 0,
                 candidates=choice.candidates if choice else (),
                 margin=choice.margin if choice else None,
                 remembered=choice.remembered if choice else "",
                 admission=self.ticket.record(),
+                prefill_pick=prefill_pick,
             )
         )
 
@@ -231,6 +239,12 @@ class Ledger:
         node = control_plane.snapshot.nodes.get(ip)
         if node is not None and node.is_offline(now):
             control_plane.observe(UpstreamRecovered(node=ip, at=now))
+
+
+def _leg_pick(choice: Choice | None, rotation: int) -> LegPick | None:
+    if choice is None:
+        return None
+    return LegPick(rotation=rotation, candidates=choice.candidates, margin=choice.margin, remembered=choice.remembered)
 
 
 def _describe(error: BaseException | str | None) -> str:

@@ -44,6 +44,7 @@ from dataplane.errors import (
     UPSTREAM_ERROR,
     ApiError,
     Reply,
+    adapter_loading,
     error_reply,
     model_not_found,
 )
@@ -72,6 +73,8 @@ FIRST_CHUNK_TIMEOUT = 10.0
 IDLE_CONNECTION_SECONDS = 90.0
 UNSERVED_WARNING_INTERVAL = 1.0
 """Seconds between two `no node serves requested model` warnings; those in between are counted."""
+RETRY_AFTER = (b"retry-after", b"1")
+"""A request for an adapter being loaded is answered 503 with this: the load takes seconds."""
 MAX_IDLE_CONNECTIONS_PER_NODE = 64
 """plinth keeps 4: with more requests in flight to a node than that, connections would be closed
 and dialled again all the time."""
@@ -183,6 +186,8 @@ class Proxy:
             self._metrics.excluded(ledger.metric_model, reason, count)
         candidates = route.candidates
         if not candidates:
+            if exchange.view.adapter_loading(exchange.model):
+                return self._error(ledger, adapter_loading(exchange.model), RETRY_AFTER)
             if route.ring_pool:
                 self._warn_unserved(exchange)
             return self._error(ledger, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
@@ -276,9 +281,9 @@ class Proxy:
             _abandoned(ledger, node, upstream, error)
             raise
 
-    def _error(self, ledger: Ledger, error: ApiError) -> Reply:
+    def _error(self, ledger: Ledger, error: ApiError, *extra: tuple[bytes, bytes]) -> Reply:
         ledger.request_ended(error.status)
-        return error_reply(error, request_id_header(ledger.exchange.request_id))
+        return error_reply(error, request_id_header(ledger.exchange.request_id), *extra)
 
     def _warn_unserved(self, exchange: Exchange) -> None:
         """plinth's warning, at most once per UNSERVED_WARNING_INTERVAL (a client can ask for
@@ -309,6 +314,7 @@ class Proxy:
             request_id=ledger.exchange.request_id,
             prefix=ledger.prefix,
             load_bound=config.load_bound,
+            adapter=ledger.route.adapter,
         )
         ledger.picked(choice, rotation)
         return choice.node

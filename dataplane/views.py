@@ -10,6 +10,7 @@ import ssl
 
 import msgspec
 
+from controlplane.adapters import is_loading
 from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import Route, pick_pool
 from dataplane.tenants import TenantLimits
@@ -35,6 +36,8 @@ class ConfigView:
         gateway = config.gateway
         self.default_model = config.models.default
         self.aliases = config.aliases()
+        self.loaded_adapters = frozenset(config.loaded_adapters())
+        """The adapters the gateway loads onto nodes (`ModelEntry.lora_path`)."""
         """Each alias with the model it stands for (`ModelEntry.target`)."""
         self.body_limit = gateway.request_body_limit
         self.body_timeout = gateway.request_body_timeout
@@ -88,6 +91,7 @@ class SnapshotView:
         self.snapshot = snapshot
         self.config = config
         self._routes: dict[str, Route] = {}
+        self._adapters_loading: dict[str, bool] = {}
         self._routable: tuple[tuple[str, ...], float] | None = None
         """`routable_models`' last answer, and the moment until which it holds."""
 
@@ -98,6 +102,18 @@ class SnapshotView:
             if len(self._routes) < self.MAX_ROUTES:
                 self._routes[model] = route
         return route
+
+    def adapter_loading(self, model: str) -> bool:
+        """Whether `model` is a configured adapter the gateway is loading onto a node
+        (`adapters.is_loading`), asked only of a request no node may serve: kept per adapter."""
+        loading = self._adapters_loading.get(model)
+        if loading is None:
+            if model not in self.config.loaded_adapters:
+                return False
+            loading = self._adapters_loading[model] = any(
+                is_loading(node, model) for node in self.snapshot.nodes.values()
+            )
+        return loading
 
     def routable_models(self, now: float) -> tuple[str, ...]:
         """The models `/ready` counts (the configured ones, an alias as its target; with none

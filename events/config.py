@@ -203,6 +203,13 @@ class ModelEntry(Struct, frozen=True, kw_only=True):
     """An alias: the model this name stands for. A request naming it is routed as a request for
     `target` (its ring, policy and nodes), with the body's `model` rewritten to `target`; "" = not
     an alias."""
+    parent: str = ""
+    """A LoRA adapter: the base model it applies to (vLLM lists a loaded adapter in `/v1/models`
+    with this `parent`); requests for it prefer the nodes that run it. "" = not an adapter."""
+    lora_path: str = ""
+    """With `parent`: where vLLM loads the adapter from. The gateway loads it (`POST
+    /v1/load_lora_adapter`) onto each healthy node that lists `parent` and not the adapter; "" =
+    the gateway loads nothing."""
 
 
 class ModelsConfig(Struct, frozen=True, kw_only=True):
@@ -281,6 +288,10 @@ class Config(Struct, frozen=True, kw_only=True):
     def aliases(self) -> dict[str, str]:
         """Each alias (`ModelEntry.target`) with the model it stands for."""
         return {model.name: model.target for model in self.models.available if model.target}
+
+    def loaded_adapters(self) -> dict[str, ModelEntry]:
+        """Each adapter the gateway loads onto nodes (`ModelEntry.lora_path`), by name."""
+        return {model.name: model for model in self.models.available if model.lora_path}
 
     def served_models(self) -> tuple[str, ...]:
         """The configured models that nodes serve: every entry but the aliases, in file order."""

@@ -61,7 +61,20 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     """The node's time between tokens, when known: what prefix affinity's load bound weighs with."""
     note: str = ""
     """Why the candidate was passed over other than by its score (`controlplane.policies`'
-    NOT_DRAWN, OVER_LOAD_BOUND)."""
+    NOT_DRAWN, OVER_LOAD_BOUND, LORA_AVOIDED)."""
+    lora: str = ""
+    """A request for a LoRA adapter: what the node's scrape said of it (`controlplane.policies`'
+    LORA_RUNNING, LORA_LOADED, LORA_FULL); "" for a base model."""
+
+
+class LegPick(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The first pick of a disaggregated request's prefill leg, with its policy inputs, as
+    `Decision` records the first pick of the decode leg (or of a whole request)."""
+
+    rotation: int = 0
+    candidates: tuple[CandidateScore, ...] = ()
+    margin: float | None = None
+    remembered: str = ""
 
 
 class Verdict(StrEnum):
@@ -147,6 +160,25 @@ class Decision(msgspec.Struct, frozen=True):
     client named the model itself, and in records from before aliases."""
     admission: Admission | None = None
     """Its tenant and admission verdict; None in records from before admission."""
+    prefill_pick: LegPick | None = None
+    """A disaggregated request's prefill leg's first pick (`rotation`, `candidates`, `margin`
+    and `remembered` are then the decode leg's); None for a request served whole, a prefill leg
+    that found no node, and records from before it was recorded."""
+
+    def prefill_leg(self) -> Decision:
+        """The record as its prefill leg's: that leg's attempts and first pick in the place of
+        the decode leg's, so that the leg is read (and made again) as a whole request is."""
+        pick = self.prefill_pick or LegPick()
+        return msgspec.structs.replace(
+            self,
+            attempts=self.prefill_attempts,
+            prefill_attempts=(),
+            prefill_pick=None,
+            rotation=pick.rotation,
+            candidates=pick.candidates,
+            margin=pick.margin,
+            remembered=pick.remembered,
+        )
 
 
 _decode_decision = msgspec.json.Decoder(Decision)
@@ -191,13 +223,15 @@ def read_decisions_with_gaps(
 
 
 def missing_inputs(decision: Decision, absent: tuple[str, ...]) -> tuple[str, ...]:
-    """Of the inputs a record lacks, those its first pick needs: none without a pick; the
-    prompt prefix and the remembered node only under prefix affinity."""
-    if not absent or not decision.attempts:
-        return ()
-    if "policy" not in absent and decision.policy != "prefix_affinity":
-        return tuple(name for name in absent if name not in ("prefix", "remembered"))
-    return absent
+    """Of the inputs a record lacks, those its first picks need: none without a pick; the
+    prompt prefix and the remembered node only under prefix affinity; and a disaggregated
+    record's prefill leg's first pick (`prefill_pick`), from before it was recorded."""
+    lacking = absent if absent and decision.attempts else ()
+    if lacking and "policy" not in absent and decision.policy != "prefix_affinity":
+        lacking = tuple(name for name in absent if name not in ("prefix", "remembered"))
+    if decision.prefill_attempts and decision.prefill_pick is None:
+        lacking += ("prefill_pick",)
+    return lacking
 
 
 def read_decisions(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Iterator[Decision]:

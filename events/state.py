@@ -58,11 +58,18 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     fails: int = 0
     empties: int = 0
     last_error: str = ""
+    parents: tuple[tuple[str, str], ...] = ()
+    """The LoRA adapters of the last list, each with its base model (vLLM's `parent`)."""
 
     @functools.cached_property
     def listed(self) -> frozenset[str]:
         """The names of the last list, as a set."""
         return frozenset(self.names or ())
+
+    @functools.cached_property
+    def adapters(self) -> dict[str, str]:
+        """The last list's adapters, each with its parent."""
+        return dict(self.parents)
 
     def allows(self, model: str) -> bool:
         if self.state == Discovery.UNTRIED:
@@ -100,6 +107,22 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
         return self.state in (Discovery.KNOWN, Discovery.KNOWN_EMPTY)
 
 
+MAX_LORA_ADAPTERS = 256
+"""The most adapter names a scrape keeps of each list of `vllm:lora_requests_info` (vLLM's
+`--max-loras` is a handful); the rest are counted (`LoraInfo.truncated`)."""
+
+
+class LoraInfo(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """vLLM's `vllm:lora_requests_info` at a scrape (its newest sample): how many adapters the
+    node runs at once, and the adapters of its running and of its waiting requests."""
+
+    max_lora: int = 0
+    running: tuple[str, ...] = ()
+    waiting: tuple[str, ...] = ()
+    truncated: int = 0
+    """Adapter names left out: beyond MAX_LORA_ADAPTERS a list, or longer than MAX_MODEL_NAME_LENGTH."""
+
+
 class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """What the node's vLLM `/metrics` said at its last scrape (`LoadScraped`), for the
     load-aware policies. A failed scrape makes the load unknown, which never stops routing to
@@ -126,11 +149,31 @@ class NodeLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     fails: int = 0
     """Failed scrapes in a row."""
     last_error: str = ""
+    lora: LoraInfo | None = None
+    """The node's LoRA adapters at the last successful scrape; None when it exports none."""
 
     @property
     def queued(self) -> float:
         """Requests the node has, running or waiting: a policy's view of its load."""
         return self.running + self.waiting
+
+
+class AdapterLoadState(StrEnum):
+    """Where the gateway's last load of an adapter onto a node stands."""
+
+    REQUESTED = "requested"
+    LOADED = "loaded"
+    FAILED = "failed"
+
+
+class AdapterLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The gateway's last load of a configured adapter (`ModelEntry.lora_path`) onto a node."""
+
+    adapter: str
+    state: AdapterLoadState
+    at: float
+    """When it was requested, or answered."""
+    error: str = ""
 
 
 class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -147,6 +190,14 @@ class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     offline_until: float | None = None
     """Set by a data-plane connection failure; the node is skipped while `now < offline_until`."""
     load: NodeLoad = NodeLoad()
+    adapter_loads: tuple[AdapterLoad, ...] = ()
+    """The gateway's last load of each configured adapter onto the node, in the order first asked."""
+
+    def adapter_load(self, adapter: str) -> AdapterLoad | None:
+        for load in self.adapter_loads:
+            if load.adapter == adapter:
+                return load
+        return None
 
     def is_offline(self, now: float) -> bool:
         return self.offline_until is not None and now < self.offline_until

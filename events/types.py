@@ -13,7 +13,7 @@ from typing import Union
 import msgspec
 
 from events.config import Config
-from events.state import ClusterState, GpuSample, NodeState, node_mapping
+from events.state import ClusterState, GpuSample, LoraInfo, NodeState, node_mapping
 
 
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -79,6 +79,8 @@ class LoadScraped(EventBase, frozen=True, tag="load_scrape"):
     kv_cache_usage: float | None = None
     token_seconds: float | None = None
     tokens: float | None = None
+    lora: LoraInfo | None = None
+    """The node's `vllm:lora_requests_info`, when it serves LoRA adapters."""
     error: str = ""
 
 
@@ -93,7 +95,35 @@ class ModelsListed(EventBase, frozen=True, tag="model_listing"):
 
     node: str
     models: tuple[str, ...] | None = None
+    parents: tuple[tuple[str, str], ...] = ()
+    """The listed LoRA adapters, each with its base model (the entry's `parent`), in list order."""
     error: str = ""
+
+
+class AdapterLoadRequested(EventBase, frozen=True, tag="adapter_load_requested"):
+    """The gateway asked a node to load a configured LoRA adapter (`ModelEntry.lora_path`): the
+    node was healthy, listed the adapter's parent and not the adapter."""
+
+    node: str
+    adapter: str
+    parent: str
+    lora_path: str
+
+
+class AdapterLoaded(EventBase, frozen=True, tag="adapter_loaded"):
+    """The node answered the load of an adapter with success."""
+
+    node: str
+    adapter: str
+
+
+class AdapterLoadFailed(EventBase, frozen=True, tag="adapter_load_failed"):
+    """The node did not load an adapter: its answer (status and text) or the transport error."""
+
+    node: str
+    adapter: str
+    error: str
+    status: int | None = None
 
 
 class UpstreamFailed(EventBase, frozen=True, tag="upstream_failed"):
@@ -162,6 +192,9 @@ Event = Union[
     LoadScraped,
     UpstreamFailed,
     UpstreamRecovered,
+    AdapterLoadRequested,
+    AdapterLoaded,
+    AdapterLoadFailed,
     RunStopped,
     Checkpoint,
 ]

@@ -3,7 +3,8 @@
 With the event log as well, the exclusions are traced to their events: the log is replayed up
 to the snapshot the request was routed on, and for each excluded node the transition that last
 changed the part of its state behind the exclusion is shown (its health for `dead`, the offline
-skip-set for `offline`, model discovery for the model filter's `missing`, `empty`, `expired`).
+skip-set for `offline`, model discovery for the model filter's `missing`, `empty`, `expired`); for
+a LoRA adapter the gateway loads, each load of it (requested, loaded, failed: why a node has it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.errors import model_not_found
-from events.decisions import Admission, AttemptOutcome, AttemptRecord, Decision, Verdict
+from events.decisions import Admission, AttemptOutcome, AttemptRecord, CandidateScore, Decision, Verdict
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 
@@ -53,6 +54,16 @@ def trace_exclusions(decision: Decision, result: ReplayResult) -> list[Cause]:
             )
         )
     return causes
+
+
+def adapter_loads(decision: Decision, result: ReplayResult) -> list[Transition]:
+    """The transitions of the gateway's loads of the request's model onto nodes, when it is a
+    configured LoRA adapter (`controlplane.adapters`): why a node has it, or lacks it."""
+    return [
+        transition
+        for transition in audit(result.transitions, kinds=[MODELS])
+        if transition.msg.startswith("adapter ") and ("adapter", decision.model) in transition.fields
+    ]
 
 
 def final_status(decision: Decision) -> str:
@@ -105,11 +116,13 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
     else:
         lines.append("no node excluded")
     lines.append("")
-    if decision.candidates:
-        lines += _candidates_table(decision)
-        lines.append("")
+    if decision.prefill_pick is not None and decision.prefill_pick.candidates:
+        lines += _candidates_table(decision.prefill_pick.candidates, "PREFILL CANDIDATE") + [""]
     if decision.prefill_attempts:  # disaggregated: the prefill leg, then the decode leg
         lines += _attempts_table("PREFILL", decision.prefill_attempts) + [""]
+    if decision.candidates:
+        heading = "DECODE CANDIDATE" if decision.prefill_attempts else "CANDIDATE"
+        lines += _candidates_table(decision.candidates, heading) + [""]
     if decision.attempts:
         lines += _attempts_table("DECODE" if decision.prefill_attempts else "ATTEMPT", decision.attempts)
     elif decision.prefill_attempts:
@@ -164,8 +177,10 @@ def _policy(decision: Decision) -> str:
     return f"{text}, last sent to {decision.remembered}" if decision.remembered else text
 
 
-def _candidates_table(decision: Decision) -> list[str]:
-    """The first pick's candidates as the policy scored them, best first, the chosen one marked."""
+def _candidates_table(candidates: tuple[CandidateScore, ...], heading: str) -> list[str]:
+    """A first pick's candidates as the policy scored them, best first, the chosen one marked;
+    for a LoRA adapter, what each node's scrape said of it (LORA)."""
+    lora = any(candidate.lora for candidate in candidates)
     rows = [
         [
             ("* " if number == 0 else "  ") + candidate.node,
@@ -174,13 +189,14 @@ def _candidates_table(decision: Decision) -> list[str]:
             _number(candidate.waiting),
             _number(candidate.kv_cache_usage),
             "-" if candidate.seconds_per_token is None else f"{1000 * candidate.seconds_per_token:.1f}",
+            *([candidate.lora or "-"] if lora else []),
             _number(candidate.score),
             candidate.note or "-",
         ]
-        for number, candidate in enumerate(decision.candidates)
+        for number, candidate in enumerate(candidates)
     ]
-    headers = ["CANDIDATE", "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "MS/TOKEN", "SCORE", "NOTE"]
-    return format_table(headers, rows)
+    headers = [heading, "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "MS/TOKEN", *(["LORA"] if lora else []), "SCORE"]
+    return format_table(headers + ["NOTE"], rows)
 
 
 def _number(value: float | None) -> str:
@@ -198,6 +214,10 @@ def render_causes(decision: Decision, result: ReplayResult) -> str:
     lines = [f"control plane at seq {state.seq} ({format_timestamp(state.at)}), replayed from the event log"]
     if state.seq != decision.seq:
         lines.append(f"warning: the event log ends at seq {state.seq}, before the request's seq {decision.seq}")
+    loads = adapter_loads(decision, result)
+    if loads:
+        lines += [f"the gateway's loads of the adapter {decision.model}:"]
+        lines += [f"  {transition.node}: {_describe(transition)}" for transition in loads]
     if not causes:
         return "\n".join(lines + ["no node excluded"])
     rows = []
@@ -245,4 +265,5 @@ def request_to_builtins(decision: Decision, result: ReplayResult | None = None) 
             }
             for cause in trace_exclusions(decision, result)
         ]
+        data["adapter_loads"] = [msgspec.json.decode(t.log_line()) for t in adapter_loads(decision, result)]
     return data

@@ -14,7 +14,9 @@ A record is compared field by field: ring, ring pool, exclusions and their reaso
 node was picked at all, then the candidates (order, scores, notes, the load figures read from the
 state), the margin, the remembered node and the pick. A record that lacks a policy input (written
 before the field existed) has its routing compared and its pick counted as unverified, never
-compared as if complete. Only first picks are made again: a retry's pick is not in the record.
+compared as if complete. Only first picks are made again: a retry's pick is not in the record. A
+disaggregated request has two, its prefill leg's (`Decision.prefill_pick`; its differences are
+named `prefill.…`) and its decode leg's, each made again from its leg's candidates.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ import msgspec
 
 from controlplane.balancer import Balancer
 from controlplane.replay import replay_steps
-from controlplane.routing import Route, pick_pool
+from controlplane.routing import PREFILL, Route, pick_pool
 from events.decisions import CandidateScore, Decision, Exclusion, missing_inputs
-from events.state import ClusterState
+from events.state import ClusterState, NodeState
 from interlock.render import format_table
-from interlock.whatif import States, first_pick, in_span, process_of, recorded_choice
+from interlock.whatif import Leg, States, first_pick, in_span, legs_of, process_of, recorded_choice
 
 DEFAULT_SHOWN = 20
 """Divergences (and records not verified) named in the report; the rest are counted."""
@@ -109,7 +111,7 @@ def verify(
             _name(report.beyond_log_ids, decision.request_id, shown)
             continue
         lacking = missing_inputs(decision, absent_by_record.get(id(decision), ()))
-        differences = _compare(decision, state, picker, complete=not lacking)
+        differences = _compare(decision, state, picker, lacking=lacking)
         if lacking:
             report.incomplete += 1
             missing.update(lacking)
@@ -136,9 +138,12 @@ Difference = tuple[str, str, str]
 """(field, recorded, derived)"""
 
 
-def _compare(decision: Decision, state: ClusterState, picker: Balancer, *, complete: bool) -> list[Difference]:
-    """The differences between `decision` and its routing made again on `state`; the pick's
-    only when the record holds every input it needs (`complete`)."""
+def _compare(
+    decision: Decision, state: ClusterState, picker: Balancer, *, lacking: tuple[str, ...]
+) -> list[Difference]:
+    """The differences between `decision` and its routing made again on `state`: the route,
+    then each leg's pick (`whatif.legs_of`), a leg's only when the record holds every input it
+    needs (`lacking` names those it lacks)."""
     differences: list[Difference] = []
 
     def differ(field: str, recorded: object, derived: object) -> None:
@@ -149,20 +154,49 @@ def _compare(decision: Decision, state: ClusterState, picker: Balancer, *, compl
     differ("ring", decision.ring, route.ring)
     differ("ring_pool", decision.ring_pool, route.ring_pool)
     passed: list[Exclusion] = []
-    pool = pick_pool(route.candidates, decision.at, passed_over=lambda ip, reason: passed.append(Exclusion(ip, reason)))
+
+    def passed_over(ip: str, reason: str) -> None:
+        if not any(exclusion.node == ip for exclusion in passed):  # once each, as the data plane's ledger
+            passed.append(Exclusion(ip, reason))
+
+    legs = [(leg, pick_pool(leg.candidates, decision.at, passed_over=passed_over)) for leg in legs_of(decision, route)]
     differ("excluded", decision.excluded, route.excluded + tuple(passed))
+    for leg, pool in legs:
+        _compare_pick(leg, pool, state, picker, _leg_differ(leg.name, differ), complete=not lacking)
+        if not pool:
+            break  # a leg without a node ends the request
+    return differences
+
+
+def _leg_differ(leg: str, differ: Callable[[str, object, object], None]) -> Callable[[str, object, object], None]:
+    """`differ` with the prefill leg's fields named so (`prefill.pick`); the decode leg's are the record's own."""
+    if leg != PREFILL:
+        return differ
+    return lambda field, recorded, derived: differ(f"{PREFILL}.{field}", recorded, derived)
+
+
+def _compare_pick(
+    leg: Leg,
+    pool: list[NodeState],
+    state: ClusterState,
+    picker: Balancer,
+    differ: Callable[[str, object, object], None],
+    *,
+    complete: bool,
+) -> None:
+    """One leg's first pick (a whole request's, or the record as one leg's) made again from `pool`."""
+    decision = leg.decision
     recorded = first_pick(decision)
     if not pool or recorded is None:  # a 503 for want of a node, recorded or derived
         differ("pick", recorded, "one of " + _text(tuple(node.ip for node in pool)) if pool else None)
-        return differences
+        return
     if not complete:
-        return differences
-    choice = recorded_choice(picker, decision, pool, state)
+        return
+    choice = recorded_choice(picker, decision, pool, state, adapter=leg.adapter)
     _compare_candidates(decision.candidates, choice.candidates, differ)
     differ("margin", decision.margin, choice.margin)
     differ("remembered", decision.remembered, choice.remembered)
     differ("pick", recorded, choice.node.ip)
-    return differences
 
 
 def _compare_candidates(

@@ -5,7 +5,10 @@ through the reducer once, in order, and each request (ordered by seq, then arriv
 again on the state at its seq: the pool routing gives (`controlplane.routing.pick_pool`, the
 data plane's function: ring, model list, dead or offline at the request's arrival, healthy before
 degraded) and the policy's choice (`controlplane.balancer.Balancer`, the data plane's picker). Only the
-first pick is routed again: whether a retry would have happened elsewhere is not in the log.
+first pick is routed again: whether a retry would have happened elsewhere is not in the log. A
+prefill/decode-disaggregated request has a first pick in each leg (`legs_of`), each routed again
+from its leg's candidates by a picker of its own, as the data plane has; only the decode leg's
+is counted in flight (a prefill is one token).
 
 `--policy recorded` routes each request under the policy it was routed by, with the inputs its
 record holds (the round-robin counter, this process's in-flight counts, the request id, the
@@ -38,6 +41,7 @@ import os
 import time
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import msgspec
 
@@ -45,9 +49,10 @@ from controlplane.balancer import Balancer
 from controlplane.policies import Choice
 from controlplane.reducer import INITIAL_STATE
 from controlplane.replay import replay_steps
-from controlplane.routing import Route, pick_pool
+from controlplane.routing import DECODE, PREFILL, Route, pick_pool
+from dataplane.disaggregation import GENERATION_PATHS
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
-from events.decisions import Decision
+from events.decisions import AttemptOutcome, Decision
 from events.state import ClusterState, NodeState
 from events.types import Event
 from interlock.render import format_table
@@ -79,6 +84,8 @@ class Moved(msgspec.Struct, frozen=True):
     margin: float | None
     """How much better the what-if policy scores its pick than the recorded node (its score's
     lead, lower is better); None when the recorded node is not among its candidates."""
+    leg: str = ""
+    """The leg of a disaggregated request whose pick changes (`routing.PREFILL`, `DECODE`); "" for a whole one."""
 
 
 class WhatIfReport(msgspec.Struct, kw_only=True):
@@ -86,7 +93,8 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     decisions: int
     """Records in the span considered."""
     routed_again: int
-    """Records whose first pick was routed again (both the recording and the what-if have one)."""
+    """First picks routed again (both the recording and the what-if have one): one per record,
+    two for a disaggregated one (a pick per leg)."""
     changed: int
     """Of those, picks that went to another node."""
     agreement: float | None
@@ -144,8 +152,9 @@ def what_if(
     )
     in_flight, recorded_in_flight = _InFlight(), _InFlight()
     load_changes: dict[tuple[str, float], int] = {}
-    balancers: defaultdict[Process, Balancer] = defaultdict(Balancer)
-    """The data plane's picker per routing process: its memory of where each prefix went is the what-if world's."""
+    balancers: defaultdict[tuple[Process, bool], Balancer] = defaultdict(Balancer)
+    """The data plane's picker per routing process (and a second one for its prefill legs, as
+    the data plane has): its memory of where each prefix went is the what-if world's."""
     seen_before, seen_after = _RecentPrefixes(cache_entries), _RecentPrefixes(cache_entries)
     before: Counter[str] = Counter()
     after: Counter[str] = Counter()
@@ -159,50 +168,56 @@ def what_if(
         if state is None:
             report.beyond_log += 1
             continue
-        recorded_node = first_pick(decision)
-        pool = pick_pool(Route(state, decision.model).candidates, decision.at)
-        if not pool:
-            report.became_503 += recorded_node is not None
-            if each is not None and recorded_node is not None:
-                each(decision, None)
-            continue
-        if recorded_node is None:
-            report.stopped_503 += decision.status == 503 and not decision.attempts
-            continue
-        process = process_of(decision)
-        if policy in (RECORDED, CONFIGURED):
-            configured = state.config.model_policy(decision.model) if policy == CONFIGURED and state.config else None
-            choice = recorded_choice(balancers[process], decision, pool, state, policy=configured)
-        else:
-            choice = balancers[process].choose(
-                [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
-                policy,
-                rotation=decision.rotation,
-                in_flight=in_flight.of_process(process, decision.at),
-                request_id=decision.request_id,
-                prefix=decision.prefix,
-                load_bound=_load_bound(state),
-            )  # remembered: the what-if world's memory
-        node = choice.node.ip
-        if each is not None:
-            each(decision, node)
-        duration = _moved_duration(decision.duration, state, recorded_node, node)
-        in_flight.add(process, decision.at, duration, node)
-        recorded_in_flight.add(process, decision.at, decision.duration, recorded_node)
-        report.routed_again += 1
-        if node != recorded_node:
-            report.changed += 1
-            if len(report.moved) < MOVED_SHOWN:
-                report.moved.append(Moved(decision.request_id, recorded_node, node, _lead(choice, recorded_node)))
-        before[recorded_node] += 1
-        after[node] += 1
-        for ip in (recorded_node, node):
-            known = state.nodes.get(ip)
-            report.nodes[ip] = (known.name if known else "") or ip
-        if decision.prefix:
-            report.prefixed += 1
-            report.prefix_seen_before += seen_before.saw(recorded_node, decision.prefix)
-            report.prefix_seen_after += seen_after.saw(node, decision.prefix)
+        for leg in legs_of(decision, Route(state, decision.model)):
+            made = leg.decision
+            recorded_node = first_pick(made)
+            pool = pick_pool(leg.candidates, made.at)
+            if not pool:
+                report.became_503 += recorded_node is not None
+                if each is not None and recorded_node is not None:
+                    each(made, None)
+                break
+            if recorded_node is None:
+                report.stopped_503 += made.status == 503 and not made.attempts
+                break
+            process = process_of(made)
+            balancer = balancers[process, leg.name == PREFILL]
+            if policy in (RECORDED, CONFIGURED):
+                configured = state.config.model_policy(made.model) if policy == CONFIGURED and state.config else None
+                choice = recorded_choice(balancer, made, pool, state, policy=configured, adapter=leg.adapter)
+            else:
+                choice = balancer.choose(
+                    [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
+                    policy,
+                    rotation=made.rotation,
+                    in_flight=in_flight.of_process(process, made.at),
+                    request_id=made.request_id,
+                    prefix=made.prefix,
+                    load_bound=_load_bound(state),
+                    adapter=leg.adapter,
+                )  # remembered: the what-if world's memory
+            node = choice.node.ip
+            if each is not None:
+                each(made, node)
+            if leg.name != PREFILL:  # a prefill is one token: counted in flight, it would weigh as a whole request
+                duration = _moved_duration(made.duration, state, recorded_node, node)
+                in_flight.add(process, made.at, duration, node)
+                recorded_in_flight.add(process, made.at, made.duration, recorded_node)
+            report.routed_again += 1
+            if node != recorded_node:
+                report.changed += 1
+                if len(report.moved) < MOVED_SHOWN:
+                    lead = _lead(choice, recorded_node)
+                    report.moved.append(Moved(made.request_id, recorded_node, node, lead, leg.name))
+            before[recorded_node] += 1
+            after[node] += 1
+            for ip in (recorded_node, node):
+                known = state.nodes.get(ip)
+                report.nodes[ip] = (known.name if known else "") or ip
+            if made.prefix:
+                report.prefixed += 1
+                report.prefix_seen_before += seen_before.saw(recorded_node, made.prefix)
+                report.prefix_seen_after += seen_after.saw(node, made.prefix)
     report.before, report.after = dict(sorted(before.items())), dict(sorted(after.items()))
     routed = report.routed_again
     if routed:
@@ -235,11 +250,17 @@ def in_span(decisions: Iterable[Decision], since: float | None, until: float | N
 
 
 def recorded_choice(
-    balancer: Balancer, decision: Decision, pool: list[NodeState], state: ClusterState, policy: str | None = None
+    balancer: Balancer,
+    decision: Decision,
+    pool: list[NodeState],
+    state: ClusterState,
+    policy: str | None = None,
+    adapter: str = "",
 ) -> Choice:
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
     picker, under `policy` (None: the one the record names) and with the inputs the record holds
-    (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered node)."""
+    (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered
+    node), with a LoRA `adapter`'s affinity (`Route.adapter`)."""
     return balancer.choose(
         pool,
         policy or decision.policy,
@@ -249,11 +270,37 @@ def recorded_choice(
         prefix=decision.prefix,
         load_bound=_load_bound(state),
         remembered=decision.remembered,
+        adapter=adapter,
     )
 
 
 def _load_bound(state: ClusterState) -> float:
     return state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND
+
+
+class Leg(NamedTuple):
+    """One pick of a record to make again: the leg's name ("" for a whole request), the record
+    as that leg's (`Decision.prefill_leg`), and the candidates the leg picks from."""
+
+    name: str
+    decision: Decision
+    candidates: list[NodeState]
+    adapter: str
+    """The LoRA adapter whose affinity the pick follows (`Route.adapter`)."""
+
+
+def legs_of(decision: Decision, route: Route) -> list[Leg]:
+    """The picks `decision` holds, split as the data plane splits the request on the same state
+    (`Route.legs`, GENERATION_PATHS): a whole request's one; a disaggregated one's prefill leg,
+    then, when the prefill answered (its last attempt completed with 200), the decode leg."""
+    if route.legs is None or decision.path not in GENERATION_PATHS:
+        return [Leg("", decision, route.candidates, route.adapter)]
+    prefill, decode = route.legs
+    legs = [Leg(PREFILL, decision.prefill_leg(), prefill if decode else [], route.adapter)]  # no decode node: no pick
+    last = decision.prefill_attempts[-1] if decision.prefill_attempts else None
+    if last is not None and last.outcome == AttemptOutcome.COMPLETED and last.status == 200:
+        legs.append(Leg(DECODE, decision, decode, route.adapter))
+    return legs
 
 
 def first_pick(decision: Decision) -> str | None:
@@ -426,7 +473,10 @@ def render_report(report: WhatIfReport) -> str:
         lines += ["", f"requests whose pick changes (the first {len(report.moved)} of {report.changed}):", ""]
         lines += format_table(
             ["REQUEST ID", "RECORDED", "ROUTED AGAIN", "MARGIN"],
-            [[moved.request_id, moved.recorded, moved.routed_again, _margin(moved.margin)] for moved in report.moved],
+            [
+                [_leg_named(moved), moved.recorded, moved.routed_again, _margin(moved.margin)]
+                for moved in report.moved
+            ],
         )
     if report.prefixed:
         lines += [
@@ -442,6 +492,11 @@ _POLICY_TEXTS = {
     RECORDED: "the policy each was routed by",
     CONFIGURED: "the policy the config in force names for its model",
 }
+
+
+def _leg_named(moved: Moved) -> str:
+    """The request's id, and the leg whose pick changes when it is a disaggregated request's."""
+    return f"{moved.request_id} ({moved.leg})" if moved.leg else moved.request_id
 
 
 def _margin(margin: float | None) -> str:

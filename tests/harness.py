@@ -138,14 +138,16 @@ def config_text(
     node_settings: dict[str, dict[str, object]] | None = None,
     routing: dict[str, object] | None = None,
     aliases: dict[str, str] | None = None,
+    adapters: dict[str, dict[str, str]] | None = None,
     extra: str = "",
     **gateway: object,
 ) -> str:
     """A gateway TOML with one [[nodes]] per simulated node (ip = its host, its name and both
     ports; rings by node name), listening on free ports of 127.0.0.1. `models` are (name, ring)
-    or (name, ring, policy) for [[models.available]], `aliases` more entries (name: target); `node_settings` adds keys to nodes by name; `routing` is the
-    [routing] table; `extra` is TOML appended at the end (`[[tenants]]`, …); `gateway` adds
-    [gateway] keys (durations as strings: "1s")."""
+    or (name, ring, policy) for [[models.available]], `aliases` more entries (name: target),
+    `adapters` more (name: its keys, `parent` and `lora_path`); `node_settings` adds keys to nodes
+    by name; `routing` is the [routing] table; `extra` is TOML appended at the end
+    (`[[tenants]]`, …); `gateway` adds [gateway] keys (durations as strings: "1s")."""
     rings = rings or {}
     lines = ["[gateway]", 'listen = "127.0.0.1:0"', 'metrics_listen = "127.0.0.1:0"']
     lines.append(f"health_interval = {_toml(health_interval)}")
@@ -168,6 +170,8 @@ def config_text(
         lines += [f"policy = {_toml(value)}" for value in policy]
     for name, target in (aliases or {}).items():
         lines += ["[[models.available]]", f"name = {_toml(name)}", f"target = {_toml(target)}"]
+    for name, keys in (adapters or {}).items():
+        lines += ["[[models.available]]", f"name = {_toml(name)}"] + [f"{k} = {_toml(v)}" for k, v in keys.items()]
     return "\n".join(lines) + "\n" + extra
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from events.decisions import AttemptOutcome
 from fixtures.node import NodeSpec, token_texts
+from journal.segments import list_segments
 
 from harness import MODEL, decision_records, error_message, nodes_and_gateway, sse_events
 from test_openai_sdk import sdk_client
@@ -204,3 +205,44 @@ async def test_explain_shows_both_legs(tmp_path):
     prefill_heading, decode_heading = text.index("PREFILL"), text.index("DECODE")
     assert prefill_heading < text.index("prefill answer without kv_transfer_params") < decode_heading
     assert text.index(p2.host) < decode_heading < text.rindex(d1.host)
+
+
+async def test_verify_and_whatif_make_each_legs_pick_again(tmp_path):
+    """Both legs' first picks are in the record, each made again from its own leg's candidates
+    (a whole request's would be made from every candidate, and differ); an edited prefill pick
+    is named as the prefill leg's."""
+    from events.decisions import read_decisions_with_gaps
+    from interlock.verify import verify
+    from interlock.whatif import RECORDED, what_if
+
+    events = tmp_path / "events.jsonl"
+    async with await disaggregated(
+        tmp_path, specs(prefill=2, decode=2), event_log=str(events), routing={"policy": "least_load"}
+    ) as ([p1, p2, d1, d2], gateway):
+        p1.behaviour.kv_transfer_params = False  # a prefill retried on p2
+        await gateway.discovered()
+        for number in range(4):
+            body = {"model": MODEL, "messages": HI, "stream": number % 2 == 1}
+            response = await gateway.http.post(gateway.url + "/v1/chat/completions", json=body)
+            assert response.status_code == 200
+        found = await records(gateway, tmp_path, 4)
+    assert all(record.prefill_pick is not None and record.candidates for record in found)
+    assert {record.prefill_pick.candidates[0].node for record in found} <= {p1.host, p2.host}
+    assert {record.candidates[0].node for record in found} <= {d1.host, d2.host}
+    decisions = tmp_path / "decisions.jsonl"
+    report = verify([events], read_decisions_with_gaps([decisions]))
+    assert (report.verified, report.divergent, report.incomplete) == (4, 0, 0), report.divergences
+    whatif = what_if([events], [decision for decision, _ in read_decisions_with_gaps([decisions])], policy=RECORDED)
+    assert (whatif.routed_again, whatif.changed) == (8, 0)  # two picks a request, each as recorded
+
+    [segment] = list_segments(decisions)
+    lines = segment.read_text().splitlines()
+    record = msgspec.json.decode(lines[0])
+    first, second = record["prefill_pick"]["candidates"][:2]
+    record["prefill_pick"]["candidates"][:2] = [second, first]
+    lines[0] = msgspec.json.encode(record).decode()
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join(lines) + "\n")
+    report = verify([events], read_decisions_with_gaps([edited]))
+    assert report.divergent == 1
+    assert {divergence.field for divergence in report.divergences} == {"prefill.candidates", "prefill.pick"}

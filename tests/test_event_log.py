@@ -17,9 +17,22 @@ from events.config import (
     RoutingConfig,
 )
 from events.log import decode_event, encode_event, last_seq, read_events
-from events.state import Discovery, GpuSample, Health, ModelDiscovery, NodeLoad, NodeState
+from events.state import (
+    AdapterLoad,
+    AdapterLoadState,
+    Discovery,
+    GpuSample,
+    Health,
+    LoraInfo,
+    ModelDiscovery,
+    NodeLoad,
+    NodeState,
+)
 from events.types import (
     EVENT_TYPES,
+    AdapterLoaded,
+    AdapterLoadFailed,
+    AdapterLoadRequested,
     Checkpoint,
     ConfigReloaded,
     GpuScraped,
@@ -56,7 +69,10 @@ configs = st.builds(
         ModelsConfig,
         default=texts,
         available=st.lists(
-            st.builds(ModelEntry, name=texts, pipeline_stages=int64s, ring=texts, policy=st.sampled_from(POLICIES)),
+            st.builds(
+                ModelEntry, name=texts, pipeline_stages=int64s, ring=texts, policy=st.sampled_from(POLICIES),
+                parent=texts, lora_path=texts,
+            ),
             max_size=3,
         ).map(tuple),
     ),
@@ -81,6 +97,11 @@ discoveries = st.builds(
     fetched_at=st.none() | times,
     fails=int64s,
     last_error=texts,
+    parents=st.lists(st.tuples(texts, texts), max_size=2).map(tuple),
+)
+loras = st.builds(
+    LoraInfo, max_lora=int64s, running=st.lists(texts, max_size=2).map(tuple),
+    waiting=st.lists(texts, max_size=2).map(tuple), truncated=int64s,
 )
 node_states = st.builds(
     NodeState,
@@ -101,7 +122,12 @@ node_states = st.builds(
         scraped_at=st.none() | times,
         fails=int64s,
         last_error=texts,
+        lora=st.none() | loras,
     ),
+    adapter_loads=st.lists(
+        st.builds(AdapterLoad, adapter=texts, state=st.sampled_from(AdapterLoadState), at=times, error=texts),
+        max_size=2,
+    ).map(tuple),
 )
 
 
@@ -120,11 +146,17 @@ EVENTS = {
     ProbeCrashed: event(ProbeCrashed, node=texts, error=texts),
     GpuScraped: event(GpuScraped, node=texts, gpus=st.lists(gpus, max_size=3).map(tuple), error=texts),
     ModelsListed: event(
-        ModelsListed, node=texts, models=st.none() | st.lists(texts, max_size=4).map(tuple), error=texts
+        ModelsListed, node=texts, models=st.none() | st.lists(texts, max_size=4).map(tuple), error=texts,
+        parents=st.lists(st.tuples(texts, texts), max_size=2).map(tuple),
     ),
     LoadScraped: event(
         LoadScraped, node=texts, running=st.none() | latencies, waiting=st.none() | latencies,
-        kv_cache_usage=st.none() | latencies, error=texts,
+        kv_cache_usage=st.none() | latencies, lora=st.none() | loras, error=texts,
+    ),
+    AdapterLoadRequested: event(AdapterLoadRequested, node=texts, adapter=texts, parent=texts, lora_path=texts),
+    AdapterLoaded: event(AdapterLoaded, node=texts, adapter=texts),
+    AdapterLoadFailed: event(
+        AdapterLoadFailed, node=texts, adapter=texts, error=texts, status=st.none() | st.integers(100, 599)
     ),
     UpstreamFailed: event(UpstreamFailed, node=texts, error=texts),
     UpstreamRecovered: event(UpstreamRecovered, node=texts),

@@ -92,7 +92,7 @@ def test_a_deeply_nested_event_line_is_an_error_naming_file_and_line(tmp_path, c
     """In the middle, or last: not a torn last line either."""
     events = with_line(tmp_path, SCENARIO, where, line)
     finished = interlock(*commands(events, DECISIONS, tmp_path)[command])
-    assert_stopped_at(finished, command, events, where or 275, error)
+    assert_stopped_at(finished, command, events, where or 279, error)
 
 
 @pytest.mark.parametrize("command", ["explain --request-id", "whatif", "timeline"])
@@ -119,7 +119,7 @@ def test_skip_invalid_skips_a_deeply_nested_line_and_says_where(tmp_path, comman
     assert "Traceback" not in finished.stderr
     assert (finished.returncode, finished.stdout) == (intact.returncode, intact.stdout)
     prog = command.split()[0]
-    skipped = f"interlock {prog}: warning: {events}:{where or 275}: skipping invalid line ({NESTED_TOO_DEEP})"
+    skipped = f"interlock {prog}: warning: {events}:{where or 279}: skipping invalid line ({NESTED_TOO_DEEP})"
     assert skipped in finished.stderr.splitlines()
 
 
@@ -129,10 +129,10 @@ async def test_serve_starts_after_a_deeply_nested_last_line_and_numbers_on_from_
     with_line(log.parent, SCENARIO, None, DEEP_MEMBER).rename(log.with_name("events.000001.jsonl"))
     async with nodes_and_gateway(tmp_path, node_specs(1), event_log=str(log)) as (_, gateway):
         await gateway.discovered()
-        assert gateway.control_plane.snapshot.seq > 274
+        assert gateway.control_plane.snapshot.seq > 278
     newest = list_segments(log)[-1]
     assert newest.name == "events.000002.jsonl"
-    assert decode_event(newest.read_bytes().split(b"\n")[0]).seq == 275
+    assert decode_event(newest.read_bytes().split(b"\n")[0]).seq == 279
 
 
 # --- a large log, in bounded memory ----------------------------------------------------------

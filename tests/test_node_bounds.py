@@ -40,7 +40,8 @@ def model_node_series(page: str) -> set[str]:
 
 
 def test_a_listing_of_more_ids_than_the_cap_is_an_error_naming_the_count():
-    assert len(parse_model_list(model_list([f"m{index}" for index in range(MAX_LISTED_MODELS)]))) == MAX_LISTED_MODELS
+    listing = parse_model_list(model_list([f"m{index}" for index in range(MAX_LISTED_MODELS)]))
+    assert len(listing.ids) == MAX_LISTED_MODELS
     with pytest.raises(ProbeError) as caught:
         parse_model_list(model_list([f"m{index}" for index in range(MAX_LISTED_MODELS + 1)]))
     assert str(caught.value) == (
@@ -49,7 +50,7 @@ def test_a_listing_of_more_ids_than_the_cap_is_an_error_naming_the_count():
 
 
 def test_an_id_longer_than_a_model_name_may_be_is_an_error_naming_its_length():
-    assert parse_model_list(model_list(["a", "b" * MAX_MODEL_NAME_LENGTH])) == ("a", "b" * MAX_MODEL_NAME_LENGTH)
+    assert parse_model_list(model_list(["a", "b" * MAX_MODEL_NAME_LENGTH])).ids == ("a", "b" * MAX_MODEL_NAME_LENGTH)
     with pytest.raises(ProbeError) as caught:
         parse_model_list(model_list(["a", "b" * (MAX_MODEL_NAME_LENGTH + 1)]))
     assert str(caught.value) == (

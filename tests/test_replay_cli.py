@@ -1,8 +1,9 @@
 """Replay, explain and audit through the `interlock` CLI, on the recorded scenario log.
 
 The scenario (fixtures/scenarios.py) in short: 10.0.0.1 is offline at 27-33 s and from 117 s on,
-10.0.0.2 goes known_empty at seq 100, 10.0.0.3 dies (degraded seq 159, dead seq 184), 10.0.0.4's
-listing expires (seq 145), 10.0.0.5 is reloaded in at seq 98 and discovered at seq 111.
+10.0.0.2 goes known_empty at seq 100, 10.0.0.3 dies (degraded seq 161, dead seq 186), 10.0.0.4's
+listing expires (seq 147), 10.0.0.5 is reloaded in at seq 98 and discovered at seq 111 (a LoRA
+adapter's load onto it fails at seq 117, and is asked again at seq 261).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def test_scenario_is_in_the_event_logs_wire_format():
 def test_replay_table_shows_the_final_state(capsys):
     code, out, err = run_cli(capsys, "replay", SCENARIO)
     assert (code, err) == (0, "")
-    assert out.startswith("state after seq 274 (2026-01-02T03:06:06Z), 274 events\n")
+    assert out.startswith("state after seq 278 (2026-01-02T03:06:06Z), 278 events\n")
     rows = parse_table(out)
     assert list(rows) == ["10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5"]
     assert {ip: row["STATUS"] for ip, row in rows.items()} == {
@@ -189,7 +190,7 @@ def verdicts(out: str) -> dict[str, str]:
 def test_explain_standalone_model(capsys):
     code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_7B)
     assert code == 0
-    assert "moment     2026-01-02T03:06:06Z, after event seq 274\n" in out
+    assert "moment     2026-01-02T03:06:06Z, after event seq 278\n" in out
     assert "ring       standalone\n" in out
     assert "ring pool  10.0.0.1, 10.0.0.2, 10.0.0.5\n" in out
     assert "pick pool  10.0.0.5\n" in out
@@ -252,7 +253,7 @@ def test_explain_json(capsys):
     code, out, _ = run_cli(capsys, "explain", SCENARIO, "--model", MODEL_32B, "--json")
     assert code == 3
     data = json.loads(out)
-    assert data["seq"] == 274
+    assert data["seq"] == 278
     assert data["ring"] == "ring-a"
     assert data["ring_pool"] == ["10.0.0.3", "10.0.0.4"]
     assert data["candidates"] == ["10.0.0.3"]
@@ -269,7 +270,7 @@ def test_audit_prints_the_transition_log_lines(capsys):
     assert code == 0
     expected = [transition.log_line() for transition in replay([SCENARIO]).transitions]
     assert out.splitlines() == expected
-    assert len(expected) == 26
+    assert len(expected) == 30
     first = json.loads(expected[0])
     assert first == {
         "cluster": "lab-cluster",
@@ -285,8 +286,8 @@ def test_audit_filters_by_node_and_kind(capsys):
     assert code == 0
     records = [json.loads(line) for line in out.splitlines()]
     assert [(r["from"], r["to"], r["seq"]) for r in records] == [
-        ("healthy", "degraded", "159"),
-        ("degraded", "dead", "184"),
+        ("healthy", "degraded", "161"),
+        ("degraded", "dead", "186"),
     ]
 
     code, out, _ = run_cli(capsys, "audit", SCENARIO, "--kind", "offline,reload")
@@ -306,7 +307,7 @@ def test_audit_filters_by_time(capsys):
     code, out, _ = run_cli(capsys, "audit", SCENARIO, "--since", "2026-01-02T03:05:00Z", "--until", START + 75)
     assert code == 0
     records = [json.loads(line) for line in out.splitlines()]
-    assert [r["seq"] for r in records] == ["111", "111", "120", "145"]
+    assert [r["seq"] for r in records] == ["111", "111", "112", "117", "122", "147"]
     transitions = replay([SCENARIO]).transitions
     expected = audit(transitions, since=START + 55, until=START + 75)
     assert out.splitlines() == [t.log_line() for t in expected]
@@ -333,7 +334,7 @@ def test_audit_node_is_an_ip_or_a_name(capsys):
 def test_audit_says_when_nothing_matches_and_names_the_nodes_when_the_node_is_unknown(capsys):
     code, out, err = run_cli(capsys, "audit", SCENARIO, "--node", "gpu-node-2", "--kind", "offline")
     assert (code, out) == (0, "")
-    assert one_error_line(err) == "interlock audit: no transition of the log's 26 matches"
+    assert one_error_line(err) == "interlock audit: no transition of the log's 30 matches"
     code, out, err = run_cli(capsys, "audit", SCENARIO, "--node", "gpu-node-9")
     assert (code, out) == (2, "")
     assert one_error_line(err) == (
@@ -569,7 +570,7 @@ def test_torn_last_line_is_a_warning(capsys, tmp_path):
     log.write_bytes(SCENARIO.read_bytes() + b'{"type":"health_probe","node":"10.0')
     code, out, err = run_cli(capsys, "replay", log)
     assert code == 0
-    assert one_error_line(err).startswith(f"interlock replay: warning: {log}:275: skipping torn last line")
+    assert one_error_line(err).startswith(f"interlock replay: warning: {log}:279: skipping torn last line")
     _, intact, _ = run_cli(capsys, "replay", SCENARIO)
     assert out == intact
 
@@ -607,7 +608,7 @@ def test_a_gap_in_the_numbering_is_a_warning_and_replay_goes_on(capsys, tmp_path
     code, out, err = run_cli(capsys, "replay", log)
     assert code == 0
     assert one_error_line(err) == "interlock replay: warning: events 101-103 are missing from the log (seq 104 follows 100)"
-    assert "state after seq 274" in out
+    assert "state after seq 278" in out
     log.write_bytes(b"".join(lines[:100] + lines[101:]))
     _, _, err = run_cli(capsys, "replay", log)
     assert one_error_line(err) == "interlock replay: warning: event 101 is missing from the log (seq 102 follows 100)"
@@ -619,7 +620,7 @@ def test_segments_out_of_order_are_a_warning(capsys, tmp_path):
     code, _, err = run_cli(capsys, "audit", second, first)
     assert code == 0
     assert one_error_line(err) == (
-        "interlock audit: warning: seq 1 follows 274: the log's segments are out of order or from different gateways"
+        "interlock audit: warning: seq 1 follows 278: the log's segments are out of order or from different gateways"
     )
 
 
@@ -627,7 +628,7 @@ def test_a_new_run_starts_from_a_fresh_state(capsys, tmp_path):
     lines = SCENARIO.read_bytes().splitlines(keepends=True)
     config = Config(nodes=(NodeConfig(ip="10.0.0.9", name="fresh"), NodeConfig(ip="10.0.0.3")), models=ModelsConfig())
     second_run = [
-        RunStarted(at=START + 600, seq=275, version="0.2.0", config_path="new.toml", config=config),
+        RunStarted(at=START + 600, seq=279, version="0.2.0", config_path="new.toml", config=config),
         HealthProbed(at=START + 601, seq=271, node="10.0.0.9", ok=True, status=200),
     ]
     write_segments(tmp_path, [lines, [encode_event(event) for event in second_run]])

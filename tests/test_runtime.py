@@ -425,7 +425,7 @@ def test_next_tick_drops_overrun_ticks(last_tick, now, expected):
     ],
 )
 def test_parse_model_list_reads_ids_in_order(body, expected):
-    assert parse_model_list(body) == expected
+    assert parse_model_list(body).ids == expected
 
 
 @pytest.mark.parametrize(

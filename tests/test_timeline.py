@@ -2,8 +2,8 @@
 browser (Debian's chromium) and in the written file; and the scenario's sample decision log.
 
 The scenario (fixtures/scenarios.py) in short: 10.0.0.1 is offline at 27-33 s and from 117 s on,
-10.0.0.2 goes known_empty at seq 100, 10.0.0.3 dies (degraded seq 159, dead seq 184), 10.0.0.4's
-listing expires (seq 145), 10.0.0.5 is reloaded in at seq 98 and discovered at seq 111; a
+10.0.0.2 goes known_empty at seq 100, 10.0.0.3 dies (degraded seq 161, dead seq 186), 10.0.0.4's
+listing expires (seq 147), 10.0.0.5 is reloaded in at seq 98 and discovered at seq 111; a
 reload is rejected at seq 60; the run stops at 121 s.
 """
 
@@ -162,7 +162,7 @@ def test_the_page_shows_a_lane_per_node_and_a_mark_per_transition_in_chromium(tm
         for mark in dom.marks
     ]
     assert Counter(shown) == Counter((t.seq, t.node, t.kind, t.msg) for t in transitions)
-    assert len(dom.marks) == len(transitions) == 26
+    assert len(dom.marks) == len(transitions) == 30
     for mark in dom.marks:
         assert mark["lane"] == mark["data-node"]  # a node's transitions sit in its lane; the gateway's in none
         assert mark["data-tip"].startswith(f"seq {mark['data-seq']} · 03:0")  # its seq and UTC time of day
@@ -175,7 +175,7 @@ def test_the_page_shows_a_lane_per_node_and_a_mark_per_transition_in_chromium(tm
     assert reload["data-changes"] == "nodes: +10.0.0.5 (gpu-node-5)"
     assert reload["data-tip"].endswith("\nnodes: +10.0.0.5 (gpu-node-5)")
     assert "reload: nodes +10.0.0.5 (gpu-node-5)" in dom.notes
-    assert dom.model_lanes == ["Qwen/Qwen2.5-32B-Instruct-Q4", "Qwen/Qwen2.5-7B-Instruct"]
+    assert dom.model_lanes == ["Qwen/Qwen2.5-32B-Instruct-Q4", "Qwen/Qwen2.5-7B-Instruct", "sql-lora"]
 
 
 def png_pixels(path: Path) -> tuple[int, int, list[bytes]]:
@@ -230,16 +230,16 @@ def test_bands_follow_the_replayed_states(tmp_path, capsys):
     at = {t.seq: t.at - START for t in replay([SCENARIO]).transitions}
     end = scenarios.STOPPED_AT
     assert dom.bands_of("10.0.0.3", "health") == [
-        ("healthy", 0.0, at[159]),
-        ("degraded", at[159], at[184]),
-        ("dead", at[184], end),
+        ("healthy", 0.0, at[161]),
+        ("degraded", at[161], at[186]),
+        ("dead", at[186], end),
     ]
     assert dom.bands_of("10.0.0.1", "offline") == [
         ("offline", 27.0, scenarios.BACK_ONLINE_AT),
         ("offline", scenarios.OFFLINE_AT[1], end),
     ]
     assert [state for state, _, _ in dom.bands_of("10.0.0.4", "models")] == ["untried", "known", "degraded", "expired"]
-    assert dom.bands_of("10.0.0.4", "models")[-1][1:] == (at[145], end)
+    assert dom.bands_of("10.0.0.4", "models")[-1][1:] == (at[147], end)
     assert dom.bands_of("10.0.0.2", "models")[-1] == ("known_empty", at[100], end)
     # 10.0.0.5 exists from the reload (seq 98) on: untried until its listing (seq 111).
     assert dom.bands_of("10.0.0.5", "health") == [("healthy", at[98], end)]
@@ -274,7 +274,7 @@ def test_a_log_starting_at_a_checkpoint_draws_the_checkpoints_state_from_its_sta
     start, end = at_150.at - START, scenarios.STOPPED_AT
     assert dom.bands_of("10.0.0.4", "models") == [("expired", start, end)]
     assert dom.bands_of("10.0.0.2", "models") == [("known_empty", start, end)]
-    assert dom.bands_of("10.0.0.3", "health")[0] == ("healthy", start, steps[158][0].at - START)
+    assert dom.bands_of("10.0.0.3", "health")[0] == ("healthy", start, steps[160][0].at - START)
 
 
 def test_the_page_loads_nothing_from_the_network(tmp_path, capsys):
@@ -354,9 +354,9 @@ def test_a_lane_per_model_shows_when_no_node_would_have_served_it(tmp_path, caps
     dom = Page(timeline(tmp_path, capsys)[0].read_text())
     at = {t.seq: t.at - START for t in replay([SCENARIO]).transitions}
     end = scenarios.STOPPED_AT
-    # ring-a's 32B model: 10.0.0.4's listing expires (seq 145), 10.0.0.3 degrades and still serves
-    # (seq 159), then dies (seq 184): from then on no node would take a request for it.
-    assert dom.bands_of_model("Qwen/Qwen2.5-32B-Instruct-Q4") == [("served", 0.0, at[184]), ("no node", at[184], end)]
+    # ring-a's 32B model: 10.0.0.4's listing expires (seq 147), 10.0.0.3 degrades and still serves
+    # (seq 161), then dies (seq 186): from then on no node would take a request for it.
+    assert dom.bands_of_model("Qwen/Qwen2.5-32B-Instruct-Q4") == [("served", 0.0, at[186]), ("no node", at[186], end)]
     # The 7B model keeps a node throughout, 10.0.0.1's offline spells and 10.0.0.2's empty list included.
     assert dom.bands_of_model("Qwen/Qwen2.5-7B-Instruct") == [("served", 0.0, end)]
 
