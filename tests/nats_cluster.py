@@ -26,6 +26,9 @@ class NatsServer:
     cluster_port: int = field(default_factory=free_port)
     routes: list[int] = field(default_factory=list)
     clustered: bool = False
+    advertise: bool = True
+    """False: clients learn of no other server of the cluster (`--no_advertise`), so a client
+    that lists this server alone is cut off while it is down."""
     process: trio.Process | None = None
 
     @property
@@ -40,6 +43,8 @@ class NatsServer:
         if self.clustered:
             command += ["--cluster_name", "interlock-test", "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
             command += ["--routes", ",".join(f"nats://127.0.0.1:{port}" for port in self.routes)]
+            if not self.advertise:
+                command += ["--no_advertise"]
         self.process = await trio.lowlevel.open_process(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -62,9 +67,10 @@ class NatsServer:
 
 
 @asynccontextmanager
-async def nats_servers(tmp_path: Path, count: int = 1) -> AsyncIterator[list[NatsServer]]:
-    """`count` JetStream servers (clustered when more than one), all running and killed at the end."""
-    servers = [NatsServer(name=f"nats{i}", store=tmp_path / f"nats{i}") for i in range(1, count + 1)]
+async def nats_servers(tmp_path: Path, count: int = 1, *, advertise: bool = True) -> AsyncIterator[list[NatsServer]]:
+    """`count` JetStream servers (clustered when more than one), all running and killed at the
+    end; `advertise` as NatsServer's."""
+    servers = [NatsServer(name=f"nats{i}", store=tmp_path / f"nats{i}", advertise=advertise) for i in range(1, count + 1)]
     for server in servers:
         server.clustered = count > 1
         server.routes = [other.cluster_port for other in servers if other is not server]
