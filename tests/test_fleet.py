@@ -4,9 +4,11 @@ times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulate
 Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
 is replaced and the seqs go on without gap or duplicate; an append after a stale message is
 refused, a batch of events whole;
-a leader paused past its lease steps down and follows. One NATS server killed under load loses
-no request and no event; with all of NATS gone the replicas serve on their last state, say so
-on /ready, and catch up when it is back; a restarted replica catches up from a checkpoint; a
+a leader paused past its lease steps down and follows. The NATS server leading the event
+stream killed under load loses no request and no event; a replica cut off from NATS serves on
+its last state, says so on /ready and /health, and catches up when its server is back; with all
+of NATS gone the replicas serve on their last state, say so on /ready, and catch up when it is
+back; a restarted replica catches up from a checkpoint; a
 node killed is avoided through every replica. The export reads a long stream in order; the
 streams are kept once per server of the cluster, whatever URLs a replica lists.
 """
