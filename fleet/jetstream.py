@@ -304,13 +304,16 @@ class FleetLink:
         with trio.move_on_after(OPERATION_SECONDS):
             await self._bridge.call(subscription.unsubscribe)
 
-    async def read_messages(self, start_seq: int, end_seq: int) -> list[tuple[int, bytes]]:
+    async def read_messages(
+        self, start_seq: int, end_seq: int, on_drop: Callable[[], None] = lambda: None
+    ) -> list[tuple[int, bytes]]:
         """The stream's messages from `start_seq` through `end_seq` in order, as (seq, data), as
         an ordered consumer delivers them (export; again from the last one read when the reader
-        falls behind it). Fails when none arrives for OPERATION_SECONDS."""
+        falls behind it, `on_drop` called for each message dropped). Fails when none arrives for
+        OPERATION_SECONDS."""
         messages: list[tuple[int, bytes]] = []
         while not messages or messages[-1][0] < end_seq:
-            delivery = self.delivery(READ_BATCH, on_drop=lambda: None)
+            delivery = self.delivery(READ_BATCH, on_drop)
             subscription = await self.follow_events(messages[-1][0] + 1 if messages else start_seq, delivery)
             try:
                 while not messages or messages[-1][0] < end_seq:

@@ -1,7 +1,7 @@
 """The bounded channel from nats-py's asyncio loop to trio (`fleet.bridge.Delivery`) against a
 real nats-server: while the trio thread is busy the loop goes on receiving, drops what the
 channel has no room for and counts it; the follower then reads the stream again from its last
-whole message and applies every event, in order, once."""
+whole message and applies every event, in order, once; the export's reader does the same."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import trio
 from controlplane.config import load_config
 from controlplane.runtime import open_control_plane
 from events.config import Config, FleetConfig
-from events.log import encode_event
+from events.log import decode_event, encode_event
 from events.types import RunStarted, UpstreamRecovered
 from fixtures.node import serve_nodes
 from fleet.bridge import DeliveryOverflowed, open_asyncio_thread
-from fleet.jetstream import FleetLink
+from fleet.jetstream import READ_BATCH, FleetLink
 from fleet.replica import FOLLOW_BUFFER, FleetControlPlane
 
 from harness import CapturedLog, config_text, node_specs
@@ -125,3 +125,40 @@ async def test_a_follower_fallen_behind_reads_the_stream_again_and_loses_nothing
     assert "fleet: the follower fell behind its deliveries; reading the stream again" in messages
     assert "fleet: gap in the event stream; resubscribing" not in messages
 
+
+
+async def consumers(url: str, stream: str) -> int:
+    """The consumers the NATS server has on `stream`."""
+
+    async def read() -> int:
+        nc = await nats.connect(url)
+        try:
+            return (await nc.jetstream().stream_info(stream)).state.consumer_count
+        finally:
+            await nc.close()
+
+    return await trio.to_thread.run_sync(lambda: asyncio.run(read()))
+
+
+async def test_the_export_reader_fallen_behind_reads_on_from_its_last_message(tmp_path):
+    count = READ_BATCH * 4
+    dropped = []
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        link = FleetLink(bridge, msgspec.structs.replace(FLEET, nats=(server.url,)))
+        await link.connect()
+        read: list[list[tuple[int, bytes]]] = []
+        async with trio.open_nursery() as nursery:
+
+            async def read_all() -> None:
+                read.append(await link.read_messages(1, count, on_drop=lambda: dropped.append(1)))
+
+            nursery.start_soon(read_all)
+            with trio.fail_after(WAIT):
+                while await consumers(server.url, link.names.events) == 0:
+                    await trio.sleep(0.01)
+            thread = publish_from_another_thread(server.url, link.names.events, link.names.subject("events"), recovered(1, count))
+            block_trio_until(lambda: dropped, "a message dropped")
+            thread.join()
+        await link.close()
+    assert [seq for seq, _ in read[0]] == list(range(1, count + 1))
+    assert [decode_event(data).seq for _, data in read[0]] == list(range(1, count + 1))
