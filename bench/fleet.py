@@ -434,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(temporary)
         try:
             urls = start_nats(processes, folder)
-            figures = {PARTS[part].__name__.removesuffix("_run"): PARTS[part](processes, folder, urls, args) for part in parts}
+            figures = {}
+            for part in parts:
+                figures[part.replace("-", "_")] = PARTS[part](processes, folder, urls, args)
         except Exception:
             for name in ("r1", "r2", "r3", "leader", "follower", "haproxy"):
                 tail = processes.log_tail(name, 5)

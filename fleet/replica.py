@@ -295,9 +295,9 @@ class FleetControlPlane(ControlPlane):
                         message=self._applied_message_seq + 1,
                     )
                     return
-                events = decode_events(message.data)
                 expected = self._snapshot.seq + 1
-                events = [event for event in events if event.seq >= expected]  # redelivered, or in the checkpoint started from
+                # events before `expected`: redelivered, or in the checkpoint started from
+                events = [event for event in decode_events(message.data) if event.seq >= expected]
                 if events and (events[0].seq, events[-1].seq) != (expected, expected + len(events) - 1):
                     self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=events[0].seq)
                     return

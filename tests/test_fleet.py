@@ -40,7 +40,7 @@ from fleet.bridge import open_asyncio_thread
 from fleet.export import export_events
 from fleet.jetstream import AppendRefused, FleetLink, StoredCheckpoint
 from harness import MODEL, PROJECT_ROOT, chat, config_text, free_port, node_specs
-from nats_cluster import NatsServer, nats_servers
+from nats_cluster import NatsServer, nats_servers, stream_info
 
 LEASE = "2s"
 LEASE_RENEWAL = "500ms"
@@ -445,16 +445,7 @@ async def test_a_stream_is_kept_by_every_server_of_the_cluster_and_found_by_any_
 
 async def stream_leader(url: str, stream: str) -> str:
     """The name of the NATS server leading `stream`'s copies (where its appends land first)."""
-    import asyncio
-
-    async def read() -> str:
-        nc = await nats.connect(url)
-        try:
-            return (await nc.jetstream().stream_info(stream)).cluster.leader
-        finally:
-            await nc.close()
-
-    return await trio.to_thread.run_sync(lambda: asyncio.run(read()))
+    return (await stream_info(url, stream)).cluster.leader
 
 
 async def test_the_event_streams_leading_server_killed_under_load_loses_no_request_and_no_event(tmp_path):

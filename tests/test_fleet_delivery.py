@@ -25,7 +25,7 @@ from fleet.jetstream import READ_BATCH, FleetLink
 from fleet.replica import FOLLOW_BUFFER, FleetControlPlane
 
 from harness import CapturedLog, config_text, node_specs
-from nats_cluster import nats_servers
+from nats_cluster import nats_servers, stream_info
 
 FLEET = FleetConfig(nats=(), name="delivery", replica="writer", lease=60.0, lease_renewal=1.0)
 WAIT = 60.0
@@ -127,19 +127,6 @@ async def test_a_follower_fallen_behind_reads_the_stream_again_and_loses_nothing
 
 
 
-async def consumers(url: str, stream: str) -> int:
-    """The consumers the NATS server has on `stream`."""
-
-    async def read() -> int:
-        nc = await nats.connect(url)
-        try:
-            return (await nc.jetstream().stream_info(stream)).state.consumer_count
-        finally:
-            await nc.close()
-
-    return await trio.to_thread.run_sync(lambda: asyncio.run(read()))
-
-
 async def test_the_export_reader_fallen_behind_reads_on_from_its_last_message(tmp_path):
     count = READ_BATCH * 4
     dropped = []
@@ -154,7 +141,7 @@ async def test_the_export_reader_fallen_behind_reads_on_from_its_last_message(tm
 
             nursery.start_soon(read_all)
             with trio.fail_after(WAIT):
-                while await consumers(server.url, link.names.events) == 0:
+                while (await stream_info(server.url, link.names.events)).state.consumer_count == 0:
                     await trio.sleep(0.01)
             thread = publish_from_another_thread(server.url, link.names.events, link.names.subject("events"), recovered(1, count))
             block_trio_until(lambda: dropped, "a message dropped")
