@@ -12,8 +12,9 @@ it only through `AsyncioThread`:
 - `to_trio(fn)` is a thread-safe function that runs `fn(*args)` on the trio thread soon, for
   asyncio callbacks to hand their work to trio, never blocking the loop;
 - `delivery(capacity, on_drop)` is a bounded channel from the loop to trio (`Delivery`), for a
-  subscription's messages: a subscriber that falls behind loses messages, counted, and learns
-  it, rather than the loop waiting on trio or messages piling up without bound;
+  subscription's messages: a subscriber that falls behind loses messages, counted (and, unless
+  the channel is `lossy`, learns it), rather than the loop waiting on trio or messages piling
+  up without bound;
 - closing it cancels every task left on the loop, waits for them, and joins the thread, so
   nothing of NATS outlives the block.
 
@@ -106,9 +107,9 @@ class AsyncioThread:
 
         return run_soon
 
-    def delivery(self, capacity: int, on_drop: Callable[[], None]) -> Delivery:
+    def delivery(self, capacity: int, on_drop: Callable[[], None], *, lossy: bool = False) -> Delivery:
         """A bounded channel from the loop to trio (see `Delivery`)."""
-        return Delivery(self, capacity, on_drop)
+        return Delivery(self, capacity, on_drop, lossy=lossy)
 
     def _start(self, coroutine: Coroutine, when_done: Callable[[asyncio.Task], None]) -> list[asyncio.Task]:
         """Make `coroutine` a task on the loop (soon), calling `when_done` (on the loop's thread)
@@ -144,14 +145,17 @@ class AsyncioThread:
 
 class Delivery(Generic[T]):
     """Messages from the asyncio loop to trio, at most `capacity` waiting (handed over or in
-    the channel). `put` (any thread) never blocks: with `capacity` waiting it drops the message,
-    calls `on_drop` (a metric, counted from the loop's thread), and drops every later one too.
-    `receive` (trio) returns the messages accepted, in order, then raises DeliveryOverflowed."""
+    the channel). `put` (any thread) never blocks: with `capacity` waiting it drops the message
+    and calls `on_drop` (a metric, counted from the loop's thread). Then, for a stream read
+    again by sequence, it drops every later message too, and `receive` (trio) returns the
+    messages accepted, in order, then raises DeliveryOverflowed; a `lossy` delivery (messages
+    sent at most once) goes on with the next message that finds room."""
 
-    def __init__(self, bridge: AsyncioThread, capacity: int, on_drop: Callable[[], None]) -> None:
+    def __init__(self, bridge: AsyncioThread, capacity: int, on_drop: Callable[[], None], *, lossy: bool) -> None:
         self._bridge = bridge
         self._capacity = capacity
         self._on_drop = on_drop
+        self._lossy = lossy
         self._send, self._receive = trio.open_memory_channel[T](capacity)
         self._lock = threading.Lock()
         self._waiting = 0
@@ -160,10 +164,10 @@ class Delivery(Generic[T]):
     def put(self, message: T) -> None:
         with self._lock:
             dropped = self._overflowed or self._waiting >= self._capacity
-            if dropped:
-                self._overflowed = True
-            else:
+            if not dropped:
                 self._waiting += 1
+            elif not self._lossy:
+                self._overflowed = True
         if dropped:
             self._on_drop()
         else:

@@ -279,9 +279,9 @@ class FleetLink:
             raise
         return ack.seq
 
-    def delivery(self, capacity: int, on_drop: Callable[[], None]) -> Delivery[EventMessage]:
-        """A bounded channel for `follow_events` (`fleet.bridge.Delivery`)."""
-        return self._bridge.delivery(capacity, on_drop)
+    def delivery(self, capacity: int, on_drop: Callable[[], None], *, lossy: bool = False) -> Delivery:
+        """A bounded channel for `follow_events` or `receive_observations` (`fleet.bridge.Delivery`)."""
+        return self._bridge.delivery(capacity, on_drop, lossy=lossy)
 
     async def follow_events(self, start_seq: int, delivery: Delivery[EventMessage]):
         """An ordered consumer of the event stream from message `start_seq`, each message put
@@ -350,12 +350,12 @@ class FleetLink:
         if self._nc is not None:
             self._bridge.submit(self._nc.publish, self.names.subject("observations"), line)
 
-    async def receive_observations(self, deliver: Callable[[bytes], None]):
-        """Subscribe to the replicas' observations; `deliver(data)` on the trio thread."""
-        to_trio = self._bridge.to_trio(deliver)
+    async def receive_observations(self, delivery: Delivery[bytes]):
+        """Subscribe to the replicas' observations, each put in `delivery` (a `lossy` one: they
+        are sent at most once); the subscription."""
 
         async def on_message(msg) -> None:
-            to_trio(msg.data)
+            delivery.put(msg.data)
 
         return await self._call(self._nc.subscribe, self.names.subject("observations"), cb=on_message)
 

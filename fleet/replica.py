@@ -68,6 +68,10 @@ FOLLOW_BUFFER = 256
 """Delivered messages waiting to be applied; beyond that they are dropped and the follower
 reads the stream again from its last whole message."""
 
+OBSERVATION_BUFFER = 1024
+"""Replicas' observations on their way to the leader's queue; beyond that they are dropped
+and counted (`interlock_observations_dropped_total`), as the queue's own overflow is."""
+
 BEHIND_TOLERATED = 10
 """Messages a replica may be behind the stream's last message and still call itself current
 (the messages in flight between the leader's append and this replica's apply)."""
@@ -452,14 +456,10 @@ class FleetControlPlane(ControlPlane):
             async with trio.open_nursery() as nursery:
                 self._prober = Prober(client, self)
                 await nursery.start(self._prober.run)
-                observations = await self._link.receive_observations(self._observed)
-                try:
-                    nursery.start_soon(self._checkpoints)
-                    while True:
-                        last = await self._append_waiting(last)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._link.unsubscribe(observations)
+                await nursery.start(self._number_observations)
+                nursery.start_soon(self._checkpoints)
+                while True:
+                    last = await self._append_waiting(last)
         except* AppendRefused as refusals:  # except*: the appends run beside the prober, in a nursery
             self.fleet_metrics.appends_refused.inc()
             self.log.warn("fleet: append refused: another replica leads", error=described(refusals))
@@ -468,9 +468,23 @@ class FleetControlPlane(ControlPlane):
             self.log.warn("fleet: append failed; standing for the lease again", error=described(errors))
         term.cancel()
 
-    def _observed(self, line: bytes) -> None:
-        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, msgspec.ValidationError, msgspec.DecodeError):
-            self._queue_in.send_nowait((decode_event(line), None))
+    async def _number_observations(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe to the replicas' observations (started once subscribed) and put them in the
+        leader's queue, as its own data plane's go (`ControlPlane.observe`: a full queue drops
+        and counts); one that does not decode is dropped."""
+        dropped = self.metrics.observations_dropped
+        observations = self._link.delivery(OBSERVATION_BUFFER, on_drop=dropped.inc, lossy=True)
+        subscription = await self._link.receive_observations(observations)
+        try:
+            task_status.started()
+            while True:
+                line = await observations.receive()
+                with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+                    ControlPlane.observe(self, decode_event(line))
+        finally:
+            observations.close()
+            with trio.CancelScope(shield=True):
+                await self._link.unsubscribe(subscription)
 
     async def _append_waiting(self, last: StreamEnd) -> StreamEnd:
         """Take the next event in the queue and, once APPEND_INTERVAL has passed since the last

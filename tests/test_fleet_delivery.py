@@ -1,7 +1,8 @@
 """The bounded channel from nats-py's asyncio loop to trio (`fleet.bridge.Delivery`) against a
 real nats-server: while the trio thread is busy the loop goes on receiving, drops what the
 channel has no room for and counts it; the follower then reads the stream again from its last
-whole message and applies every event, in order, once; the export's reader does the same."""
+whole message and applies every event, in order, once; the export's reader does the same. The
+replicas' observations, sent at most once, go through a lossy one, which goes on after a drop."""
 
 from __future__ import annotations
 
@@ -35,15 +36,20 @@ def unexpected(error: BaseException) -> None:
     raise AssertionError(f"unexpected asyncio failure: {error!r}")
 
 
-def publish_from_another_thread(url: str, stream: str, subject: str, messages: list[bytes]) -> threading.Thread:
-    """Publish `messages` to the stream in order, from a thread with its own client."""
+def publish_from_another_thread(url: str, subject: str, messages: list[bytes], stream: str = "") -> threading.Thread:
+    """Publish `messages` in order from a thread with its own client: to `stream`, each
+    acknowledged, or (no stream) as core NATS messages."""
 
     async def publish() -> None:
         nc = await nats.connect(url)
         try:
             js = nc.jetstream()
             for data in messages:
-                await js.publish(subject, data, stream=stream)
+                if stream:
+                    await js.publish(subject, data, stream=stream)
+                else:
+                    await nc.publish(subject, data)
+            await nc.flush()
         finally:
             await nc.close()
 
@@ -62,7 +68,8 @@ def block_trio_until(condition, what: str) -> None:
 
 def recovered(first_seq: int, count: int) -> list[bytes]:
     """`count` messages of one event each, numbered from `first_seq`."""
-    return [encode_event(UpstreamRecovered(at=1.0, node="10.0.0.1", seq=seq)) for seq in range(first_seq, first_seq + count)]
+    seqs = range(first_seq, first_seq + count)
+    return [encode_event(UpstreamRecovered(at=1.0, node="10.0.0.1", seq=seq)) for seq in seqs]
 
 
 async def test_a_full_delivery_drops_counts_and_tells_the_receiver(tmp_path):
@@ -72,7 +79,8 @@ async def test_a_full_delivery_drops_counts_and_tells_the_receiver(tmp_path):
         await link.connect()
         delivery = link.delivery(4, on_drop=lambda: dropped.append(threading.current_thread()))
         subscription = await link.follow_events(1, delivery)
-        thread = publish_from_another_thread(server.url, link.names.events, link.names.subject("events"), recovered(1, 20))
+        events = link.names.subject("events")
+        thread = publish_from_another_thread(server.url, events, recovered(1, 20), link.names.events)
         block_trio_until(lambda: len(dropped) == 16, "16 of 20 messages dropped")  # the loop went on meanwhile
         thread.join()
         assert {thread.name for thread in dropped} == {"interlock-asyncio"}
@@ -99,21 +107,23 @@ async def test_a_follower_fallen_behind_reads_the_stream_again_and_loses_nothing
         writer = FleetLink(bridge, fleet)
         await writer.connect()
         await writer.take_lease("writer")  # held for the test: the replica follows
-        assert await writer.append(encode_event(RunStarted(at=1.0, version="test", config_path="g", config=Config(), seq=1)), 0) == 1
+        run_started = RunStarted(at=1.0, version="test", config_path="g", config=Config(), seq=1)
+        assert await writer.append(encode_event(run_started), 0) == 1
         config_path = tmp_path / "gateway.toml"
         config_path.write_text(
             config_text(nodes, health_interval="1s")
             + f'[fleet]\nnats = ["{server.url}"]\nname = "{FLEET.name}"\nreplica = "follower"\nlease = "60s"\n'
         )
         config = load_config(config_path)
-        async with open_control_plane(config_path, kind=FleetControlPlane, config=config, version="test", log=log) as replica:
+        async with open_control_plane(
+            config_path, kind=FleetControlPlane, config=config, version="test", log=log
+        ) as replica:
             with trio.fail_after(WAIT):
                 while replica.snapshot.seq < 1:
                     await trio.sleep(0.01)
             dropped = "interlock_fleet_deliveries_dropped_total"
-            thread = publish_from_another_thread(
-                server.url, writer.names.events, writer.names.subject("events"), recovered(2, count)
-            )
+            events = writer.names.subject("events")
+            thread = publish_from_another_thread(server.url, events, recovered(2, count), writer.names.events)
             block_trio_until(lambda: replica.registry.get_sample_value(dropped) > 0, "a message dropped")
             thread.join()
             with trio.fail_after(WAIT):
@@ -143,9 +153,32 @@ async def test_the_export_reader_fallen_behind_reads_on_from_its_last_message(tm
             with trio.fail_after(WAIT):
                 while (await stream_info(server.url, link.names.events)).state.consumer_count == 0:
                     await trio.sleep(0.01)
-            thread = publish_from_another_thread(server.url, link.names.events, link.names.subject("events"), recovered(1, count))
+            events = link.names.subject("events")
+            thread = publish_from_another_thread(server.url, events, recovered(1, count), link.names.events)
             block_trio_until(lambda: dropped, "a message dropped")
             thread.join()
         await link.close()
     assert [seq for seq, _ in read[0]] == list(range(1, count + 1))
     assert [decode_event(data).seq for _, data in read[0]] == list(range(1, count + 1))
+
+
+async def test_a_lossy_delivery_drops_what_finds_no_room_and_goes_on(tmp_path):
+    """The replicas' observations (core NATS, sent at most once) reach the leader through a
+    lossy delivery: a full one drops and counts, and the next message with room arrives."""
+    dropped = []
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        link = FleetLink(bridge, msgspec.structs.replace(FLEET, nats=(server.url,)))
+        await link.connect()
+        delivery = link.delivery(4, on_drop=lambda: dropped.append(1), lossy=True)
+        subscription = await link.receive_observations(delivery)
+        subject = link.names.subject("observations")
+        thread = publish_from_another_thread(server.url, subject, [b"%d" % n for n in range(20)])
+        block_trio_until(lambda: len(dropped) == 16, "16 of 20 observations dropped")
+        thread.join()
+        assert [await delivery.receive() for _ in range(4)] == [b"0", b"1", b"2", b"3"]
+        publish_from_another_thread(server.url, subject, [b"after"]).join()
+        with trio.fail_after(WAIT):
+            assert await delivery.receive() == b"after"
+        delivery.close()
+        await link.unsubscribe(subscription)
+        await link.close()
