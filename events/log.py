@@ -29,6 +29,11 @@ def decode_event(line: bytes | str) -> Event:
     return _decoder.decode(line)
 
 
+def decode_events(lines: bytes) -> list[Event]:
+    """The events of a block of whole log lines, in order, in one call."""
+    return _decoder.decode_lines(lines)
+
+
 def read_events(
     paths: Iterable[str | os.PathLike],
     warn: Callable[[str], None] | None = None,

@@ -10,8 +10,11 @@ it only through `AsyncioThread`:
 - `submit(fn, ...)` starts a coroutine and returns at once (what never-blocking callers, the data
   plane's observations, use); a failure goes to `on_error`;
 - `to_trio(fn)` is a thread-safe function that runs `fn(*args)` on the trio thread soon, for
-  asyncio callbacks (a subscription's messages) to hand their work to trio, never blocking the
-  loop;
+  asyncio callbacks to hand their work to trio, never blocking the loop;
+- `delivery(capacity, on_drop)` is a bounded channel from the loop to trio (`Delivery`), for a
+  subscription's messages: a subscriber that falls behind loses messages, counted (and, unless
+  the channel is `lossy`, learns it), rather than the loop waiting on trio or messages piling
+  up without bound;
 - closing it cancels every task left on the loop, waits for them, and joins the thread, so
   nothing of NATS outlives the block.
 
@@ -28,7 +31,7 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -43,6 +46,11 @@ CLOSE_WAIT_SECONDS = 10.0
 
 class BridgeClosed(Exception):
     """A call on an AsyncioThread that has been closed."""
+
+
+class DeliveryOverflowed(Exception):
+    """A `Delivery` dropped messages: what was received before is whole, what came after is
+    lost; the receiver reads again from its last message (a stream by sequence)."""
 
 
 class AsyncioThread:
@@ -99,6 +107,10 @@ class AsyncioThread:
 
         return run_soon
 
+    def delivery(self, capacity: int, on_drop: Callable[[], None], *, lossy: bool = False) -> Delivery:
+        """A bounded channel from the loop to trio (see `Delivery`)."""
+        return Delivery(self, capacity, on_drop, lossy=lossy)
+
     def _start(self, coroutine: Coroutine, when_done: Callable[[asyncio.Task], None]) -> list[asyncio.Task]:
         """Make `coroutine` a task on the loop (soon), calling `when_done` (on the loop's thread)
         once the task has ended, however; the list holds the task once it exists."""
@@ -129,6 +141,54 @@ class AsyncioThread:
                 self._closed = True
                 self._loop.call_soon_threadsafe(self._loop.stop)
                 await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+
+
+class Delivery(Generic[T]):
+    """Messages from the asyncio loop to trio, at most `capacity` waiting (handed over or in
+    the channel). `put` (any thread) never blocks: with `capacity` waiting it drops the message
+    and calls `on_drop` (a metric, counted from the loop's thread). Then, for a stream read
+    again by sequence, it drops every later message too, and `receive` (trio) returns the
+    messages accepted, in order, then raises DeliveryOverflowed; a `lossy` delivery (messages
+    sent at most once) goes on with the next message that finds room."""
+
+    def __init__(self, bridge: AsyncioThread, capacity: int, on_drop: Callable[[], None], *, lossy: bool) -> None:
+        self._bridge = bridge
+        self._capacity = capacity
+        self._on_drop = on_drop
+        self._lossy = lossy
+        self._send, self._receive = trio.open_memory_channel[T](capacity)
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._overflowed = False
+
+    def put(self, message: T) -> None:
+        with self._lock:
+            dropped = self._overflowed or self._waiting >= self._capacity
+            if not dropped:
+                self._waiting += 1
+            elif not self._lossy:
+                self._overflowed = True
+        if dropped:
+            self._on_drop()
+        else:
+            self._bridge._wake(self._hand_over, message)
+
+    def _hand_over(self, message: T) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):  # the receiver has closed
+            self._send.send_nowait(message)  # room: `_waiting` counts it
+
+    async def receive(self) -> T:
+        with self._lock:
+            if self._overflowed and self._waiting == 0:
+                raise DeliveryOverflowed("messages were dropped: the receiver fell behind")
+        message = await self._receive.receive()
+        with self._lock:
+            self._waiting -= 1
+        return message
+
+    def close(self) -> None:
+        """The receiver is done: messages still handed over are discarded."""
+        self._receive.close()
 
 
 async def _cancel_other_tasks() -> None:

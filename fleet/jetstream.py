@@ -22,9 +22,9 @@ names all start with the fleet's `name` (N below):
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import nats
 import nats.errors
@@ -34,7 +34,7 @@ from nats.js.api import StreamConfig
 
 from events.config import FleetConfig
 from events.log import decode_event
-from fleet.bridge import AsyncioThread
+from fleet.bridge import AsyncioThread, Delivery, DeliveryOverflowed
 
 OPERATION_SECONDS = 5.0
 """The deadline of one JetStream request (an append, a lease renewal, a lookup)."""
@@ -58,6 +58,15 @@ CHECKPOINT_MESSAGE_HEADER = "Interlock-Message-Seq"
 LEASE_KEY = "leader"
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code for an append whose expected last sequence is not the stream's."""
+
+
+class EventMessage(NamedTuple):
+    """One message of the event stream as a consumer receives it: its sequence, its batch of
+    events, and when JetStream stored it (UNIX seconds by the NATS server's clock)."""
+
+    seq: int
+    data: bytes
+    appended_at: float
 
 
 class AppendRefused(Exception):
@@ -270,16 +279,17 @@ class FleetLink:
             raise
         return ack.seq
 
-    async def follow_events(self, start_seq: int, deliver: Callable[[int, bytes, float], None]):
-        """An ordered consumer of the event stream from message `start_seq`: `deliver(seq,
-        data, appended_at)` is called on the trio thread for each message (its sequence, its
-        batch of events), in order (`appended_at`:
-        when JetStream stored it, UNIX seconds by the NATS server's clock). Returns the
-        subscription."""
-        to_trio = self._bridge.to_trio(deliver)
+    def delivery(self, capacity: int, on_drop: Callable[[], None], *, lossy: bool = False) -> Delivery:
+        """A bounded channel for `follow_events` or `receive_observations` (`fleet.bridge.Delivery`)."""
+        return self._bridge.delivery(capacity, on_drop, lossy=lossy)
+
+    async def follow_events(self, start_seq: int, delivery: Delivery[EventMessage]):
+        """An ordered consumer of the event stream from message `start_seq`, each message put
+        in `delivery` in order (the loop never waits for trio: a receiver fallen behind loses
+        the rest and reads again from its last). Returns the subscription."""
 
         async def on_message(msg) -> None:
-            to_trio(msg.metadata.sequence.stream, msg.data, msg.metadata.timestamp.timestamp())
+            delivery.put(EventMessage(msg.metadata.sequence.stream, msg.data, msg.metadata.timestamp.timestamp()))
 
         return await self._call(
             self._js.subscribe,
@@ -294,20 +304,28 @@ class FleetLink:
         with trio.move_on_after(OPERATION_SECONDS):
             await self._bridge.call(subscription.unsubscribe)
 
-    async def read_messages(self, start_seq: int, end_seq: int) -> list[tuple[int, bytes]]:
+    async def read_messages(
+        self, start_seq: int, end_seq: int, on_drop: Callable[[], None] = lambda: None
+    ) -> list[tuple[int, bytes]]:
         """The stream's messages from `start_seq` through `end_seq` in order, as (seq, data), as
-        one ordered consumer delivers them (export). Fails when none arrives for
+        an ordered consumer delivers them (export; again from the last one read when the reader
+        falls behind it, `on_drop` called for each message dropped). Fails when none arrives for
         OPERATION_SECONDS."""
-        send, receive = trio.open_memory_channel[tuple[int, bytes]](math.inf)
-        subscription = await self.follow_events(start_seq, lambda seq, data, _appended_at: send.send_nowait((seq, data)))
         messages: list[tuple[int, bytes]] = []
-        try:
-            while not messages or messages[-1][0] < end_seq:
-                with trio.fail_after(OPERATION_SECONDS):
-                    messages.append(await receive.receive())
-        finally:
-            with trio.CancelScope(shield=True):
-                await self.unsubscribe(subscription)
+        while not messages or messages[-1][0] < end_seq:
+            delivery = self.delivery(READ_BATCH, on_drop)
+            subscription = await self.follow_events(messages[-1][0] + 1 if messages else start_seq, delivery)
+            try:
+                while not messages or messages[-1][0] < end_seq:
+                    with trio.fail_after(OPERATION_SECONDS):
+                        message = await delivery.receive()
+                    messages.append((message.seq, message.data))
+            except DeliveryOverflowed:
+                continue
+            finally:
+                delivery.close()
+                with trio.CancelScope(shield=True):
+                    await self.unsubscribe(subscription)
         return messages
 
     # --- checkpoints and observations -----------------------------------------------------
@@ -332,12 +350,12 @@ class FleetLink:
         if self._nc is not None:
             self._bridge.submit(self._nc.publish, self.names.subject("observations"), line)
 
-    async def receive_observations(self, deliver: Callable[[bytes], None]):
-        """Subscribe to the replicas' observations; `deliver(data)` on the trio thread."""
-        to_trio = self._bridge.to_trio(deliver)
+    async def receive_observations(self, delivery: Delivery[bytes]):
+        """Subscribe to the replicas' observations, each put in `delivery` (a `lossy` one: they
+        are sent at most once); the subscription."""
 
         async def on_message(msg) -> None:
-            to_trio(msg.data)
+            delivery.put(msg.data)
 
         return await self._call(self._nc.subscribe, self.names.subject("observations"), cb=on_message)
 

@@ -3,11 +3,14 @@
 `FleetControlPlane` is a `ControlPlane` whose events are numbered by the fleet's leader, not by
 itself. Its tasks (children of `run`):
 
-- the follower applies the event stream in order, each message's batch of events one by one,
-  through the runtime's own apply path (`ControlPlane.apply_numbered`: the same `reduce`, logs,
-  metrics and listeners, so the replica's workers follow it as they follow a single-host
-  gateway), starting from the newest checkpoint. Until the first fleet event arrives the
-  replica routes on its own config (the state at seq 0), so the data plane never waits on NATS;
+- the follower applies the event stream in order, each message's batch of events decoded in
+  one call and applied in one go through the runtime's own apply path
+  (`ControlPlane.apply_numbered`: the same `reduce`, logs, metrics and listeners, so the
+  replica's workers follow it as they follow a single-host gateway), starting from the newest
+  checkpoint. Messages reach it through a bounded `Delivery`: one it has no room for is dropped
+  and counted, and the follower reads the stream again from its last whole message. Until the
+  first fleet event arrives the replica routes on its own config (the state at seq 0), so the
+  data plane never waits on NATS;
 - the watch reads, every `lease_renewal`, the stream's last message sequence and the lease
   holder: what `/ready` (`stale_reason`), `interlock_fleet_messages_behind` and
   `X-Interlock-Leader` answer with, and whether the follower has stalled (messages behind the
@@ -25,8 +28,10 @@ itself. Its tasks (children of `run`):
   checkpoint, then probes the nodes and appends the events (the prober's, and the replicas'
   observations): every event waiting in its queue, up to BATCH_EVENTS or BATCH_BYTES, numbered
   on from the last event seq, as one message conditional on the stream's last message
-  sequence (one quorum round trip per batch, not per event). A checkpoint follows every
-  CHECKPOINT_SECONDS.
+  sequence (one quorum round trip per batch, not per event). While events keep coming it
+  appends at most once every APPEND_INTERVAL, the events of the interval in one message (each
+  message costs every follower a delivery and a wake-up); an event after a quiet interval is
+  appended at once. A checkpoint follows every CHECKPOINT_SECONDS.
 
 A replica's data-plane observations go to the leader over NATS; the leader numbers them like
 any event.
@@ -47,9 +52,9 @@ from controlplane.probes import ProbeClient
 from controlplane.reducer import INITIAL_STATE, reduce
 from controlplane.runtime import ControlPlane, Prober, load_config_logging_unknown_keys
 from events.config import Config, FleetConfig
-from events.log import decode_event, encode_event
+from events.log import decode_event, decode_events, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
-from fleet.bridge import open_asyncio_thread
+from fleet.bridge import DeliveryOverflowed, open_asyncio_thread
 from fleet.decisions import FleetDecisions
 from fleet.jetstream import NATS_ERRORS, AppendRefused, FleetLink, StoredCheckpoint, batch_lines
 
@@ -60,11 +65,19 @@ CHECKPOINT_SECONDS = 30.0
 """How often the leader publishes a checkpoint (also at the start of each term)."""
 
 FOLLOW_BUFFER = 256
-"""Delivered messages waiting to be applied; beyond that the follower resubscribes."""
+"""Delivered messages waiting to be applied; beyond that they are dropped and the follower
+reads the stream again from its last whole message."""
+
+OBSERVATION_BUFFER = 1024
+"""Replicas' observations on their way to the leader's queue; beyond that they are dropped
+and counted (`interlock_observations_dropped_total`), as the queue's own overflow is."""
 
 BEHIND_TOLERATED = 10
 """Messages a replica may be behind the stream's last message and still call itself current
 (the messages in flight between the leader's append and this replica's apply)."""
+
+APPEND_INTERVAL = 0.02
+"""The leader's least time between the starts of two appends while events keep coming."""
 
 BATCH_EVENTS = 256
 BATCH_BYTES = 512 * 1024
@@ -107,6 +120,12 @@ class FleetMetrics:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
             registry=registry,
         )
+        self.deliveries_dropped = prometheus_client.Counter(
+            "interlock_fleet_deliveries_dropped_total",
+            "Messages of the fleet's stream dropped on their way to this replica's follower, which had fallen a "
+            "whole buffer behind (it then read the stream again from its last whole message: nothing is lost)",
+            registry=registry,
+        )
         self.appends_refused = prometheus_client.Counter(
             "interlock_fleet_appends_refused_total",
             "Appends refused because another leader had appended (this replica then stepped down)",
@@ -139,6 +158,7 @@ class FleetControlPlane(ControlPlane):
         """The stream's last message sequence as the watch last read it."""
         self._behind_since: float | None = None
         self._leaderless_since: float | None = None
+        self._last_append_started = float("-inf")
         self.fleet_metrics = FleetMetrics(self.registry, self)
         self.decisions = FleetDecisions(self.replica, self.log, self.registry)
         """Where this replica's decision records go: the fleet's decision stream."""
@@ -166,7 +186,12 @@ class FleetControlPlane(ControlPlane):
         return ""
 
     def fleet_headers(self) -> dict[str, str]:
-        return {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
+        """This replica, the leader, and, while this replica may be routing on old state, why
+        (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too)."""
+        headers = {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
+        if stale := self.stale_reason():
+            headers["X-Interlock-Stale"] = stale
+        return headers
 
     def observe(self, event: Event) -> None:
         """A data-plane observation, sent to the leader to be numbered; never blocks."""
@@ -261,29 +286,30 @@ class FleetControlPlane(ControlPlane):
 
     async def _follow_once(self) -> None:
         start = await self._starting_seq()
-        send, receive = trio.open_memory_channel[tuple[int, bytes, float]](FOLLOW_BUFFER)
-
-        def deliver(message_seq: int, data: bytes, appended_at: float) -> None:
-            with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError):
-                send.send_nowait((message_seq, data, appended_at))  # a dropped message shows as a gap: resubscribe
-
-        subscription = await self._link.follow_events(start, deliver)
+        delivery = self._link.delivery(FOLLOW_BUFFER, on_drop=self.fleet_metrics.deliveries_dropped.inc)
+        subscription = await self._link.follow_events(start, delivery)
         self._subscribed_at = time.monotonic()
         try:
-            async for message_seq, data, appended_at in receive:
-                for line in batch_lines(data):
-                    event = decode_event(line)
-                    expected = self._snapshot.seq + 1
-                    if event.seq < expected:
-                        continue  # redelivered, or already in the checkpoint started from
-                    if event.seq > expected:
-                        self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=event.seq)
-                        return
-                    await self._apply_fleet_event(event)
-                self._applied_message_seq = message_seq
-                self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - appended_at))
+            while True:
+                try:
+                    message = await delivery.receive()
+                except DeliveryOverflowed:
+                    self.log.warn(
+                        "fleet: the follower fell behind its deliveries; reading the stream again",
+                        message=self._applied_message_seq + 1,
+                    )
+                    return
+                expected = self._snapshot.seq + 1
+                # events before `expected`: redelivered, or in the checkpoint started from
+                events = [event for event in decode_events(message.data) if event.seq >= expected]
+                if events and (events[0].seq, events[-1].seq) != (expected, expected + len(events) - 1):
+                    self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=events[0].seq)
+                    return
+                await self._apply_fleet_events(events)
+                self._applied_message_seq = message.seq
+                self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - message.appended_at))
         finally:
-            send.close()
+            delivery.close()
             with trio.CancelScope(shield=True):
                 await self._link.unsubscribe(subscription)
 
@@ -298,15 +324,19 @@ class FleetControlPlane(ControlPlane):
         if stored is not None:
             checkpoint = decode_event(stored.line)
             if checkpoint.seq >= self._snapshot.seq:
-                await self._apply_fleet_event(checkpoint)
+                await self._apply_fleet_events([checkpoint])
                 self._applied_message_seq = stored.message_seq
                 self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message=stored.message_seq)
         return self._applied_message_seq + 1
 
-    async def _apply_fleet_event(self, event: Event) -> None:
-        """Apply an event of the stream, the keys of a config it puts in force read first."""
-        await self.upstream_keys.read_before(event)
-        self.apply_numbered(event)
+    async def _apply_fleet_events(self, events: list[Event]) -> None:
+        """Apply consecutive events of the stream, the keys of a config one puts in force read
+        before it; then wake whoever waits for the seq."""
+        if not events:
+            return
+        for event in events:
+            await self.upstream_keys.read_before(event)
+            self.apply_numbered(event)
         self._applied_at = time.monotonic()
         self._applied.set()
         self._applied = trio.Event()
@@ -426,14 +456,10 @@ class FleetControlPlane(ControlPlane):
             async with trio.open_nursery() as nursery:
                 self._prober = Prober(client, self)
                 await nursery.start(self._prober.run)
-                observations = await self._link.receive_observations(self._observed)
-                try:
-                    nursery.start_soon(self._checkpoints)
-                    while True:
-                        last = await self._append_waiting(last)
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._link.unsubscribe(observations)
+                await nursery.start(self._number_observations)
+                nursery.start_soon(self._checkpoints)
+                while True:
+                    last = await self._append_waiting(last)
         except* AppendRefused as refusals:  # except*: the appends run beside the prober, in a nursery
             self.fleet_metrics.appends_refused.inc()
             self.log.warn("fleet: append refused: another replica leads", error=described(refusals))
@@ -442,18 +468,35 @@ class FleetControlPlane(ControlPlane):
             self.log.warn("fleet: append failed; standing for the lease again", error=described(errors))
         term.cancel()
 
-    def _observed(self, line: bytes) -> None:
-        with contextlib.suppress(trio.WouldBlock, trio.ClosedResourceError, msgspec.ValidationError, msgspec.DecodeError):
-            self._queue_in.send_nowait((decode_event(line), None))
+    async def _number_observations(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Subscribe to the replicas' observations (started once subscribed) and put them in the
+        leader's queue, as its own data plane's go (`ControlPlane.observe`: a full queue drops
+        and counts); one that does not decode is dropped."""
+        dropped = self.metrics.observations_dropped
+        observations = self._link.delivery(OBSERVATION_BUFFER, on_drop=dropped.inc, lossy=True)
+        subscription = await self._link.receive_observations(observations)
+        try:
+            task_status.started()
+            while True:
+                line = await observations.receive()
+                with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+                    ControlPlane.observe(self, decode_event(line))
+        finally:
+            observations.close()
+            with trio.CancelScope(shield=True):
+                await self._link.unsubscribe(subscription)
 
     async def _append_waiting(self, last: StreamEnd) -> StreamEnd:
-        """Take the next event in the queue and those waiting behind it, up to BATCH_EVENTS or
-        BATCH_BYTES, and append them as one message; the stream's new end. Whoever waits for
+        """Take the next event in the queue and, once APPEND_INTERVAL has passed since the last
+        append began, those waiting behind it, up to BATCH_EVENTS or BATCH_BYTES, and append
+        them as one message; the stream's new end. Whoever waits for
         one of them (a reload) is woken once it is appended."""
         lines: list[bytes] = []
         waiting: list[trio.Event] = []
         size = 0
         item = await self._queue_out.receive()
+        await trio.sleep_until(self._last_append_started + APPEND_INTERVAL)  # the interval's events, together
+        self._last_append_started = trio.current_time()
         while True:
             event, applied = item
             lines.append(numbered(event, last.event_seq + len(lines) + 1))

@@ -3,13 +3,16 @@ with JetStream on and its own store directory, on free ports; killed at the end 
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import nats
 import trio
+from nats.js.api import StreamInfo
 
 from harness import free_port, required_program
 
@@ -26,6 +29,9 @@ class NatsServer:
     cluster_port: int = field(default_factory=free_port)
     routes: list[int] = field(default_factory=list)
     clustered: bool = False
+    advertise: bool = True
+    """False: clients learn of no other server of the cluster (`--no_advertise`), so a client
+    that lists this server alone is cut off while it is down."""
     process: trio.Process | None = None
 
     @property
@@ -40,6 +46,8 @@ class NatsServer:
         if self.clustered:
             command += ["--cluster_name", "interlock-test", "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
             command += ["--routes", ",".join(f"nats://127.0.0.1:{port}" for port in self.routes)]
+            if not self.advertise:
+                command += ["--no_advertise"]
         self.process = await trio.lowlevel.open_process(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -62,9 +70,12 @@ class NatsServer:
 
 
 @asynccontextmanager
-async def nats_servers(tmp_path: Path, count: int = 1) -> AsyncIterator[list[NatsServer]]:
-    """`count` JetStream servers (clustered when more than one), all running and killed at the end."""
-    servers = [NatsServer(name=f"nats{i}", store=tmp_path / f"nats{i}") for i in range(1, count + 1)]
+async def nats_servers(tmp_path: Path, count: int = 1, *, advertise: bool = True) -> AsyncIterator[list[NatsServer]]:
+    """`count` JetStream servers (clustered when more than one), all running and killed at the
+    end; `advertise` as NatsServer's."""
+    servers = [
+        NatsServer(name=f"nats{i}", store=tmp_path / f"nats{i}", advertise=advertise) for i in range(1, count + 1)
+    ]
     for server in servers:
         server.clustered = count > 1
         server.routes = [other.cluster_port for other in servers if other is not server]
@@ -76,3 +87,16 @@ async def nats_servers(tmp_path: Path, count: int = 1) -> AsyncIterator[list[Nat
         with trio.CancelScope(shield=True):
             for server in servers:
                 await server.kill()
+
+
+async def stream_info(url: str, stream: str) -> StreamInfo:
+    """`stream`'s state as the NATS server at `url` tells a client of its own (on a thread)."""
+
+    async def read() -> StreamInfo:
+        nc = await nats.connect(url)
+        try:
+            return await nc.jetstream().stream_info(stream)
+        finally:
+            await nc.close()
+
+    return await trio.to_thread.run_sync(lambda: asyncio.run(read()))

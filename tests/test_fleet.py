@@ -4,9 +4,11 @@ times), three replicas (`interlock serve` subprocesses with `[fleet]`), simulate
 Every replica reaches the same state digest at the same seq; one leader probes; a leader killed
 is replaced and the seqs go on without gap or duplicate; an append after a stale message is
 refused, a batch of events whole;
-a leader paused past its lease steps down and follows. One NATS server killed under load loses
-no request and no event; with all of NATS gone the replicas serve on their last state, say so
-on /ready, and catch up when it is back; a restarted replica catches up from a checkpoint; a
+a leader paused past its lease steps down and follows. The NATS server leading the event
+stream killed under load loses no request and no event; a replica cut off from NATS serves on
+its last state, says so on /ready and /health, and catches up when its server is back; with all
+of NATS gone the replicas serve on their last state, say so on /ready, and catch up when it is
+back; a restarted replica catches up from a checkpoint; a
 node killed is avoided through every replica. The export reads a long stream in order; the
 streams are kept once per server of the cluster, whatever URLs a replica lists.
 """
@@ -38,7 +40,7 @@ from fleet.bridge import open_asyncio_thread
 from fleet.export import export_events
 from fleet.jetstream import AppendRefused, FleetLink, StoredCheckpoint
 from harness import MODEL, PROJECT_ROOT, chat, config_text, free_port, node_specs
-from nats_cluster import NatsServer, nats_servers
+from nats_cluster import NatsServer, nats_servers, stream_info
 
 LEASE = "2s"
 LEASE_RENEWAL = "500ms"
@@ -88,6 +90,7 @@ class Replica:
             leader=headers["X-Interlock-Leader"],
             seq=int(headers["X-Interlock-Seq"]),
             digest=headers["X-Interlock-State-Digest"],
+            stale=headers.get("X-Interlock-Stale", ""),
         )
 
     async def ready(self, http: httpx.AsyncClient) -> tuple[int, dict]:
@@ -110,6 +113,7 @@ class Health:
     leader: str
     seq: int
     digest: str
+    stale: str
 
 
 @asynccontextmanager
@@ -119,15 +123,20 @@ async def fleet_of(
     servers: Sequence[NatsServer],
     count: int = 3,
     gateway: Sequence[dict[str, object]] = (),
+    one_server_each: bool = False,
 ) -> AsyncIterator[list[Replica]]:
     """`count` replicas r1, r2, … of one fleet on `servers`, killed at the end; `gateway[i]`
-    adds [gateway] keys to the config of replica i + 1."""
-    urls = ", ".join(f'"{server.url}"' for server in servers)
+    adds [gateway] keys to the config of replica i + 1. With `one_server_each`, replica i
+    lists server i alone, and the streams are kept once per server (`stream_replicas`)."""
     replicas = []
     for index in range(1, count + 1):
         directory = tmp_path / f"r{index}"
         directory.mkdir()
+        listed = [servers[index - 1]] if one_server_each else servers
+        urls = ", ".join(f'"{server.url}"' for server in listed)
         fleet = f'[fleet]\nnats = [{urls}]\nreplica = "r{index}"\nlease = "{LEASE}"\nlease_renewal = "{LEASE_RENEWAL}"\n'
+        if one_server_each:
+            fleet += f"stream_replicas = {len(servers)}\n"
         config_path = directory / "gateway.toml"
         settings = gateway[index - 1] if index <= len(gateway) else {}
         config_path.write_text(config_text(nodes, health_interval=HEALTH_INTERVAL, **settings) + fleet)
@@ -434,13 +443,21 @@ async def test_a_stream_is_kept_by_every_server_of_the_cluster_and_found_by_any_
         await second.close()
 
 
-async def test_one_nats_server_killed_under_load_loses_no_request_and_no_event(tmp_path):
+async def stream_leader(url: str, stream: str) -> str:
+    """The name of the NATS server leading `stream`'s copies (where its appends land first)."""
+    return (await stream_info(url, stream)).cluster.leader
+
+
+async def test_the_event_streams_leading_server_killed_under_load_loses_no_request_and_no_event(tmp_path):
     async with running_fleet(tmp_path, 3) as (servers, nodes, replicas, http):
         observed = Observed()
         before = await agreed(http, replicas, observed)
+        leading = await stream_leader(servers[0].url, "interlock-events")
+        killed = next(server for server in servers if server.name == leading)
         async with steady_load(http, replicas) as failures:
-            await servers[0].kill()
-            # the leader goes on appending on the two servers left (a quorum of three)
+            await killed.kill()
+            # the two servers left (a quorum of three) elect a new leader of the stream, and the
+            # fleet's leader goes on appending there
             await until(
                 lambda: _seq_passed(http, replicas, before.seq + 10), "every replica applying events past the kill"
             )
@@ -448,7 +465,52 @@ async def test_one_nats_server_killed_under_load_loses_no_request_and_no_event(t
         assert failures == []
         assert after.seq > before.seq
         assert observed.disagreements() == {}
-        assert_gapless(await fleet_events(servers[1].url))
+        survivor = next(server for server in servers if server is not killed)
+        assert await stream_leader(survivor.url, "interlock-events") != leading
+        assert_gapless(await fleet_events(survivor.url))
+
+
+async def test_a_replica_cut_off_from_nats_serves_on_its_last_state_and_catches_up(tmp_path):
+    """Each replica lists one server of the cluster, which tells it of no other: the one whose
+    server is killed is cut off (the others go on, a quorum of the stream's three copies left).
+    It serves on its last state, /ready and /health say why, its seconds since an applied
+    event grow, and it catches up once its server is back."""
+    async with (
+        nats_servers(tmp_path, 3, advertise=False) as servers,
+        serve_nodes(node_specs(2)) as nodes,
+        fleet_of(tmp_path, nodes, servers, one_server_each=True) as replicas,
+        httpx.AsyncClient() as http,
+    ):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        cut_off = next(replica for replica in replicas if replica.name != before.leader)
+        others = [replica for replica in replicas if replica is not cut_off]
+        async with steady_load(http, replicas) as failures:
+            await servers[replicas.index(cut_off)].kill()
+
+            async def says_so() -> bool:
+                status, body = await cut_off.ready(http)
+                health = await cut_off.health(http)
+                return status == 503 and body["reason"] == health.stale == "not connected to NATS"
+
+            await until(says_so, "/ready 503 and /health's X-Interlock-Stale on the replica cut off")
+            last_state = await cut_off.health(http)
+            since = await cut_off.metric(http, "interlock_fleet_seconds_since_applied")
+            await until(lambda: _seq_passed(http, others, last_state.seq + 5), "the others going on")
+            assert (await cut_off.health(http)).seq == last_state.seq
+            assert await cut_off.metric(http, "interlock_fleet_seconds_since_applied") > since
+            await servers[replicas.index(cut_off)].start()
+            await until(lambda: _seq_passed(http, [cut_off], last_state.seq + 5), "the replica cut off catching up")
+            await until(lambda: _is_ready(http, cut_off), "/ready 200 on the replica cut off")
+        assert failures == []
+        after = await agreed(http, replicas, observed)
+        assert after.stale == ""
+        assert observed.disagreements() == {}
+        assert_gapless(await fleet_events(servers[0].url))
+
+
+async def _is_ready(http: httpx.AsyncClient, replica: Replica) -> bool:
+    return (await replica.ready(http))[0] == 200
 
 
 async def _seq_passed(http: httpx.AsyncClient, replicas: Sequence[Replica], seq: int) -> bool:

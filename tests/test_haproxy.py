@@ -1,6 +1,7 @@
 """`deploy/haproxy/interlock.cfg`: the shipped file, as an operator runs it (the addresses in
 environment variables), with Debian's real `haproxy` on loopback in front of two real gateways
-and their simulated nodes. HAProxy keeps a replica in rotation only while its `/ready` says 200.
+and their simulated nodes. HAProxy keeps a replica in rotation only while its `/ready` says 200,
+and a replica killed with requests in flight costs no client its answer.
 """
 
 from __future__ import annotations
@@ -8,8 +9,10 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -17,7 +20,18 @@ import trio
 
 from fixtures.node import NodeSpec, serve_nodes
 
-from harness import MODEL, PROJECT_ROOT, chat, required_program, running_gateway, sse_events
+from harness import (
+    MODEL,
+    PROJECT_ROOT,
+    chat,
+    completions_to,
+    free_port,
+    required_program,
+    running_gateway,
+    sse_events,
+    wait_until_ready,
+    write_config,
+)
 
 CONFIG = PROJECT_ROOT / "deploy" / "haproxy" / "interlock.cfg"
 CHAT = "/v1/chat/completions"
@@ -139,3 +153,70 @@ async def test_haproxy_sends_requests_only_to_ready_replicas(tmp_path):
                 node_a.behaviour.health = "ok"
                 await haproxy.logged("interlock_replicas/replica1 is UP")
                 assert "a1" in await served_by(http, haproxy.url, 10)
+
+
+async def test_a_replica_killed_with_requests_in_flight_costs_no_request(tmp_path):
+    """Replica 1's node never answers, so the completions sent through replica 1 are in flight
+    there when it is SIGKILLed: HAProxy gets an empty response for each (`retry-on
+    empty-response`), resends it from its buffer (`http-buffer-request`) to replica 2, and
+    every client gets its 200."""
+    specs = [NodeSpec(name="a1", host="127.0.0.2", models=[MODEL]), NodeSpec(name="b1", host="127.0.0.3", models=[MODEL])]
+    async with serve_nodes(specs) as (node_a, node_b), httpx.AsyncClient(timeout=60, trust_env=False) as http:
+        async with (
+            serve_subprocess(tmp_path / "a", node_a) as replica_a,
+            serve_subprocess(tmp_path / "b", node_b) as replica_b,
+        ):
+            await wait_until_ready(http, replica_a.url)
+            await wait_until_ready(http, replica_b.url)
+            node_a.behaviour.completion = "hang"
+            with refusing_address() as down:  # the shipped file names three replicas: one is down
+                replicas = [address(replica_a.url), address(replica_b.url), "127.0.0.1:%d" % down.getsockname()[1]]
+                async with running_haproxy(tmp_path, replicas) as haproxy:
+                    failures: list[str] = []
+                    answered_by: list[str] = []
+
+                    async def client() -> None:
+                        for _ in range(10):
+                            response = await http.post(haproxy.url + CHAT, json=chat())
+                            if response.status_code == 200:
+                                answered_by.append(response.headers["x-interlock-node"])
+                            else:
+                                failures.append(f"{response.status_code} {response.text}")
+
+                    async with trio.open_nursery() as nursery:
+                        for _ in range(8):
+                            nursery.start_soon(client)
+                        with trio.fail_after(30):
+                            while len(completions_to(node_a)) < 2:
+                                await trio.sleep(0.01)
+                        replica_a.process.kill()
+                    assert failures == []
+                    assert answered_by == ["b1"] * 80
+
+
+@dataclass
+class ServeSubprocess:
+    url: str
+    process: trio.Process
+
+
+@asynccontextmanager
+async def serve_subprocess(directory: Path, node) -> AsyncIterator[ServeSubprocess]:
+    """`interlock serve` on `node` in a process of its own (to be SIGKILLed), on a free port;
+    killed at the end."""
+    directory.mkdir()
+    config = write_config(directory, [node], **GATEWAY)
+    port = free_port()
+    with (directory / "log.jsonl").open("wb") as log:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config), "--listen", f"127.0.0.1:{port}"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT,
+        )
+        try:
+            yield ServeSubprocess(f"http://127.0.0.1:{port}", process)
+        finally:
+            with trio.CancelScope(shield=True):
+                process.kill()
+                await process.wait()
