@@ -38,7 +38,7 @@ from pathlib import Path
 import msgspec
 
 from bench.processes import Processes, free_port, wait_until_healthy
-from bench.servers import HOST, PROJECT_ROOT, start_upstream
+from bench.servers import HOST, PROJECT_ROOT, interlock_config, start_upstream
 from bench.upstream import MODEL
 
 OWN_PACKAGES = ("events", "journal", "transport", "controlplane", "dataplane", "fleet", "interlock")
@@ -67,33 +67,6 @@ _PROFILED = textwrap.dedent(
 SIGUSR2 stops and writes."""
 
 
-def gateway_config(folder: Path, port: int, metrics_port: int, upstream_port: int) -> str:
-    """The bench's one-node config (`bench.servers.interlock_config`), probed every minute: keys
-    every checkout compared reads."""
-    quoted = lambda value: msgspec.json.encode(value).decode()
-    return textwrap.dedent(
-        f"""\
-        [gateway]
-        listen = {quoted(f"{HOST}:{port}")}
-        metrics_listen = {quoted(f"{HOST}:{metrics_port}")}
-        health_interval = "60s"
-        event_log = {quoted(str(folder / "events.jsonl"))}
-
-        [[nodes]]
-        ip = {quoted(HOST)}
-        name = "bench-upstream"
-        vllm_port = {upstream_port}
-        metrics_port = {upstream_port}
-
-        [models]
-        default = {quoted(MODEL)}
-
-        [[models.available]]
-        name = {quoted(MODEL)}
-        """
-    )
-
-
 # --- the load: plain blocking sockets, so the client's own cost is nowhere near the gateway ------
 
 
@@ -108,7 +81,9 @@ def small_requests(port: int, count: int) -> None:
     """`count` small chat completions, one at a time over one keep-alive connection."""
     request = _post(
         "/v1/chat/completions",
-        msgspec.json.encode({"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}),
+        msgspec.json.encode(
+            {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
+        ),
     )
     with socket.create_connection((HOST, port)) as connection:
         buffered = b""
@@ -119,7 +94,9 @@ def small_requests(port: int, count: int) -> None:
             head, _, buffered = buffered.partition(b"\r\n\r\n")
             if not head.startswith(b"HTTP/1.1 200"):
                 raise RuntimeError(f"the gateway answered {head[:200]!r}")
-            length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+            length = next(
+                int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")
+            )
             while len(buffered) < length:
                 buffered += _receive(connection)
             buffered = buffered[length:]
@@ -231,7 +208,7 @@ def measure(tree: Path, args: argparse.Namespace) -> dict:
             upstream = start_upstream(processes, None)
             port = free_port()
             config = folder / "interlock.toml"
-            config.write_text(gateway_config(folder, port, free_port(), upstream.port))
+            config.write_text(interlock_config(folder, port, free_port(), upstream, health_interval="60s"))
             profile = folder / "profile"
             argv = [sys.executable, "-c", _PROFILED, str(profile), entry, "serve", "--config", str(config)]
 
@@ -268,7 +245,9 @@ def render(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.call_count", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", type=Path, default=PROJECT_ROOT, help="the source tree to serve from (default: this checkout)")
+    parser.add_argument(
+        "--tree", type=Path, default=PROJECT_ROOT, help="the source tree to serve from (default: this checkout)"
+    )
     parser.add_argument("--requests", type=int, default=2000, help="small requests counted (default 2000)")
     parser.add_argument("--streams", type=int, default=8, help="concurrent paced streams (default 8)")
     parser.add_argument("--chunks", type=int, default=100, help="SSE events per stream (default 100)")

@@ -5,6 +5,7 @@ and the results are judged, rendered and written as JSON. No speed is asserted."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -207,3 +208,28 @@ def test_the_disaggregated_bench_measures_both_settings_without_failures(tmp_pat
     assert [row["setting"] for row in rows] == ["whole", "two legs"]
     assert all(row[mode]["failures"] == 0 for row in rows for mode in ("whole_answer", "streamed"))
     assert "two legs" in completed.stdout
+
+
+def test_the_call_count_profiles_the_gateway_only_while_the_load_runs(tmp_path):
+    out = tmp_path / "calls.json"
+    completed = subprocess.run(
+        [
+            sys.executable, "-m", "bench.call_count", "--requests", "30", "--streams", "2", "--chunks", "5",
+            "--top", "500", "--out", str(out),
+        ],  # fmt: skip
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    result = json.loads(out.read_text())
+    requests, chunks = result["per_small_request"], result["per_paced_chunk"]
+    assert (requests["units"], chunks["units"]) == (30, 10)
+    for figures in (requests, chunks):
+        assert 0 < figures["own_per_unit"] < figures["all_per_unit"]
+        assert all(not where.startswith(("bench/", "/")) for where, _ in figures["top_own"])
+    # One ledger per request counted: the warm-up's requests, before the window, are not.
+    ledgers = [calls for where, calls in requests["top_own"] if re.fullmatch(r"dataplane/ledger\.py:\d+\(__init__\)", where)]
+    assert ledgers == [1.0]
+    assert "calls per small request: own" in completed.stdout
