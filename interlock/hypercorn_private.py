@@ -22,9 +22,8 @@ import h11
 import hypercorn.protocol
 import hypercorn.trio
 import hypercorn.trio.run
-import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event
+from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
