@@ -77,14 +77,24 @@ def _post(path: str, body: bytes) -> bytes:
     ).encode() + body
 
 
+REQUESTS_PER_CONNECTION = 500
+"""hypercorn closes a keep-alive connection after a thousand requests (`keep_alive_max_requests`)."""
+
+
 def small_requests(port: int, count: int) -> None:
-    """`count` small chat completions, one at a time over one keep-alive connection."""
+    """`count` small chat completions, one at a time over keep-alive connections, each used for
+    REQUESTS_PER_CONNECTION requests at most."""
     request = _post(
         "/v1/chat/completions",
         msgspec.json.encode(
             {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16}
         ),
     )
+    for first in range(0, count, REQUESTS_PER_CONNECTION):
+        _requests_on_one_connection(port, request, min(REQUESTS_PER_CONNECTION, count - first))
+
+
+def _requests_on_one_connection(port: int, request: bytes, count: int) -> None:
     with socket.create_connection((HOST, port)) as connection:
         buffered = b""
         for _ in range(count):
