@@ -37,6 +37,15 @@ def upstream(processes) -> Server:
     return start_upstream(processes, cores=None)
 
 
+def run_bench(module: str, *argv: str) -> subprocess.CompletedProcess:
+    """`python -m module argv…` from the checkout, which must succeed; its output as text."""
+    completed = subprocess.run(
+        [sys.executable, "-m", module, *argv], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed
+
+
 def sse_data(text: str) -> list[str]:
     return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
 
@@ -169,18 +178,10 @@ def test_the_log_files_bench_measures_the_writers_and_a_checkpoint():
 
 
 def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
-    completed = subprocess.run(
-        [
-            sys.executable, "-m", "bench.routing", "--duration", "2", "--rate", "5",
-            "--policies", "round_robin,least_load", "--out", str(tmp_path / "results"),
-            "--logs", str(tmp_path / "logs"),
-        ],  # fmt: skip
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_bench(
+        "bench.routing", "--duration", "2", "--rate", "5", "--policies", "round_robin,least_load",
+        "--out", str(tmp_path / "results"), "--logs", str(tmp_path / "logs"),
+    )  # fmt: skip
     [path] = (tmp_path / "results").iterdir()
     results = json.loads(path.read_text())
     assert [run["policy"] for run in results["runs"]] == ["round_robin", "least_load"]
@@ -195,14 +196,7 @@ def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
 
 
 def test_the_disaggregated_bench_measures_both_settings_without_failures(tmp_path):
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench.disaggregated", "--requests", "20", "--rounds", "1", "--out", str(tmp_path)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_bench("bench.disaggregated", "--requests", "20", "--rounds", "1", "--out", str(tmp_path))
     [path] = tmp_path.iterdir()
     rows = json.loads(path.read_text())["rows"]
     assert [row["setting"] for row in rows] == ["whole", "two legs"]
@@ -212,17 +206,9 @@ def test_the_disaggregated_bench_measures_both_settings_without_failures(tmp_pat
 
 def test_the_call_count_profiles_the_gateway_only_while_the_load_runs(tmp_path):
     out = tmp_path / "calls.json"
-    completed = subprocess.run(
-        [
-            sys.executable, "-m", "bench.call_count", "--requests", "30", "--streams", "2", "--chunks", "5",
-            "--top", "500", "--out", str(out),
-        ],  # fmt: skip
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    completed = run_bench(
+        "bench.call_count", "--requests", "30", "--streams", "2", "--chunks", "5", "--top", "500", "--out", str(out)
     )
-    assert completed.returncode == 0, completed.stderr
     result = json.loads(out.read_text())
     requests, chunks = result["per_small_request"], result["per_paced_chunk"]
     assert (requests["units"], chunks["units"]) == (30, 10)
@@ -230,6 +216,7 @@ def test_the_call_count_profiles_the_gateway_only_while_the_load_runs(tmp_path):
         assert 0 < figures["own_per_unit"] < figures["all_per_unit"]
         assert all(not where.startswith(("bench/", "/")) for where, _ in figures["top_own"])
     # One ledger per request counted: the warm-up's requests, before the window, are not.
-    ledgers = [calls for where, calls in requests["top_own"] if re.fullmatch(r"dataplane/ledger\.py:\d+\(__init__\)", where)]
+    ledger = re.compile(r"dataplane/ledger\.py:\d+\(__init__\)")
+    ledgers = [calls for where, calls in requests["top_own"] if ledger.fullmatch(where)]
     assert ledgers == [1.0]
     assert "calls per small request: own" in completed.stdout
