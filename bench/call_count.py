@@ -2,7 +2,7 @@
 measure of the hot path that a loaded machine does not blur, to compare two checkouts.
 
     python -m bench.call_count [--tree DIR] [--requests 2000] [--streams 8] [--chunks 100]
-                               [--interval 0.02] [--top 25] [--out FILE]
+                               [--interval 0.02] [--top 25] [--cpu] [--out FILE]
 
 Starts the bench upstream (`bench.upstream`) and `interlock serve` from the source tree `DIR`
 (default: this checkout; another checkout's, such as a base commit's `git worktree`, to compare),
@@ -14,6 +14,11 @@ the chunks relayed (a stream's request included in its chunks' share, as the ben
 paced chunk has it): "own", calls of functions in the tree's own packages; "all", every call
 cProfile sees (the libraries' and builtins' included). Then the functions that make the most
 calls per unit, to find where one checkout spends calls another does not.
+
+With `--cpu`, the same loads without the profiler, and the process's CPU time per request and
+per chunk instead (from /proc): one request at a time and paced streams do not batch more or
+less as a loaded machine slows the gateway, as wrk's sixteen connections do, so the figures
+move less between runs than the main bench's; alternate the trees and take medians.
 
 Counts depend a little on timing (how many events one wake-up of the loop finds, the probes
 that fall in the window), so they are steady to a call or so, not exact. The window's probes
@@ -37,7 +42,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.processes import Processes, free_port, wait_until_healthy
+from bench.processes import Processes, cpu_seconds, free_port, wait_until_healthy
 from bench.servers import HOST, PROJECT_ROOT, interlock_config, start_upstream
 from bench.upstream import MODEL
 
@@ -220,7 +225,8 @@ def measure(tree: Path, args: argparse.Namespace) -> dict:
             config = folder / "interlock.toml"
             config.write_text(interlock_config(folder, port, free_port(), upstream, health_interval="60s"))
             profile = folder / "profile"
-            argv = [sys.executable, "-c", _PROFILED, str(profile), entry, "serve", "--config", str(config)]
+            serve = [entry, "serve", "--config", str(config)]
+            argv = [sys.executable, *(["-m"] if args.cpu else ["-c", _PROFILED, str(profile)]), *serve]
 
             def node_ready(status: int, body: bytes) -> bool:
                 health = json.loads(body) if status == 200 else {}
@@ -231,19 +237,33 @@ def measure(tree: Path, args: argparse.Namespace) -> dict:
             pid = gateway.pid
             small_requests(port, 200)  # warm: connections to the node, caches, the first snapshot's views
             paced_streams(port, 2, 10, args.interval)
-            requests = _profiled(pid, profile, lambda: small_requests(port, args.requests))
-            streams = _profiled(pid, profile, lambda: paced_streams(port, args.streams, args.chunks, args.interval))
-    return {
-        "tree": str(tree),
-        "per_small_request": counted(requests, tree, args.requests, args.top),
-        "per_paced_chunk": counted(streams, tree, args.streams * args.chunks, args.top),
-    }
+
+            def measured(load, units: int) -> dict:
+                if args.cpu:
+                    return _cpu_time(pid, load, units)
+                return counted(_profiled(pid, profile, load), tree, units, args.top)
+
+            requests = measured(lambda: small_requests(port, args.requests), args.requests)
+            streams = measured(
+                lambda: paced_streams(port, args.streams, args.chunks, args.interval), args.streams * args.chunks
+            )
+    return {"tree": str(tree), "per_small_request": requests, "per_paced_chunk": streams}
+
+
+def _cpu_time(pid: int, load, units: int) -> dict:
+    """The process's CPU time (all its threads, user and system) per unit while `load()` runs."""
+    before = cpu_seconds([pid])
+    load()
+    return {"units": units, "cpu_us_per_unit": (cpu_seconds([pid]) - before) / units * 1e6}
 
 
 def render(result: dict) -> str:
     lines = [f"tree {result['tree']}"]
     for key in ("per_small_request", "per_paced_chunk"):
         figures = result[key]
+        if "cpu_us_per_unit" in figures:
+            lines.append(f"  CPU {key.replace('_', ' ')}: {figures['cpu_us_per_unit']:.1f} µs (over {figures['units']})")
+            continue
         lines.append(
             f"  calls {key.replace('_', ' ')}: own {figures['own_per_unit']:.1f}, all {figures['all_per_unit']:.1f}"
             f" (over {figures['units']})"
@@ -263,6 +283,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, default=100, help="SSE events per stream (default 100)")
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between events (default 0.02)")
     parser.add_argument("--top", type=int, default=25, help="functions listed per measure (default 25)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="measure the process's CPU time per unit instead, without the profiler"
+    )
     parser.add_argument("--out", type=Path, help="also write the figures as JSON to this file")
     args = parser.parse_args()
     result = measure(args.tree.resolve(), args)

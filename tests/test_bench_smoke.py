@@ -220,3 +220,11 @@ def test_the_call_count_profiles_the_gateway_only_while_the_load_runs(tmp_path):
     ledgers = [calls for where, calls in requests["top_own"] if ledger.fullmatch(where)]
     assert ledgers == [1.0]
     assert "calls per small request: own" in completed.stdout
+
+
+def test_the_call_count_measures_cpu_time_instead_without_the_profiler(tmp_path):
+    out = tmp_path / "cpu.json"
+    run_bench("bench.call_count", "--cpu", "--requests", "30", "--streams", "2", "--chunks", "5", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert (result["per_small_request"]["units"], result["per_paced_chunk"]["units"]) == (30, 10)
+    assert result["per_small_request"]["cpu_us_per_unit"] >= 0 and "own_per_unit" not in result["per_small_request"]
