@@ -133,14 +133,16 @@ def nginx_path() -> str | None:
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin:/usr/local/nginx/sbin")
 
 
-def interlock_config(folder: Path, port: int, metrics_port: int, upstream: Server) -> str:
+def interlock_config(
+    folder: Path, port: int, metrics_port: int, upstream: Server, health_interval: str = "1s"
+) -> str:
     quoted = lambda value: msgspec.json.encode(value).decode()  # a TOML basic string
     return textwrap.dedent(
         f"""\
         [gateway]
         listen = {quoted(f"{HOST}:{port}")}
         metrics_listen = {quoted(f"{HOST}:{metrics_port}")}
-        health_interval = "1s"
+        health_interval = {quoted(health_interval)}
         event_log = {quoted(str(folder / "events.jsonl"))}
 
         [[nodes]]

@@ -38,7 +38,7 @@ from events.types import (
 )
 from transport.http11 import BodyTooLarge, HttpClient, HttpError
 from transport.steps import PreparedRequest, request_steps
-from transport.readiness import Exchange, InThread, TimedOut, drive
+from transport.readiness import Exchange, InThread, TimedOut
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""
@@ -107,18 +107,6 @@ class ProbeClient:
         self._http.forget(host)
         for key in [key for key in self._prepared if key[0] == host]:
             del self._prepared[key]
-
-    async def get(
-        self,
-        host: str,
-        port: int,
-        path: bytes,
-        timeout: float,
-        authorization: bytes = b"",
-        tls: ssl.SSLContext | None = None,
-    ) -> ProbeResponse:
-        """`get_steps` run in the calling task."""
-        return await drive(self.get_steps(host, port, path, timeout, authorization, tls))
 
     def get_steps(
         self,

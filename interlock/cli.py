@@ -75,7 +75,7 @@ from interlock.render import (
     state_to_builtins,
 )
 from interlock.timeline import TimelineError, build_timeline, render_html
-from interlock.verify import DEFAULT_SHOWN, incomplete_warning, verify
+from interlock.verify import DEFAULT_SHOWN, MissingInputs, incomplete_warning, verify
 from interlock.verify import render_report as render_verify_report
 from interlock.admission_whatif import render_tenants_what_if, tenants_what_if
 from interlock.whatif import (
@@ -417,10 +417,10 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--progress",
         type=float,
-        default=PROGRESS_SECONDS,
         metavar="SECONDS",
-        help="once it has run this long, say how far it has come on stderr, and again every SECONDS "
-        f"(default: {PROGRESS_SECONDS:g}; 0: at every request and event)",
+        help="once it has run this long, say how far it has come on stderr, and again every SECONDS, "
+        f"whatever stderr is (default: every {PROGRESS_SECONDS:g} s when stderr is a terminal, else never; "
+        "0: at every request and event)",
     )
     _add_skip_invalid(parser)
     parser.set_defaults(run=run_whatif)
@@ -429,7 +429,7 @@ def add_whatif(commands: argparse._SubParsersAction) -> None:
 def run_whatif(args: argparse.Namespace) -> int:
     if args.cache_entries < 1:
         return _error(args, "argument --cache-entries: must be at least 1")
-    if not args.progress >= 0:
+    if args.progress is not None and not args.progress >= 0:
         return _error(args, "argument --progress: must be 0 or more seconds")
     if args.since is not None and args.until is not None and args.since > args.until:
         return _error(args, "argument --since: must not be after --until")
@@ -451,8 +451,7 @@ def run_whatif(args: argparse.Namespace) -> int:
         cache_entries=args.cache_entries,
         warn=warn,
         skip_invalid=warn if args.skip_invalid else None,
-        progress=lambda message: print(f"{args.prog}: {message}", file=sys.stderr),
-        progress_every=args.progress,
+        **_progress(args),
     )
     if args.json:
         _print_json(msgspec.to_builtins(report))
@@ -479,6 +478,17 @@ def _tenants_what_if(args: argparse.Namespace, warn: Callable[[str], None]) -> i
     else:
         print(render_tenants_what_if(report))
     return EXIT_OK
+
+
+def _progress(args: argparse.Namespace) -> dict:
+    """`what_if`'s progress arguments: said on stderr every `--progress` seconds; without it,
+    every PROGRESS_SECONDS on a terminal only (a log file or a pipe gets no progress lines)."""
+    every = args.progress
+    if every is None:
+        if not sys.stderr.isatty():
+            return {}
+        every = PROGRESS_SECONDS
+    return {"progress": lambda message: print(f"{args.prog}: {message}", file=sys.stderr), "progress_every": every}
 
 
 def _health_what_if(args: argparse.Namespace, warn: Callable[[str], None]) -> int:
@@ -513,18 +523,13 @@ def _complete_decisions(args: argparse.Namespace, warn: Callable[[str], None]) -
     """The records of the command's decision logs, with a warning naming the policy inputs the
     records whose pick they need lack."""
     records = []
-    missing: dict[str, int] = {}
-    incomplete: list[str] = []
+    lacking_inputs = MissingInputs()
     for decision, absent in read_decisions_with_gaps(args.decisions, warn):
         records.append(decision)
-        lacking = missing_inputs(decision, absent)
-        for name in lacking:
-            missing[name] = missing.get(name, 0) + 1
-        if lacking:
-            incomplete.append(decision.request_id)
-    if incomplete:
-        shown = incomplete[:DEFAULT_SHOWN]
-        warn(incomplete_warning(len(incomplete), len(records), dict(sorted(missing.items())), shown))
+        if lacking := missing_inputs(decision, absent):
+            lacking_inputs.add(decision, lacking)
+    if lacking_inputs.records:
+        warn(lacking_inputs.warning(len(records)))
     return records
 
 

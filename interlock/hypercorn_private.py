@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import http
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 
 import h2.errors
@@ -22,9 +22,8 @@ import h11
 import hypercorn.protocol
 import hypercorn.trio
 import hypercorn.trio.run
-import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event
+from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
@@ -38,7 +37,7 @@ class HypercornChanged(RuntimeError):
 
 
 def _global_names(function: Callable) -> set[str]:
-    """The module-level names a function looks up when it runs."""
+    """The global and attribute names a function looks up when it runs."""
     return set(inspect.unwrap(function).__code__.co_names)
 
 
@@ -68,7 +67,11 @@ def check_private_surface() -> None:
             and "Response" in _global_names(H11Protocol.stream_send),
             "H11Protocol.stream_send sending its h11.Response through _send_h11_event",
         ),
-        _async_method(TCPServer, "protocol_send", "event"),
+        _async_method(TCPServer, "_close"),
+        (
+            "send_eof" in _global_names(TCPServer._close) and "send_lock" in _global_names(TCPServer.protocol_send),
+            "TCPServer._close ending the stream with send_eof, TCPServer.protocol_send sending under send_lock",
+        ),
         (
             {"H2Protocol", "H11Protocol"} <= _global_names(hypercorn.protocol.ProtocolWrapper.__init__)
             and "H2Protocol" in _global_names(hypercorn.protocol.ProtocolWrapper.handle),
@@ -134,38 +137,47 @@ class _H11AsServed(H11Protocol):
       every response without one (`HTTP/1.1 200 `), which some clients and tools show as is."""
 
     async def _check_protocol(self, event: h11.Request) -> None:
-        if http2_on(self.config) or not any(
-            name == b"upgrade" and value.strip().lower() == b"h2c" for name, value in event.headers
-        ):
-            await super()._check_protocol(event)
+        if not http2_on(self.config):
+            for name, value in event.headers:
+                if name == b"upgrade" and value.strip().lower() == b"h2c":
+                    return
+        await super()._check_protocol(event)
 
-    async def _send_h11_event(self, event) -> None:
+    def _send_h11_event(self, event) -> Awaitable[None]:
+        # A plain function returning hypercorn's coroutine: no frame of ours to resume per piece sent.
         if type(event) is h11.Response and not event.reason:
             event = h11.Response(
                 status_code=event.status_code,
-                headers=event.headers.raw_items(),
+                headers=event.headers,  # validated already: taken as it is
                 reason=_REASON_PHRASES.get(event.status_code, b""),
             )
-        await super()._send_h11_event(event)
+        return super()._send_h11_event(event)
 
 
 _REASON_PHRASES = {status.value: status.phrase.encode("ascii") for status in http.HTTPStatus}
 
 
 class _TCPServerClosingOnce(TCPServer):
-    """hypercorn's connection (trio), whose sends give way to its close.
+    """hypercorn's connection (trio), whose close never meets a send.
 
     hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
-    by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) can meet
+    by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) could meet
     the other task's `send_eof`: trio raises BusyResourceError, which hypercorn lets out of the
-    connection (a traceback per connection, or the end of `serve_listeners` and the process). A
-    send that meets the close is dropped, as one to a client that has gone."""
+    connection (a traceback per connection, or the end of `serve_listeners` and the process).
+    Here the close takes the send lock: a send waiting for it then finds the stream closed,
+    which hypercorn takes as a client gone. With a send in progress, the close only closes the
+    stream, which wakes that send the same way (as hypercorn does when `send_eof` fails). The
+    sends themselves are hypercorn's, with nothing added to each."""
 
-    async def protocol_send(self, event: Event) -> None:
+    async def _close(self) -> None:
+        if self.send_lock.locked():
+            await self.stream.aclose()
+            return
+        self.send_lock.acquire_nowait()
         try:
-            await super().protocol_send(event)
-        except trio.BusyResourceError:
-            await self.protocol.handle(Closed())
+            await super()._close()
+        finally:
+            self.send_lock.release()
 
 
 check_private_surface()

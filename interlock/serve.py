@@ -369,7 +369,7 @@ async def serve_on_socket(
             if end_streams is not None:
                 grace.start_soon(_end_streams_after, seconds, end_streams)
 
-        await hypercorn.trio.serve(app, config, shutdown_trigger=drain, task_status=task_status)
+        await hypercorn.trio.serve(app, config, shutdown_trigger=drain, task_status=task_status, mode="asgi")
         grace.cancel_scope.cancel()
 
 

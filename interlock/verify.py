@@ -99,7 +99,7 @@ def verify(
         decisions=len(chosen), verified=0, divergent=0, differences=0, divergences=[], incomplete=0, missing={},
         incomplete_ids=[], beyond_log=0, beyond_log_ids=[], processes={},
     )  # fmt: skip
-    missing: Counter[str] = Counter()
+    lacking_inputs = MissingInputs(shown)
     processes: Counter[str] = Counter()
     picker = Balancer()  # given each record's inputs, it keeps nothing between records
     for decision in chosen:
@@ -113,9 +113,7 @@ def verify(
         lacking = missing_inputs(decision, absent_by_record.get(id(decision), ()))
         differences = _compare(decision, state, picker, lacking=lacking)
         if lacking:
-            report.incomplete += 1
-            missing.update(lacking)
-            _name(report.incomplete_ids, decision.request_id, shown)
+            lacking_inputs.add(decision, lacking)
         else:
             report.verified += 1
         if differences:
@@ -124,9 +122,38 @@ def verify(
             for field, recorded, derived in differences:
                 if len(report.divergences) < shown:
                     report.divergences.append(Divergence(decision.request_id, process, field, recorded, derived))
-    report.missing = dict(sorted(missing.items()))
+    report.incomplete, report.missing, report.incomplete_ids = (
+        lacking_inputs.records, lacking_inputs.by_input(), lacking_inputs.ids
+    )
     report.processes = dict(sorted(processes.items()))
     return report
+
+
+class MissingInputs:
+    """Decision records that lack policy inputs (their picks cannot be made again as recorded),
+    tallied: for `verify`'s report, and the warning of every command reading decision logs."""
+
+    __slots__ = ("records", "inputs", "ids", "_shown")
+
+    def __init__(self, shown: int = DEFAULT_SHOWN) -> None:
+        self.records = 0
+        self.inputs: Counter[str] = Counter()
+        """Records lacking each input."""
+        self.ids: list[str] = []
+        """The first `shown` records' request ids."""
+        self._shown = shown
+
+    def add(self, decision: Decision, lacking: Iterable[str]) -> None:
+        self.records += 1
+        self.inputs.update(lacking)
+        _name(self.ids, decision.request_id, self._shown)
+
+    def by_input(self) -> dict[str, int]:
+        return dict(sorted(self.inputs.items()))
+
+    def warning(self, total: int) -> str:
+        """The warning, `total` being the records read."""
+        return incomplete_warning(self.records, total, self.by_input(), self.ids)
 
 
 def _name(names: list[str], request_id: str, shown: int) -> None:

@@ -5,6 +5,7 @@ and the results are judged, rendered and written as JSON. No speed is asserted."
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,15 @@ def processes(tmp_path):
 @pytest.fixture
 def upstream(processes) -> Server:
     return start_upstream(processes, cores=None)
+
+
+def run_bench(module: str, *argv: str) -> subprocess.CompletedProcess:
+    """`python -m module argv…` from the checkout, which must succeed; its output as text."""
+    completed = subprocess.run(
+        [sys.executable, "-m", module, *argv], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    return completed
 
 
 def sse_data(text: str) -> list[str]:
@@ -168,18 +178,10 @@ def test_the_log_files_bench_measures_the_writers_and_a_checkpoint():
 
 
 def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
-    completed = subprocess.run(
-        [
-            sys.executable, "-m", "bench.routing", "--duration", "2", "--rate", "5",
-            "--policies", "round_robin,least_load", "--out", str(tmp_path / "results"),
-            "--logs", str(tmp_path / "logs"),
-        ],  # fmt: skip
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_bench(
+        "bench.routing", "--duration", "2", "--rate", "5", "--policies", "round_robin,least_load",
+        "--out", str(tmp_path / "results"), "--logs", str(tmp_path / "logs"),
+    )  # fmt: skip
     [path] = (tmp_path / "results").iterdir()
     results = json.loads(path.read_text())
     assert [run["policy"] for run in results["runs"]] == ["round_robin", "least_load"]
@@ -194,16 +196,35 @@ def test_the_routing_bench_runs_each_policy_and_keeps_its_logs(tmp_path):
 
 
 def test_the_disaggregated_bench_measures_both_settings_without_failures(tmp_path):
-    completed = subprocess.run(
-        [sys.executable, "-m", "bench.disaggregated", "--requests", "20", "--rounds", "1", "--out", str(tmp_path)],
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert completed.returncode == 0, completed.stderr
+    completed = run_bench("bench.disaggregated", "--requests", "20", "--rounds", "1", "--out", str(tmp_path))
     [path] = tmp_path.iterdir()
     rows = json.loads(path.read_text())["rows"]
     assert [row["setting"] for row in rows] == ["whole", "two legs"]
     assert all(row[mode]["failures"] == 0 for row in rows for mode in ("whole_answer", "streamed"))
     assert "two legs" in completed.stdout
+
+
+def test_the_call_count_profiles_the_gateway_only_while_the_load_runs(tmp_path):
+    out = tmp_path / "calls.json"
+    completed = run_bench(
+        "bench.call_count", "--requests", "30", "--streams", "2", "--chunks", "5", "--top", "500", "--out", str(out)
+    )
+    result = json.loads(out.read_text())
+    requests, chunks = result["per_small_request"], result["per_paced_chunk"]
+    assert (requests["units"], chunks["units"]) == (30, 10)
+    for figures in (requests, chunks):
+        assert 0 < figures["own_per_unit"] < figures["all_per_unit"]
+        assert all(not where.startswith(("bench/", "/")) for where, _ in figures["top_own"])
+    # One ledger per request counted: the warm-up's requests, before the window, are not.
+    ledger = re.compile(r"dataplane/ledger\.py:\d+\(__init__\)")
+    ledgers = [calls for where, calls in requests["top_own"] if ledger.fullmatch(where)]
+    assert ledgers == [1.0]
+    assert "calls per small request: own" in completed.stdout
+
+
+def test_the_call_count_measures_cpu_time_instead_without_the_profiler(tmp_path):
+    out = tmp_path / "cpu.json"
+    run_bench("bench.call_count", "--cpu", "--requests", "30", "--streams", "2", "--chunks", "5", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert (result["per_small_request"]["units"], result["per_paced_chunk"]["units"]) == (30, 10)
+    assert result["per_small_request"]["cpu_us_per_unit"] >= 0 and "own_per_unit" not in result["per_small_request"]

@@ -20,7 +20,6 @@ import pytest
 import trio
 
 from controlplane.config import ConfigError, Overrides, load_config
-from controlplane.transitions import TransitionKind
 from events.log import read_events
 from fixtures.node import serve_nodes
 
@@ -221,15 +220,10 @@ async def test_audit_log_format_text_prints_the_lines_the_live_text_log_printed(
     assert any(" INFO  config reloaded  seq=" in line for line in live_transitions)
 
 
-def test_audit_help_lists_every_transition_kind_and_serve_help_the_settings_a_reload_keeps():
-    def help_of(command: str) -> str:
-        run = [sys.executable, "-m", "interlock.cli", command, "--help"]
-        completed = subprocess.run(run, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=True)
-        return " ".join(completed.stdout.split())
-
-    assert f"only these kinds: {', '.join(TransitionKind)}" in help_of("audit")
-    assert "load" in set(TransitionKind)
-    serve_help = help_of("serve")
+def test_serve_help_names_the_settings_a_reload_keeps():
+    run = [sys.executable, "-m", "interlock.cli", "serve", "--help"]
+    completed = subprocess.run(run, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=30, check=True)
+    serve_help = " ".join(completed.stdout.split())
     assert "(nodes, models, routing, keys, log_level, log_format) but these gateway settings" in serve_help
     for key in ("listen", "event_log", "decision_log", "workers"):
         assert f" {key}," in serve_help or f" {key}." in serve_help

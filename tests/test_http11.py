@@ -22,6 +22,7 @@ from transport.http11 import (
     WriteFailed,
 )
 from transport.parser import parse_head
+from transport.readiness import drive
 
 from raw_http import HOST, Handler, RawServer, ServerConnection, answer_each, raw_server
 
@@ -616,12 +617,12 @@ async def test_probe_errors_name_the_url_and_say_what_failed():
         port = unused.getsockname()[1]
     async with serve_node(node_spec(health="hang", models="oversized")) as node, ProbeClient() as probes:
         with pytest.raises(ProbeError) as refused:
-            await probes.get(HOST, port, b"/health", timeout=5)
+            await drive(probes.get_steps(HOST, port, b"/health", timeout=5))
         with pytest.raises(ProbeError) as hung:
-            await probes.get(node.host, node.vllm_port, b"/health", timeout=0.1)
+            await drive(probes.get_steps(node.host, node.vllm_port, b"/health", timeout=0.1))
         with pytest.raises(ProbeError) as oversized:
-            await probes.get(node.host, node.vllm_port, b"/v1/models", timeout=5)
-        answered = await probes.get(node.host, node.metrics_port, b"/health", timeout=5)
+            await drive(probes.get_steps(node.host, node.vllm_port, b"/v1/models", timeout=5))
+        answered = await drive(probes.get_steps(node.host, node.metrics_port, b"/health", timeout=5))
     assert str(refused.value) == (
         f'Get "http://127.0.0.1:{port}/health": dial tcp 127.0.0.1:{port}: connect: connection refused'
     )

@@ -210,8 +210,8 @@ def forged_checkpoint(folder: Path, count: int) -> Path:
 
 def test_whatif_says_how_far_it_has_come(tmp_path):
     """Each request walks every node of its pool: a checkpoint of many nodes takes long, and the
-    command says where it is (here at every step: --progress 0; by default every 5 s once it has
-    run 5 s)."""
+    command says where it is (here at every step: --progress 0, which a pipe gets too; by default
+    every 5 s once it has run 5 s, on a terminal only)."""
     log = forged_checkpoint(tmp_path, 2000)
     quiet = interlock("whatif", log, "--decisions", DECISIONS, "--progress", "1000")
     told = interlock("whatif", log, "--decisions", DECISIONS, "--progress", "0")

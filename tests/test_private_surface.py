@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.tcp_server import TCPServer
 
 from dataplane.hypercorn_receive import is_queue_receive, queued_message
 from interlock import hypercorn_private
@@ -110,3 +111,16 @@ async def test_status_lines_carry_the_reason_phrase():
         "hypercorn's own": b"HTTP/1.1 400 Bad Request",
     }
     assert b"\r\nx-kept: Yes\r\n" in answers[200]
+
+
+def test_a_hypercorn_whose_connection_sends_outside_its_lock_stops_the_gateway(monkeypatch):
+    """The close takes the send lock so that it never meets a send: that holds only while
+    hypercorn sends under that lock."""
+
+    async def protocol_send(self, event) -> None:
+        await self.stream.send_all(event.data)
+
+    monkeypatch.setattr(TCPServer, "protocol_send", protocol_send)
+    with pytest.raises(hypercorn_private.HypercornChanged) as raised:
+        hypercorn_private.check_private_surface()
+    assert "TCPServer.protocol_send sending under send_lock" in str(raised.value)

@@ -18,6 +18,7 @@ import msgspec
 import pytest
 
 from controlplane.replay import audit, replay
+from controlplane.transitions import TransitionKind
 from events.config import Config, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event, read_events
 from events.types import EVENT_TYPES, Checkpoint, HealthProbed, ProbeCrashed, RunStarted
@@ -544,6 +545,7 @@ def test_audit_help_names_every_transition_kind(capsys):
     code, out, _ = run_cli(capsys, "audit", "--help")
     assert code == 0
     help_text = " ".join(out.split())
+    assert f"only these kinds: {', '.join(TransitionKind)}" in help_text
     assert "only these kinds: run, reload, health, models, offline, load" in help_text
 
 
