@@ -16,13 +16,14 @@ from controlplane.balancer import Balancer
 from controlplane.logs import JsonLog
 from controlplane.policies import Choice
 from controlplane.routing import DECODE, PREFILL, Route
+from dataplane.admission import AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.metrics import RequestMetrics
 from events.config import Policy
-from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion
+from events.decisions import Admission, AttemptOutcome, AttemptRecord, Decision, Exclusion
 from events.types import UpstreamFailed, UpstreamRecovered
 from transport.http11 import WriteFailed
 
@@ -38,7 +39,7 @@ COMPLETED, TRUNCATED, RETRIED, FAILED, CLIENT_GONE = (
 class Books:
     """Where every request's bookkeeping goes, one per process."""
 
-    __slots__ = ("control_plane", "metrics", "log", "balancer", "decisions")
+    __slots__ = ("control_plane", "metrics", "log", "balancer", "decisions", "queue")
 
     def __init__(
         self,
@@ -47,12 +48,15 @@ class Books:
         log: JsonLog,
         balancer: Balancer,
         decisions: DecisionRecorder | None,
+        queue: AdmissionQueue,
     ) -> None:
         self.control_plane = control_plane
         self.metrics = metrics
         self.log = log
         self.balancer = balancer
         self.decisions = decisions
+        self.queue = queue
+        """The admission queue, told when an attempt ends (a node may have room again)."""
 
 
 class Ledger:
@@ -61,7 +65,7 @@ class Ledger:
 
     __slots__ = (
         "_books", "exchange", "route", "policy", "prefix", "metric_model", "attempts", "passed",
-        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts",
+        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "admission",
     )  # fmt: skip
 
     def __init__(self, books: Books, exchange: Exchange, route: Route, policy: Policy, prefix: str) -> None:
@@ -85,6 +89,8 @@ class Ledger:
         """The leg of a disaggregated request in progress (`routing.PREFILL`, then `DECODE`); "" for a whole one."""
         self.prefill_attempts: tuple[AttemptRecord, ...] = ()
         """A disaggregated request's prefill attempts, once its decode leg has begun."""
+        self.admission: QueueOutcome | None = None
+        """What the admission queue did with the request (None: no `[admission]`)."""
 
     # --- picks
 
@@ -151,6 +157,8 @@ class Ledger:
             metrics.client_write_failure(self.metric_model)
         metrics.node_attempt_ended(ip)
         books.balancer.attempt_ended(ip)
+        if books.queue.waiting:
+            books.queue.freed()
         if self.leg:
             metrics.leg_attempt(self.leg, kind)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
@@ -202,6 +210,7 @@ class Ledger:
                 candidates=choice.candidates if choice else (),
                 margin=choice.margin if choice else None,
                 remembered=choice.remembered if choice else "",
+                admission=_admission_record(self.admission),
             )
         )
 
@@ -222,6 +231,22 @@ class Ledger:
         node = control_plane.snapshot.nodes.get(ip)
         if node is not None and node.is_offline(now):
             control_plane.observe(UpstreamRecovered(node=ip, at=now))
+
+
+def _admission_record(outcome: QueueOutcome | None) -> Admission | None:
+    if outcome is None:
+        return None
+    refused = outcome.refused
+    return Admission(
+        verdict=REFUSED if refused else outcome.verdict,
+        refused_by=outcome.verdict if refused else "",
+        queued_ms=round(outcome.queued_ms, 3),
+        saturated_seq=outcome.saturated_seq,
+    )
+
+
+REFUSED = "refused"
+"""The record's verdict of a request the queue refused (`Admission.refused_by` says why)."""
 
 
 def _describe(error: BaseException | str | None) -> str:

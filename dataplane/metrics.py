@@ -19,6 +19,8 @@ from quart_trio import QuartTrio
 from dataplane.quart_apps import new_quart_app
 
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+QUEUE_BUCKETS = (*GO_DEFAULT_BUCKETS, 30.0, 60.0)
+"""Time in the admission queue: Go's buckets, and two for the longer `max_queue_seconds`."""
 
 
 class RequestMetrics:
@@ -107,6 +109,32 @@ class RequestMetrics:
             )
         )
 
+        # Admission (`dataplane.admission`), by tenant: configured names only, so bounded.
+        self._queue_length = _Children(
+            Gauge(
+                "interlock_admission_queue_length",
+                "Requests waiting in the gateway's admission queue, by tenant",
+                ["tenant"],
+                multiprocess_mode="livesum",
+                registry=registry,
+            )
+        )
+        self._queue_seconds = _Children(
+            Histogram(
+                "interlock_admission_queue_seconds",
+                "Time requests waited in the admission queue (released, refused or gone), by tenant",
+                ["tenant"],
+                buckets=QUEUE_BUCKETS,
+                registry=registry,
+            )
+        )
+        self._admission_refusals = counter(
+            "interlock_admission_refusals_total",
+            "Requests the admission queue refused, by tenant and reason (queue_deadline: 503, queue_full: 429)",
+            "tenant",
+            "reason",
+        )
+
     def request_done(self, model: str, path: str, status: int, seconds: float) -> None:
         """A request's final outcome: its duration and its status, each recorded once; `path` is
         one of `dataplane.endpoints.ROUTED_PATHS` (the label stays bounded)."""
@@ -150,6 +178,16 @@ class RequestMetrics:
     def truncated(self, node: str) -> None:
         """A committed response cut short by node `node` (its IP: the label stays bounded by the config)."""
         self._truncated(node).inc()
+
+    def admission_queued(self, tenant: str, change: int) -> None:
+        """A request of `tenant` joined the admission queue (1) or left it (-1)."""
+        self._queue_length(tenant).inc(change)
+
+    def admission_waited(self, tenant: str, seconds: float) -> None:
+        self._queue_seconds(tenant).observe(seconds)
+
+    def admission_refused(self, tenant: str, reason: str) -> None:
+        self._admission_refusals(tenant, reason).inc()
 
     def excluded(self, model: str, reason: str, count: int) -> None:
         """`count` nodes dropped by the model filter for `reason` (missing, empty or expired)."""

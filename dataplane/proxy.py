@@ -32,12 +32,16 @@ from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.policies import PREFIX_AFFINITY
 from controlplane.prefix import prompt_prefix
 from controlplane.routing import PREFILL, pick_pool
+from dataplane.admission import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.errors import (
     NO_HEALTHY_NODE,
     NO_REACHABLE_NODE,
     PREFILL_WITHOUT_KV_TRANSFER_PARAMS,
+    QUEUE_DEADLINE_PASSED,
+    QUEUE_IS_FULL,
+    RETRY_AFTER,
     SHUTTING_DOWN,
     STREAM_TERMINATED,
     UPSTREAM_ERROR,
@@ -58,9 +62,13 @@ from dataplane.exchange import Exchange, Outcome
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
 from dataplane.metrics import RequestMetrics
+from dataplane.views import SnapshotViews
 from events.state import NodeState
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
 from transport.http11 import Response as UpstreamResponse
+
+DEFAULT_TENANT = "default"
+"""Every request's tenant until tenants are configured."""
 
 _TARGETS = {path: path.encode() for path in ROUTED_PATHS}
 
@@ -111,6 +119,7 @@ class Proxy:
         log: JsonLog,
         decisions: DecisionRecorder | None = None,
         *,
+        views: SnapshotViews | None = None,
         response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
         first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
     ) -> None:
@@ -120,7 +129,10 @@ class Proxy:
         self._log = log
         self._balancer = Balancer()
         self._prefill_balancer = Balancer(self._balancer.in_flight)
-        self._books = Books(control_plane, metrics, log, self._balancer, decisions)
+        self._views = views if views is not None else SnapshotViews(control_plane)
+        """The current snapshot's view, for a request that waited in the admission queue."""
+        self._queue = AdmissionQueue(control_plane, self._views, self._balancer.in_flight, metrics)
+        self._books = Books(control_plane, metrics, log, self._balancer, decisions, self._queue)
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
@@ -135,16 +147,26 @@ class Proxy:
 
     async def forward(self, exchange: Exchange) -> Reply:
         """The response for the client: the node's (complete, or committed and still flowing) or an error."""
-        view = exchange.view
-        config = view.config
-        route = view.route(exchange.model)
-        policy = config.model_policies.get(exchange.model, config.cluster_policy)
-        prefix = (
-            prompt_prefix(exchange.path, exchange.body, messages=config.prefix_messages, limit=config.prefix_bytes)
-            if policy == PREFIX_AFFINITY or config.decision_log
-            else ""
-        )
-        ledger = Ledger(self._books, exchange, route, policy, prefix)
+        ledger = self._open_ledger(exchange)
+        admission = exchange.view.config.admission
+        if admission is not None and ledger.route.candidates:
+            arrived = trio.current_time()
+            try:
+                outcome = await self._admit(exchange, DEFAULT_TENANT, 0, "", admission.max_queue_seconds)
+            except trio.Cancelled:
+                waited = 1000 * (trio.current_time() - arrived)
+                ledger.admission = QueueOutcome(QUEUED, waited, exchange.view.snapshot.seq)
+                ledger.client_left()
+                raise
+            ledger.admission = outcome
+            if outcome.refused:
+                return self._error(ledger, QUEUE_IS_FULL if outcome.verdict == QUEUE_FULL else QUEUE_DEADLINE_PASSED, RETRY_AFTER)
+            if outcome.verdict == QUEUED and self._views.current() is not exchange.view:
+                # It waited: it is routed on the snapshot of now, as if it had just arrived.
+                exchange.view = self._views.current()
+                ledger = self._open_ledger(exchange)
+                ledger.admission = outcome
+        route = ledger.route
         for reason, count in route.exclusion_counts:
             self._metrics.excluded(ledger.metric_model, reason, count)
         candidates = route.candidates
@@ -181,6 +203,25 @@ class Proxy:
             ledger.client_left()
             raise
         return self._error(ledger, NO_REACHABLE_NODE)
+
+    def _open_ledger(self, exchange: Exchange) -> Ledger:
+        """The request's ledger on its snapshot: its route, policy and prompt prefix."""
+        view = exchange.view
+        config = view.config
+        policy = config.model_policies.get(exchange.model, config.cluster_policy)
+        prefix = (
+            prompt_prefix(exchange.path, exchange.body, messages=config.prefix_messages, limit=config.prefix_bytes)
+            if policy == PREFIX_AFFINITY or config.decision_log
+            else ""
+        )
+        return Ledger(self._books, exchange, view.route(exchange.model), policy, prefix)
+
+    async def _admit(
+        self, exchange: Exchange, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
+    ) -> QueueOutcome:
+        """Admission under `[admission]`: at once while the model's pool has room, else after
+        waiting in the queue (`dataplane.admission`), or refused."""
+        return await self._queue.admit(exchange.view, exchange.model, tenant, priority, fairness_id, max_queue_seconds)
 
     async def _prefill(
         self, exchange: Exchange, ledger: Ledger, prefill_nodes: list[NodeState], decode_nodes: list[NodeState]
@@ -244,9 +285,9 @@ class Proxy:
             _abandoned(ledger, node, upstream, error)
             raise
 
-    def _error(self, ledger: Ledger, error: ApiError) -> Reply:
+    def _error(self, ledger: Ledger, error: ApiError, *extra: tuple[bytes, bytes]) -> Reply:
         ledger.request_ended(error.status)
-        return error_reply(error, request_id_header(ledger.exchange.request_id))
+        return error_reply(error, request_id_header(ledger.exchange.request_id), *extra)
 
     def _warn_unserved(self, exchange: Exchange) -> None:
         """plinth's warning, at most once per UNSERVED_WARNING_INTERVAL (a client can ask for

@@ -49,6 +49,9 @@ class ConfigView:
         self.load_bound = routing.load_bound
         self.retry_unanswered = gateway.retry_unanswered
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
+        self.admission = config.admission
+        """`[admission]`, or None: requests go to a node at once."""
+        self.max_in_flight = {node.ip: node.max_in_flight for node in config.nodes if node.max_in_flight is not None}
         self.api_key_digests = tuple(digest.encode() for digest in gateway.api_key_hashes)
         self.health_open = not gateway.health_requires_api_key
         self.health_hides_errors = gateway.health_hides_errors

@@ -185,6 +185,9 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     client_certificate: str = ""
     client_key: str = ""
     """https: the certificate (PEM chain) and key the gateway shows the node (mutual TLS); both or neither."""
+    max_in_flight: int | None = None
+    """Admission: the node counts as saturated while this gateway process has this many requests
+    in flight to it (`AdmissionConfig`); None = no such bound. Needs an `[admission]` table."""
 
 
 ROLES = ("both", "prefill", "decode")
@@ -229,6 +232,29 @@ class FleetConfig(Struct, frozen=True, kw_only=True):
     0: one per server of the cluster the replica knows, up to three."""
 
 
+DEFAULT_SATURATION_WAITING = 5
+DEFAULT_SATURATION_KV_CACHE = 0.8
+DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_TENANT_QUEUE_SIZE = 256
+DEFAULT_MAX_QUEUE_SECONDS = 30.0
+
+
+class AdmissionConfig(Struct, frozen=True, kw_only=True):
+    """`[admission]`: while every node that could serve a model is saturated, its requests wait
+    in the gateway (`dataplane.admission`), not in the nodes' own queues."""
+
+    saturation_waiting: int = DEFAULT_SATURATION_WAITING
+    """A node is saturated while its scraped `vllm:num_requests_waiting` is at least this…"""
+    saturation_kv_cache: float = DEFAULT_SATURATION_KV_CACHE
+    """…or its scraped KV-cache usage (0 to 1) at least this (or `NodeConfig.max_in_flight` is reached)."""
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    """Requests that may wait in one gateway process's queue, all tenants together; more get a 429."""
+    tenant_queue_size: int = DEFAULT_TENANT_QUEUE_SIZE
+    """Requests of one tenant that may wait in one process's queue; more get a 429."""
+    max_queue_seconds: float = DEFAULT_MAX_QUEUE_SECONDS
+    """Seconds a request may wait in the queue, then a 503 with Retry-After (0: never waits)."""
+
+
 class Config(Struct, frozen=True, kw_only=True):
     cluster: ClusterConfig = ClusterConfig()
     gateway: GatewayConfig = GatewayConfig()
@@ -237,6 +263,8 @@ class Config(Struct, frozen=True, kw_only=True):
     routing: RoutingConfig = RoutingConfig()
     fleet: FleetConfig | None = None
     """None: one host, no NATS (no `[fleet]` table and no `serve --fleet`)."""
+    admission: AdmissionConfig | None = None
+    """None: no admission (no `[admission]` table): every request goes to a node at once."""
 
     def aliases(self) -> dict[str, str]:
         """Each alias (`ModelEntry.target`) with the model it stands for."""
@@ -261,12 +289,14 @@ class Config(Struct, frozen=True, kw_only=True):
         return self.routing.policy
 
     def load_scrape_interval(self) -> float:
-        """Seconds between load scrapes of each node; 0 = none (see `RoutingConfig`)."""
+        """Seconds between load scrapes of each node; 0 = none (see `RoutingConfig`). Admission
+        reads load as the load-aware policies do."""
         interval = self.routing.load_scrape_interval
         if interval is not None:
             return interval
         policies = {self.routing.policy, *(model.policy for model in self.models.available if model.policy)}
-        return DEFAULT_LOAD_SCRAPE_INTERVAL if policies != {POLICIES[0]} else 0.0
+        reads_load = policies != {POLICIES[0]} or self.admission is not None
+        return DEFAULT_LOAD_SCRAPE_INTERVAL if reads_load else 0.0
 
     def upstream_key_files(self) -> dict[str, str]:
         """The key file of each node that has one (its own, else the cluster-wide one), by IP."""

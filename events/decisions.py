@@ -64,6 +64,23 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     NOT_DRAWN, OVER_LOAD_BOUND)."""
 
 
+class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
+    """What admission did with a request (`dataplane.admission`), in a record when `[admission]`
+    was configured."""
+
+    verdict: str
+    """`admitted` (at once), `queued` (admitted after waiting), or `refused`."""
+    refused_by: str = ""
+    """Why it was refused: `queue_deadline` (it waited `max_queue_seconds`: 503) or
+    `queue_full` (429)."""
+    queued_ms: float = 0.0
+    """How long it waited in the gateway's queue (a client that went away meanwhile: until then)."""
+    saturated_seq: int = 0
+    """The seq of the snapshot on which every node of its pool was saturated when it arrived
+    (`controlplane.saturation`; 0: it was not); `explain` derives the nodes' saturation again
+    from the state at that seq."""
+
+
 class Decision(msgspec.Struct, frozen=True):
     """One completion request that reached routing (past the body checks)."""
 
@@ -108,6 +125,8 @@ class Decision(msgspec.Struct, frozen=True):
     alias: str = ""
     """The alias the client named (`models.available` `target`), routed as `model`; "" when the
     client named the model itself, and in records from before aliases."""
+    admission: Admission | None = None
+    """What admission did; None without `[admission]` (and in records from before it)."""
 
 
 _decode_decision = msgspec.json.Decoder(Decision)

@@ -152,16 +152,18 @@ async def api_application(
     """The API listener's application on a control plane (the gateway's own, or a worker's
     follower), with its connections to the nodes, open until the block ends."""
     async with new_upstream_pool() as upstream_pool:
+        views = SnapshotViews(control_plane)
         proxy = Proxy(
             control_plane,
             upstream_pool,
             RequestMetrics(registry if registry is not None else CollectorRegistry()),
             log,
             decisions,
+            views=views,
             response_header_timeout=response_header_timeout,
             first_chunk_timeout=first_chunk_timeout,
         )
-        yield ApiApp(control_plane, proxy, SnapshotViews(control_plane), worker)
+        yield ApiApp(control_plane, proxy, views, worker)
 
 
 async def _run(
