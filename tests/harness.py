@@ -138,12 +138,14 @@ def config_text(
     node_settings: dict[str, dict[str, object]] | None = None,
     routing: dict[str, object] | None = None,
     aliases: dict[str, str] | None = None,
+    admission: dict[str, object] | None = None,
     **gateway: object,
 ) -> str:
     """A gateway TOML with one [[nodes]] per simulated node (ip = its host, its name and both
     ports; rings by node name), listening on free ports of 127.0.0.1. `models` are (name, ring)
     or (name, ring, policy) for [[models.available]], `aliases` more entries (name: target); `node_settings` adds keys to nodes by name; `routing` is the
-    [routing] table; `gateway` adds [gateway] keys (durations as strings: "1s")."""
+    [routing] table, `admission` the [admission] table; `gateway` adds [gateway] keys (durations
+    as strings: "1s")."""
     rings = rings or {}
     lines = ["[gateway]", 'listen = "127.0.0.1:0"', 'metrics_listen = "127.0.0.1:0"']
     lines.append(f"health_interval = {_toml(health_interval)}")
@@ -160,6 +162,8 @@ def config_text(
         lines += [f"{key} = {_toml(value)}" for key, value in (node_settings or {}).get(node.name, {}).items()]
     if routing is not None:
         lines += ["[routing]"] + [f"{key} = {_toml(value)}" for key, value in routing.items()]
+    if admission is not None:
+        lines += ["[admission]"] + [f"{key} = {_toml(value)}" for key, value in admission.items()]
     lines += ["[models]", f"default = {_toml(default)}"]
     for name, ring, *policy in models:
         lines += ["[[models.available]]", f"name = {_toml(name)}", f"ring = {_toml(ring)}"]
