@@ -15,10 +15,11 @@ import msgspec
 
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit
-from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
+from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
+from controlplane.saturation import saturation_reason
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.errors import model_not_found
-from events.decisions import AttemptOutcome, AttemptRecord, Decision
+from events.decisions import Admission, AttemptOutcome, AttemptRecord, Decision
 from events.state import NodeState
 from interlock.render import format_ring, format_table
 
@@ -94,6 +95,7 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
             ["ring", format_ring(decision.ring)],
             ["ring pool", ", ".join(decision.ring_pool) or "none"],
             ["status", final_status(decision)],
+            *([["admission", describe_admission(decision.admission)]] if decision.admission else []),
             ["duration", f"{decision.duration * 1000:.1f} ms"],
         ],
     )
@@ -119,6 +121,42 @@ def render_request(decision: Decision, earlier: Sequence[Decision] = ()) -> str:
         times = ", ".join(f"{format_timestamp(record.at)} (status {_or_dash(record.status)})" for record in earlier)
         lines += ["", f"{len(earlier)} earlier request(s) with this id, not shown: {times}"]
     return "\n".join(lines)
+
+
+def describe_admission(admission: Admission) -> str:
+    """`queued 12.5 ms, pool saturated at seq 17`, `admitted at once`, `refused: queue_full…`."""
+    saturated = f", pool saturated at seq {admission.saturated_seq}" if admission.saturated_seq else ""
+    if admission.verdict == "admitted":
+        return "admitted at once"
+    if admission.verdict == "refused":
+        waited = f" after {admission.queued_ms:.1f} ms" if admission.queued_ms else ""
+        return f"refused ({admission.refused_by}){waited}{saturated}"
+    return f"{admission.verdict} {admission.queued_ms:.1f} ms{saturated}"
+
+
+def render_saturation(decision: Decision, result: ReplayResult) -> str:
+    """Why the request's pool was saturated: each node a pick would have chosen from, in the
+    state at the record's `saturated_seq` (`result`: the event log replayed up to it), with
+    `controlplane.saturation`'s reason. This process's in-flight counts are not in the log: a
+    node saturated only by its `max_in_flight` shows that bound."""
+    state = result.state
+    seq = decision.admission.saturated_seq
+    lines = [f"pool saturated at seq {seq} ({format_timestamp(state.at)}), replayed from the event log"]
+    admission = state.config.admission if state.config is not None else None
+    if admission is None:
+        return "\n".join(lines + ["the config in force then has no [admission] table"])
+    limits = {node.ip: node.max_in_flight for node in state.config.nodes}
+    rows = []
+    for node in pick_pool(Route(state, decision.model).candidates, decision.at):
+        load = node.load
+        reason = saturation_reason(node, admission, limits.get(node.ip), None)
+        if not reason:
+            limit = limits.get(node.ip)
+            reason = f"not by its scrape: by max_in_flight {limit}, if this process had as many in flight (not in the log)" if limit else "no"
+        waiting = _number(load.waiting) if load.known else "-"
+        usage = _number(load.kv_cache_usage) if load.known else "-"
+        rows.append([node.ip, node.name or "-", waiting, usage, reason])
+    return "\n".join(lines + format_table(["NODE", "NAME", "WAITING", "KV CACHE", "SATURATED"], rows))
 
 
 def _attempts_table(heading: str, attempts: tuple[AttemptRecord, ...]) -> list[str]:
