@@ -53,7 +53,7 @@ TTFT, TPOT, TOKENS = 0.05, 0.04, 24
 NODE_LOAD = {"max_running": 4}
 A_LOAD, B_LOAD = 3.0, 0.2
 """Each tenant's arrival rate, as a multiple of the cluster's capacity."""
-LOAD_SCRAPE = "500ms"
+LOAD_SCRAPE = "100ms"
 ADMISSION = {"max_queue_seconds": 5, "queue_size": 256, "tenant_queue_size": 64}
 KEYS = {"A": "bench-key-a", "B": "bench-key-b"}
 
@@ -194,7 +194,7 @@ def run(
         tables=tables,
     )
     try:
-        outcomes = trio.run(drive, gateway.url + "/v1/chat/completions", requests, cut_after)
+        outcomes = trio.run(drive, gateway.url, requests, cut_after)
     finally:
         processes.stop(gateway.process)
     return {"run": name, "tenants": {tenant: summarize(outcomes, tenant) for tenant in ("A", "B")}}

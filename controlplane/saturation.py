@@ -18,21 +18,28 @@ from events.config import AdmissionConfig
 from events.state import NodeState
 
 
+def scraped_reason(node: NodeState, admission: AdmissionConfig) -> str:
+    """Why `node`'s last scrape says it is saturated, "" when it does not (or its load is unknown)."""
+    load = node.load
+    if not load.known:
+        return ""
+    if load.waiting >= admission.saturation_waiting:
+        return f"{load.waiting:g} waiting >= saturation_waiting {admission.saturation_waiting}"
+    usage = load.kv_cache_usage
+    if usage is not None and usage >= admission.saturation_kv_cache:
+        return f"KV cache {usage:.2f} >= saturation_kv_cache {admission.saturation_kv_cache:g}"
+    return ""
+
+
 def saturation_reason(
     node: NodeState, admission: AdmissionConfig, max_in_flight: int | None, in_flight: int | None
 ) -> str:
-    """Why `node` is saturated, "" when it is not. `in_flight` None: this process's count is
-    not known (`explain`), so only the scraped figures can say."""
-    load = node.load
-    if load.known:
-        if load.waiting >= admission.saturation_waiting:
-            return f"{load.waiting:g} waiting >= saturation_waiting {admission.saturation_waiting}"
-        usage = load.kv_cache_usage
-        if usage is not None and usage >= admission.saturation_kv_cache:
-            return f"KV cache {usage:.2f} >= saturation_kv_cache {admission.saturation_kv_cache:g}"
-    if max_in_flight is not None and in_flight is not None and in_flight >= max_in_flight:
+    """Why `node` is saturated, by its scrape or by this process's in-flight count, "" when it
+    is not. `in_flight` None: the count is not known (`explain`), so only the scrape can say."""
+    reason = scraped_reason(node, admission)
+    if not reason and max_in_flight is not None and in_flight is not None and in_flight >= max_in_flight:
         return f"{in_flight} in flight >= max_in_flight {max_in_flight}"
-    return ""
+    return reason
 
 
 def free_places(
@@ -40,16 +47,30 @@ def free_places(
     admission: AdmissionConfig,
     max_in_flight: Mapping[str, int],
     in_flight: Mapping[str, int],
+    in_flight_at_scrape: Mapping[str, int],
 ) -> float:
     """How many more requests `nodes` (a model's pick pool) take before every one is saturated:
-    0 when all are; a node that is not, without a `max_in_flight`, takes any number (inf)."""
+    0 when all are; inf when one is not and has no `max_in_flight`.
+
+    A scrape is older than the requests that ended since: each request of this process that
+    ended on a node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the
+    count now) gives back a place the scrape still shows taken, one waiting request or the KV
+    cache of one. Without that, a node whose batch empties would stay saturated, and idle,
+    until its next scrape."""
     places = 0.0
     for node in nodes:
-        limit = max_in_flight.get(node.ip)
         count = in_flight.get(node.ip, 0)
-        if saturation_reason(node, admission, limit, count):
-            continue
-        if limit is None:
-            return math.inf
-        places += limit - count
+        limit = max_in_flight.get(node.ip)
+        room = math.inf if limit is None else limit - count
+        if scraped_reason(node, admission):
+            ended = max(0, in_flight_at_scrape.get(node.ip, count) - count)
+            room = min(room, ended)
+            excess_waiting = node.load.waiting - ended - admission.saturation_waiting
+            if excess_waiting >= 0:
+                room = 0
+            elif node.load.waiting >= admission.saturation_waiting:
+                room = min(room, -excess_waiting)
+        if room == math.inf:
+            return room
+        places += max(0, room)
     return places

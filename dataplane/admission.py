@@ -15,7 +15,10 @@ queue (`queue_size` in all, `tenant_queue_size` per tenant) refuses at once (429
 goes away leaves the queue at once (its request is cancelled). A released request counts
 against its model's room until its first attempt begins (`pending`), so one free place releases
 one request; a node without a `max_in_flight` bound whose scrape says it is not saturated
-has room for any number, until the next scrape says otherwise.
+has room for any number, until the next scrape says otherwise. A node its scrape says is
+saturated has room for as many requests as this process ended on it since that scrape
+(`saturation.free_places`): the queue notes its in-flight count to a node when it first sees the
+node's new scrape.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from controlplane.saturation import free_places
 from dataplane.control import ControlPlaneView
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotView, SnapshotViews
+from events.state import NodeState
 
 SNAPSHOT_POLL_SECONDS = 0.05
 """How often, while requests wait, the queue looks whether a new snapshot gives a pool room."""
@@ -158,6 +162,11 @@ class AdmissionQueue:
         self.waiting = 0
         """Requests waiting, in all: the ledger's cheap test before `freed`."""
         self._watching = False
+        self._scraped_at: dict[str, float | None] = {}
+        self._in_flight_at_scrape: dict[str, int] = {}
+        """Each node's last scrape this queue saw, and this process's in-flight count to the
+        node when it first saw it (`saturation.free_places`); emptied when the config changes."""
+        self._scrapes_config: object = None
 
     async def admit(
         self, view: SnapshotView, model: str, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
@@ -253,8 +262,21 @@ class AdmissionQueue:
         pool = pick_pool(view.route(model).candidates, self._control_plane.now())
         if not pool:
             return math.inf
-        places = free_places(pool, admission, view.config.max_in_flight, self._in_flight)
+        self._note_scrapes(view, pool)
+        places = free_places(pool, admission, view.config.max_in_flight, self._in_flight, self._in_flight_at_scrape)
         return places - self._pending.get(model, 0)
+
+    def _note_scrapes(self, view: SnapshotView, pool: list[NodeState]) -> None:
+        """Note this process's in-flight count to each node of `pool` whose scrape is new here."""
+        if view.config is not self._scrapes_config:
+            self._scrapes_config = view.config
+            self._scraped_at.clear()
+            self._in_flight_at_scrape.clear()
+        for node in pool:
+            scraped_at = node.load.scraped_at
+            if node.ip not in self._scraped_at or self._scraped_at[node.ip] != scraped_at:
+                self._scraped_at[node.ip] = scraped_at
+                self._in_flight_at_scrape[node.ip] = self._in_flight.get(node.ip, 0)
 
     async def _watch_snapshots(self) -> None:
         """While requests wait: look at the current snapshot every SNAPSHOT_POLL_SECONDS (a

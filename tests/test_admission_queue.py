@@ -8,6 +8,7 @@ through the real gateway and simulated nodes."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -22,10 +23,13 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.routing import pick_pool
 from controlplane.runtime import open_control_plane
+from controlplane.saturation import free_places
 from dataplane.admission import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotViews
-from fixtures.node import serve_nodes
+from events.config import AdmissionConfig
+from events.state import NodeLoad, NodeState
+from fixtures.node import SimulatedNode, serve_nodes
 from harness import (
     MODEL,
     PROJECT_ROOT,
@@ -147,8 +151,9 @@ async def held_node_gateway(tmp_path: Path, **admission: object) -> AsyncIterato
 
 
 @asynccontextmanager
-async def holding_the_node(gateway: Gateway) -> AsyncIterator[None]:
-    """A stream in flight to the node until the block ends (its client then goes away)."""
+async def holding_the_node(gateway: Gateway | SimulatedNode) -> AsyncIterator[None]:
+    """A stream in flight to the node, through the gateway or straight to the node, until the
+    block ends (its client then goes away)."""
     async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         body = chat(stream=True, max_tokens=1000)
         async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as response:
@@ -260,39 +265,37 @@ async def test_a_full_queue_answers_429_that_the_sdk_raises_as_a_rate_limit(tmp_
 
 
 async def test_a_scrape_that_shows_the_node_freed_releases_the_queue_and_explain_tells_why_it_waited(tmp_path):
-    # No max_in_flight: the node's own queue, as scraped, saturates it. The node runs one
-    # request at a time; the second waits in the node (the scrape then says 1 waiting), the
-    # third in the gateway until a scrape shows the node's queue empty again.
+    # No max_in_flight: the node's scraped KV cache saturates it, used by a stream another
+    # client sends it straight (not through this gateway). The gateway's request waits until a
+    # scrape shows the node's batch free again.
     decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
     async with nodes_and_gateway(
         tmp_path,
         node_specs(1, max_running=1, **HELD),
-        admission={"saturation_waiting": 1, "max_queue_seconds": 30},
+        admission={"max_queue_seconds": 30},
         routing={"load_scrape_interval": "100ms"},
         decision_log=str(decisions),
         event_log=str(events),
     ) as (nodes, gateway):
         await gateway.discovered()
-        statuses = []
-
-        async def post(request_id: str) -> None:
-            response = await gateway.http.post(
-                gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-Id": request_id}
-            )
-            statuses.append(response.status_code)
-
+        node = nodes[0]
         async with trio.open_nursery() as nursery:
-            async with holding_the_node(gateway):
-                nursery.start_soon(post, "in-the-node")
-                await gateway.wait_for(lambda: gateway.node(nodes[0].host).load.waiting >= 1)
-                nursery.start_soon(post, "in-the-gateway")
+            async with holding_the_node(node):
+                await gateway.wait_for(lambda: (gateway.node(node.host).load.kv_cache_usage or 0) >= 0.8)
+                nursery.start_soon(
+                    lambda: gateway.http.post(
+                        gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-Id": "waited"}
+                    )
+                )
                 await wait_for_queue_length(gateway, 1)
-                assert len(completions_to(nodes[0])) == 2
-        assert statuses == [200, 200]
-        record = await record_of(decisions, "in-the-gateway")
+                assert len(completions_to(node)) == 1
+            # The direct stream's client has left; the gateway's request goes in after a scrape.
+        record = await record_of(decisions, "waited")
+        assert record.status == 200
         assert record.admission.verdict == QUEUED and record.admission.saturated_seq > 0
+        assert len(completions_to(node)) == 2
     explained = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", "in-the-gateway",
+        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", "waited",
          "--decisions", str(decisions)],  # fmt: skip
         cwd=PROJECT_ROOT,
         capture_output=True,
@@ -303,4 +306,33 @@ async def test_a_scrape_that_shows_the_node_freed_releases_the_queue_and_explain
     seq = record.admission.saturated_seq
     assert f"queued {record.admission.queued_ms:.1f} ms, pool saturated at seq {seq}" in explained.stdout
     assert f"pool saturated at seq {seq}" in explained.stdout
-    assert "1 waiting >= saturation_waiting 1" in explained.stdout
+    assert "KV cache 1.00 >= saturation_kv_cache 0.8" in explained.stdout
+
+
+# --- saturation, the pure function ----------------------------------------------------------------
+
+
+def loaded(ip: str, *, waiting: float = 0, kv: float | None = None, known: bool = True) -> NodeState:
+    return NodeState(ip=ip, load=NodeLoad(known=known, waiting=waiting, kv_cache_usage=kv, scraped_at=1.0))
+
+
+def test_a_pool_is_saturated_when_every_node_is_over_a_threshold():
+    admission = AdmissionConfig(saturation_waiting=5, saturation_kv_cache=0.8)
+    full = [loaded("a", waiting=5), loaded("b", kv=0.9)]
+    assert free_places(full, admission, {}, {}, {}) == 0
+    # A node under both thresholds, without a max_in_flight, takes any number; with one, the rest of it.
+    assert free_places([*full, loaded("c", waiting=4, kv=0.7)], admission, {}, {}, {}) == math.inf
+    assert free_places([*full, loaded("c")], admission, {"c": 3}, {"c": 1}, {}) == 2
+    assert free_places([loaded("c")], admission, {"c": 3}, {"c": 3}, {}) == 0
+    # An unknown load (a failed scrape) saturates nothing.
+    assert free_places([loaded("c", waiting=50, known=False)], admission, {}, {}, {}) == math.inf
+
+
+def test_requests_that_ended_since_a_scrape_give_back_the_places_it_shows_taken():
+    admission = AdmissionConfig(saturation_waiting=5, saturation_kv_cache=0.8)
+    # Two of this process's requests ended since the KV-cache scrape: two places.
+    assert free_places([loaded("b", kv=1.0)], admission, {}, {"b": 2}, {"b": 4}) == 2
+    assert free_places([loaded("b", kv=1.0)], admission, {"b": 3}, {"b": 2}, {"b": 4}) == 1  # its bound first
+    # Six waiting at the scrape, two ended since: four waiting, one place under the threshold.
+    assert free_places([loaded("a", waiting=6)], admission, {}, {"a": 1}, {"a": 3}) == 1
+    assert free_places([loaded("a", waiting=9)], admission, {}, {"a": 1}, {"a": 3}) == 0
