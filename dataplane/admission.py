@@ -208,6 +208,14 @@ class AdmissionQueue:
         self._metrics.admission_refused(tenant, QUEUE_DEADLINE)
         return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq)
 
+    def note_scrape(self, ip: str) -> None:
+        """An attempt on node `ip` is ending: if the node's scrape is new here, note this
+        process's in-flight count to it before the count drops (the place the attempt gives
+        back is then counted against that scrape)."""
+        node = self._control_plane.snapshot.nodes.get(ip)
+        if node is not None:
+            self._note_scrapes(self._views.current(), [node])
+
     def freed(self) -> None:
         """An attempt ended, so a node may have a place again: release whom it lets in."""
         for model in list(self._lines):

@@ -156,9 +156,12 @@ class Ledger:
             log.error("client write failed after commit", node=ip, error=error)
             metrics.client_write_failure(self.metric_model)
         metrics.node_attempt_ended(ip)
+        queue = books.queue
+        if queue.waiting:
+            queue.note_scrape(ip)  # with the count the node's scrape may still show
         books.balancer.attempt_ended(ip)
-        if books.queue.waiting:
-            books.queue.freed()
+        if queue.waiting:
+            queue.freed()
         if self.leg:
             metrics.leg_attempt(self.leg, kind)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)
