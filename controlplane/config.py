@@ -608,7 +608,8 @@ def _check_admission(invalid: Callable[[str, str], ConfigError], config: Config)
         return
     if admission.saturation_waiting < 1:
         raise invalid(
-            "admission.saturation_waiting", f"saturation_waiting must be at least 1 (got {admission.saturation_waiting})"
+            "admission.saturation_waiting",
+            f"saturation_waiting must be at least 1 (got {admission.saturation_waiting})",
         )
     if not 0 < admission.saturation_kv_cache <= 1:
         raise invalid(

@@ -5,8 +5,8 @@ own queue, where the gateway can neither reorder nor cancel it.
 A node is saturated when its last scrape says so (`[admission] saturation_waiting` requests
 waiting, or `saturation_kv_cache` of its KV cache used), or when this gateway process has its
 `[[nodes]] max_in_flight` requests in flight to it. A pure function of the snapshot and the
-in-flight counts: the data plane asks it for every request, and `interlock explain` asks it
-again of the state at the seq a record names (where the in-flight counts are not recorded).
+in-flight counts: the data plane asks it for every request, and `interlock explain` asks the
+scrape's part again of the state at the seq a record names (in-flight counts are not recorded).
 """
 
 from __future__ import annotations
@@ -29,17 +29,6 @@ def scraped_reason(node: NodeState, admission: AdmissionConfig) -> str:
     if usage is not None and usage >= admission.saturation_kv_cache:
         return f"KV cache {usage:.2f} >= saturation_kv_cache {admission.saturation_kv_cache:g}"
     return ""
-
-
-def saturation_reason(
-    node: NodeState, admission: AdmissionConfig, max_in_flight: int | None, in_flight: int | None
-) -> str:
-    """Why `node` is saturated, by its scrape or by this process's in-flight count, "" when it
-    is not. `in_flight` None: the count is not known (`explain`), so only the scrape can say."""
-    reason = scraped_reason(node, admission)
-    if not reason and max_in_flight is not None and in_flight is not None and in_flight >= max_in_flight:
-        return f"{in_flight} in flight >= max_in_flight {max_in_flight}"
-    return reason
 
 
 def free_places(

@@ -196,7 +196,8 @@ class AdmissionQueue:
         try:
             with trio.move_on_after(max_queue_seconds):
                 await waiter.released.wait()
-        except BaseException:
+        except BaseException:  # the client went away
+            self._metrics.admission_waited(tenant, trio.current_time() - started)
             self._leave(waiter)
             raise
         waited = trio.current_time() - started

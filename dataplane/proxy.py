@@ -160,10 +160,11 @@ class Proxy:
                 raise
             ledger.admission = outcome
             if outcome.refused:
-                return self._error(ledger, QUEUE_IS_FULL if outcome.verdict == QUEUE_FULL else QUEUE_DEADLINE_PASSED, RETRY_AFTER)
-            if outcome.verdict == QUEUED and self._views.current() is not exchange.view:
+                refusal = QUEUE_IS_FULL if outcome.verdict == QUEUE_FULL else QUEUE_DEADLINE_PASSED
+                return self._error(ledger, refusal, RETRY_AFTER)
+            if outcome.verdict == QUEUED and (current := self._views.current()) is not exchange.view:
                 # It waited: it is routed on the snapshot of now, as if it had just arrived.
-                exchange.view = self._views.current()
+                exchange.view = current
                 ledger = self._open_ledger(exchange)
                 ledger.admission = outcome
         route = ledger.route

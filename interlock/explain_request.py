@@ -16,7 +16,7 @@ import msgspec
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
-from controlplane.saturation import saturation_reason
+from controlplane.saturation import scraped_reason
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.errors import model_not_found
 from events.decisions import Admission, AttemptOutcome, AttemptRecord, Decision
@@ -149,10 +149,14 @@ def render_saturation(decision: Decision, result: ReplayResult) -> str:
     rows = []
     for node in pick_pool(Route(state, decision.model).candidates, decision.at):
         load = node.load
-        reason = saturation_reason(node, admission, limits.get(node.ip), None)
+        reason = scraped_reason(node, admission)
         if not reason:
             limit = limits.get(node.ip)
-            reason = f"not by its scrape: by max_in_flight {limit}, if this process had as many in flight (not in the log)" if limit else "no"
+            reason = (
+                f"not by its scrape: by max_in_flight {limit}, if this process had as many in flight (not in the log)"
+                if limit
+                else "no"
+            )
         waiting = _number(load.waiting) if load.known else "-"
         usage = _number(load.kv_cache_usage) if load.known else "-"
         rows.append([node.ip, node.name or "-", waiting, usage, reason])

@@ -163,6 +163,12 @@ async def holding_the_node(gateway: Gateway | SimulatedNode) -> AsyncIterator[No
             yield
 
 
+async def post_chat(gateway: Gateway, request_id: str = "") -> httpx.Response:
+    """A short chat completion through the gateway, with `request_id` as its X-Request-Id if given."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    return await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers=headers)
+
+
 async def queue_length(gateway: Gateway) -> float:
     return await gateway.metric(QUEUE_LENGTH) or 0.0
 
@@ -188,9 +194,7 @@ async def test_a_request_waits_in_the_gateway_until_an_attempt_ends(tmp_path):
         answers = []
 
         async def queued_request() -> None:
-            response = await gateway.http.post(
-                gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-Id": "waiter"}
-            )
+            response = await post_chat(gateway, "waiter")
             answers.append(response)
 
         async with trio.open_nursery() as nursery:
@@ -210,9 +214,7 @@ async def test_a_request_waits_in_the_gateway_until_an_attempt_ends(tmp_path):
 
 async def test_a_request_that_waits_past_its_deadline_gets_a_503_with_retry_after(tmp_path):
     async with held_node_gateway(tmp_path, max_queue_seconds=0.2) as (gateway, nodes), holding_the_node(gateway):
-        response = await gateway.http.post(
-            gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-Id": "late"}
-        )
+        response = await post_chat(gateway, "late")
         assert response.status_code == 503
         assert response.headers["retry-after"] == "1"
         assert response.json()["error"]["code"] == "queue_timeout"
@@ -229,18 +231,14 @@ async def test_a_client_that_goes_away_leaves_the_queue_at_once(tmp_path):
     async with held_node_gateway(tmp_path) as (gateway, nodes):
         async with holding_the_node(gateway):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    lambda: gateway.http.post(
-                        gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-Id": "gone"}
-                    )
-                )
+                nursery.start_soon(post_chat, gateway, "gone")
                 await wait_for_queue_length(gateway, 1)
                 nursery.cancel_scope.cancel()  # the client closes its connection
             await wait_for_queue_length(gateway, 0)
             record = await record_of(tmp_path / "decisions.jsonl", "gone")
             assert (record.status, record.admission.verdict) == (None, QUEUED)
         # The place the held stream frees is not given to the request that left.
-        response = await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat(max_tokens=1))
+        response = await post_chat(gateway)
         assert response.status_code == 200
         assert len(completions_to(nodes[0])) == 2
 
@@ -248,7 +246,7 @@ async def test_a_client_that_goes_away_leaves_the_queue_at_once(tmp_path):
 async def test_a_full_queue_answers_429_that_the_sdk_raises_as_a_rate_limit(tmp_path):
     async with held_node_gateway(tmp_path, queue_size=1, tenant_queue_size=1) as (gateway, nodes):
         async with holding_the_node(gateway), trio.open_nursery() as nursery:
-            nursery.start_soon(lambda: gateway.http.post(gateway.url + "/v1/chat/completions", json=chat(max_tokens=1)))
+            nursery.start_soon(post_chat, gateway)
             await wait_for_queue_length(gateway, 1)
             http_client = openai.DefaultAsyncHttpxClient(trust_env=False)
             async with openai.AsyncOpenAI(
@@ -282,11 +280,7 @@ async def test_a_scrape_that_shows_the_node_freed_releases_the_queue_and_explain
         async with trio.open_nursery() as nursery:
             async with holding_the_node(node):
                 await gateway.wait_for(lambda: (gateway.node(node.host).load.kv_cache_usage or 0) >= 0.8)
-                nursery.start_soon(
-                    lambda: gateway.http.post(
-                        gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers={"X-Request-Id": "waited"}
-                    )
-                )
+                nursery.start_soon(post_chat, gateway, "waited")
                 await wait_for_queue_length(gateway, 1)
                 assert len(completions_to(node)) == 1
             # The direct stream's client has left; the gateway's request goes in after a scrape.
