@@ -81,7 +81,7 @@ QUEUE_IS_FULL = ApiError(
     429, "too many requests waiting: every node is saturated and the gateway's queue is full", "rate_limit_exceeded",
     "requests",
 )
-"""The admission queue (`dataplane.admission`) is full, in all or for the tenant: OpenAI's shape
+"""The admission queue (`dataplane.admission_queue`) is full, in all or for the tenant: OpenAI's shape
 of a rate limit, which the SDKs retry after `Retry-After`."""
 QUEUE_DEADLINE_PASSED = ApiError(
     503, "every node is saturated: the request waited max_queue_seconds in the gateway's queue", "queue_timeout"

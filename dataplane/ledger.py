@@ -16,7 +16,7 @@ from controlplane.balancer import Balancer
 from controlplane.logs import JsonLog
 from controlplane.policies import Choice
 from controlplane.routing import DECODE, PREFILL, Route
-from dataplane.admission import AdmissionQueue, QueueOutcome
+from dataplane.admission_queue import AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS

@@ -109,7 +109,7 @@ class RequestMetrics:
             )
         )
 
-        # Admission (`dataplane.admission`), by tenant: configured names only, so bounded.
+        # Admission (`dataplane.admission_queue`), by tenant: configured names only, so bounded.
         self._queue_length = _Children(
             Gauge(
                 "interlock_admission_queue_length",

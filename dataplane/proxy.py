@@ -32,7 +32,7 @@ from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.policies import PREFIX_AFFINITY
 from controlplane.prefix import prompt_prefix
 from controlplane.routing import PREFILL, pick_pool
-from dataplane.admission import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
+from dataplane.admission_queue import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.errors import (
@@ -221,7 +221,7 @@ class Proxy:
         self, exchange: Exchange, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
     ) -> QueueOutcome:
         """Admission under `[admission]`: at once while the model's pool has room, else after
-        waiting in the queue (`dataplane.admission`), or refused."""
+        waiting in the queue (`dataplane.admission_queue`), or refused."""
         return await self._queue.admit(exchange.view, exchange.model, tenant, priority, fairness_id, max_queue_seconds)
 
     async def _prefill(

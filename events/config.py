@@ -241,7 +241,7 @@ DEFAULT_MAX_QUEUE_SECONDS = 30.0
 
 class AdmissionConfig(Struct, frozen=True, kw_only=True):
     """`[admission]`: while every node that could serve a model is saturated, its requests wait
-    in the gateway (`dataplane.admission`), not in the nodes' own queues."""
+    in the gateway (`dataplane.admission_queue`), not in the nodes' own queues."""
 
     saturation_waiting: int = DEFAULT_SATURATION_WAITING
     """A node is saturated while its scraped `vllm:num_requests_waiting` is at least this…"""

@@ -65,7 +65,7 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
 
 
 class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
-    """What admission did with a request (`dataplane.admission`), in a record when `[admission]`
+    """What admission did with a request (`dataplane.admission_queue`), in a record when `[admission]`
     was configured."""
 
     verdict: str

@@ -2,7 +2,7 @@
 requests wait in the gateway's queue, in order of priority, tenants in turn, until a place frees
 up, their deadline passes (503), their client leaves, or the queue is full (429).
 
-The order is tested on the queue itself (`dataplane.admission`) with real trio tasks and a real
+The order is tested on the queue itself (`dataplane.admission_queue`) with real trio tasks and a real
 control plane, since one tenant is all the gateway has until tenants are configured; the rest
 through the real gateway and simulated nodes."""
 
@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from controlplane.routing import pick_pool
 from controlplane.runtime import open_control_plane
 from controlplane.saturation import free_places
-from dataplane.admission import ADMITTED, QUEUED, AdmissionQueue
+from dataplane.admission_queue import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotViews
 from events.config import AdmissionConfig
