@@ -207,3 +207,28 @@ def test_the_disaggregated_bench_measures_both_settings_without_failures(tmp_pat
     assert [row["setting"] for row in rows] == ["whole", "two legs"]
     assert all(row[mode]["failures"] == 0 for row in rows for mode in ("whole_answer", "streamed"))
     assert "two legs" in completed.stdout
+
+
+def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
+    completed = subprocess.run(
+        [
+            sys.executable, "-m", "bench.admission", "--duration", "2", "--idle-duration", "1", "--grace", "3",
+            "--out", str(tmp_path),
+        ],  # fmt: skip
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 0, completed.stderr
+    [path] = tmp_path.iterdir()
+    results = json.loads(path.read_text())
+    runs = {run["run"]: run["tenants"] for run in results["runs"]}
+    assert list(runs)[:2] == ["idle", "no admission"] and len(runs) >= 3
+    assert runs["idle"]["B"]["completed"] == runs["idle"]["B"]["requests"] > 0
+    for name, tenants in runs.items():
+        if name.startswith("admission"):
+            # With admission the flooding tenant hears only from the gateway, never of a node's failure.
+            assert tenants["A"]["node_error"] == 0 and tenants["A"]["completed"] > 0
+    verdicts = {target["verdict"] for target in results["targets"]}
+    assert verdicts <= {"PASS", "MISS", "info"} and "admission" in completed.stdout
