@@ -20,9 +20,9 @@ import math
 import msgspec
 
 from controlplane.gocompat import format_go_seconds
+from dataplane.admission_queue import QUEUED, QueueOutcome
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.errors import Reply
-from dataplane.admission_queue import QUEUED, QueueOutcome
 from dataplane.exchange import Exchange
 from dataplane.headers import Headers, request_id_header
 from dataplane.metrics import RequestMetrics

@@ -263,7 +263,8 @@ class TenantConfig(Struct, frozen=True, kw_only=True):
     """Prompt plus completion tokens, as the node reports them in `usage`."""
     max_in_flight: int | None = None
     max_queue_seconds: float | None = None
-    """How long a request of the tenant may wait in the gateway's queue (a Go duration in the file)."""
+    """Seconds a request of the tenant may wait in the gateway's queue (None: `[admission]`'s
+    `max_queue_seconds`)."""
 
 
 DEFAULT_SATURATION_WAITING = 5

@@ -2,9 +2,9 @@
 requests wait in the gateway's queue, in order of priority, tenants in turn, until a place frees
 up, their deadline passes (503), their client leaves, or the queue is full (429).
 
-The order is tested on the queue itself (`dataplane.admission_queue`) with real trio tasks and a real
-control plane, since one tenant is all the gateway has until tenants are configured; the rest
-through the real gateway and simulated nodes."""
+The order is tested through the real gateway with two tenants, and on the queue itself
+(`dataplane.admission_queue`, real trio tasks and a real control plane) for the finer cases
+(several priorities, fairness ids); the rest through the real gateway and simulated nodes."""
 
 from __future__ import annotations
 
@@ -30,27 +30,25 @@ from dataplane.views import SnapshotViews
 from events.config import AdmissionConfig
 from events.state import NodeLoad, NodeState
 from fixtures.node import SimulatedNode, serve_nodes
+
 from harness import (
     MODEL,
     PROJECT_ROOT,
     CapturedLog,
     Gateway,
+    admission_toml,
     chat,
     completions_to,
     decision_records,
     node_specs,
     nodes_and_gateway,
+    tenants_toml,
     write_config,
 )
 
 QUEUE_LENGTH = 'interlock_admission_queue_length{priority="0",tenant="default"}'
 HELD = {"tpot": 0.5, "tokens": 1000}
 """A node whose streams last as long as a test holds them (a token every half second)."""
-
-
-def admission_table(**keys: object) -> str:
-    """An `[admission]` table (it turns the queue on) with `keys`."""
-    return "\n".join(["[admission]", *(f"{key} = {value!r}".replace("'", '"') for key, value in keys.items())]) + "\n"
 
 
 # --- the order in which the queue releases requests ---------------------------------------------
@@ -62,7 +60,7 @@ async def full_node_queue(tmp_path: Path) -> AsyncIterator[tuple[AdmissionQueue,
     in-flight count (the balancer's, here in the test's hands) at 1: the pool is saturated."""
     async with serve_nodes(node_specs(1)) as nodes:
         config_path = write_config(
-            tmp_path, nodes, node_settings={"n1": {"max_in_flight": 1}}, extra=admission_table(max_queue_seconds=30)
+            tmp_path, nodes, node_settings={"n1": {"max_in_flight": 1}}, extra=admission_toml(max_queue_seconds=30)
         )
         async with open_control_plane(config_path, version="test", log=CapturedLog()) as control_plane:
             views = SnapshotViews(control_plane)
@@ -139,15 +137,17 @@ async def test_a_pool_with_room_admits_at_once(tmp_path):
 
 
 @asynccontextmanager
-async def held_node_gateway(tmp_path: Path, **admission: object) -> AsyncIterator[tuple[Gateway, list]]:
+async def held_node_gateway(
+    tmp_path: Path, *tenants: dict[str, object], **admission: object
+) -> AsyncIterator[tuple[Gateway, list]]:
     """One node that takes one request at a time from this gateway (`max_in_flight = 1`), with
-    `[admission]` set as given and the decision and event logs on."""
+    `[admission]` set as given, `[[tenants]]` tables, and the decision and event logs on."""
     settings = {"max_queue_seconds": 30} | admission
     async with nodes_and_gateway(
         tmp_path,
         node_specs(1, **HELD),
         node_settings={"n1": {"max_in_flight": 1}},
-        extra=admission_table(**settings),
+        extra=admission_toml(**settings) + tenants_toml(*tenants),
         decision_log=str(tmp_path / "decisions.jsonl"),
         event_log=str(tmp_path / "events.jsonl"),
     ) as (nodes, gateway):
@@ -156,21 +156,25 @@ async def held_node_gateway(tmp_path: Path, **admission: object) -> AsyncIterato
 
 
 @asynccontextmanager
-async def holding_the_node(gateway: Gateway | SimulatedNode) -> AsyncIterator[None]:
-    """A stream in flight to the node, through the gateway or straight to the node, until the
-    block ends (its client then goes away)."""
+async def holding_the_node(gateway: Gateway | SimulatedNode, key: str = "") -> AsyncIterator[None]:
+    """A stream in flight to the node, through the gateway (with client key `key`, if given) or
+    straight to the node, until the block ends (its client then goes away)."""
     async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
         body = chat(stream=True, max_tokens=1000)
-        async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body) as response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as response:
             assert response.status_code == 200
             pieces = response.aiter_raw()  # kept: a collected iterator would close the stream
             await pieces.__anext__()  # the first token: committed, in flight
             yield
 
 
-async def post_chat(gateway: Gateway, request_id: str = "") -> httpx.Response:
-    """A short chat completion through the gateway, with `request_id` as its X-Request-Id if given."""
+async def post_chat(gateway: Gateway, request_id: str = "", key: str = "") -> httpx.Response:
+    """A short chat completion through the gateway, with `request_id` as its X-Request-Id and
+    `key` as its client key, if given."""
     headers = {"X-Request-Id": request_id} if request_id else {}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     return await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat(max_tokens=1), headers=headers)
 
 
@@ -215,6 +219,87 @@ async def test_a_request_waits_in_the_gateway_until_an_attempt_ends(tmp_path):
         assert record.admission.verdict == QUEUED and record.admission.queued_ms > 0
         assert 0 < record.admission.saturated_seq <= record.seq
         assert await gateway.metric('interlock_admission_queue_seconds_count{priority="0",tenant="default"}') == 1
+
+
+LOW = {"name": "low", "api_keys": ["key-low"], "priority": 0}
+HIGH = {"name": "high", "api_keys": ["key-high"], "priority": 10}
+
+
+async def served_order(gateway: Gateway, arrivals: list[tuple[str, str]], holder_key: str) -> list[str]:
+    """The request ids of `arrivals` (request id, client key), queued in that order behind a
+    stream of `holder_key` that holds the node, in the order the gateway served them once the
+    stream ends (the node takes one at a time, so they end in the order they were released)."""
+    served: list[str] = []
+
+    async def request(request_id: str, key: str) -> None:
+        response = await post_chat(gateway, request_id, key)
+        assert response.status_code == 200
+        served.append(request_id)
+
+    async with trio.open_nursery() as nursery:
+        async with holding_the_node(gateway, holder_key):
+            for number, (request_id, key) in enumerate(arrivals, start=1):
+                nursery.start_soon(request, request_id, key)
+                await wait_for_total_queue_length(gateway, number)
+    return served
+
+
+async def total_queue_length(gateway: Gateway) -> float:
+    samples = [
+        line for line in (await gateway.metrics()).splitlines() if line.startswith("interlock_admission_queue_length{")
+    ]
+    return sum(float(line.rpartition(" ")[2]) for line in samples)
+
+
+async def wait_for_total_queue_length(gateway: Gateway, length: int) -> None:
+    with trio.fail_after(10):
+        while await total_queue_length(gateway) != length:
+            await trio.sleep(0.01)
+
+
+async def test_through_the_gateway_a_higher_priority_tenant_goes_first(tmp_path):
+    async with held_node_gateway(tmp_path, LOW, HIGH) as (gateway, nodes):
+        arrivals = [("low-1", "key-low"), ("low-2", "key-low"), ("high-1", "key-high"), ("high-2", "key-high")]
+        assert await served_order(gateway, arrivals, "key-low") == ["high-1", "high-2", "low-1", "low-2"]
+        record = await record_of(tmp_path / "decisions.jsonl", "high-1")
+        assert (record.admission.tenant, record.admission.priority, record.admission.verdict) == ("high", 10, QUEUED)
+        length = 'interlock_admission_queue_length{priority="10",tenant="high"}'
+        assert await gateway.metric(length) == 0
+        assert await gateway.metric('interlock_admission_queue_seconds_count{priority="10",tenant="high"}') == 2
+
+
+async def test_through_the_gateway_tenants_of_one_priority_take_turns(tmp_path):
+    # Tenant a queued three requests before b queued one: b's goes second, not last.
+    a = {"name": "a", "api_keys": ["key-a"]}
+    b = {"name": "b", "api_keys": ["key-b"]}
+    async with held_node_gateway(tmp_path, a, b) as (gateway, nodes):
+        arrivals = [("a-1", "key-a"), ("a-2", "key-a"), ("a-3", "key-a"), ("b-1", "key-b")]
+        assert await served_order(gateway, arrivals, "key-a") == ["a-1", "b-1", "a-2", "a-3"]
+
+
+async def test_a_tenants_max_queue_seconds_is_its_deadline_and_the_refusal_gives_back_what_its_limits_took(tmp_path):
+    # [admission] lets requests wait 30 s; the tenant's own bound is 0.2 s. Its two requests a
+    # minute: the held stream takes one, the late request takes the other and gives it back
+    # when the queue refuses it, so one more request goes through, and then no more.
+    tenant = {"name": "brief", "api_keys": ["key-brief"], "max_queue_seconds": 0.2, "requests_per_minute": 2}
+    async with held_node_gateway(tmp_path, tenant) as (gateway, nodes):
+        async with holding_the_node(gateway, "key-brief"):
+            response = await post_chat(gateway, "late", "key-brief")
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "queue_timeout"
+            assert response.headers["x-ratelimit-limit-requests"] == "2"
+        record = await record_of(tmp_path / "decisions.jsonl", "late")
+        assert (record.admission.tenant, record.admission.verdict, record.admission.refused_by) == (
+            "brief",
+            "refused",
+            "queue_deadline",
+        )
+        assert 200 <= record.admission.queued_ms < 30_000
+        refused = 'interlock_admission_refusals_total{limit="queue_deadline",priority="0",tenant="brief"}'
+        assert await gateway.metric(refused) == 1
+        assert (await post_chat(gateway, "again", "key-brief")).status_code == 200
+        over = await post_chat(gateway, "over", "key-brief")
+        assert (over.status_code, over.json()["error"]["code"]) == (429, "rate_limit_exceeded")
 
 
 async def test_a_request_that_waits_past_its_deadline_gets_a_503_with_retry_after(tmp_path):
@@ -275,7 +360,7 @@ async def test_a_scrape_that_shows_the_node_freed_releases_the_queue_and_explain
     async with nodes_and_gateway(
         tmp_path,
         node_specs(1, max_running=1, **HELD),
-        extra=admission_table(max_queue_seconds=30),
+        extra=admission_toml(max_queue_seconds=30),
         routing={"load_scrape_interval": "100ms"},
         decision_log=str(decisions),
         event_log=str(events),
@@ -294,8 +379,17 @@ async def test_a_scrape_that_shows_the_node_freed_releases_the_queue_and_explain
         assert record.admission.verdict == QUEUED and record.admission.saturated_seq > 0
         assert len(completions_to(node)) == 2
     explained = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", "waited",
-         "--decisions", str(decisions)],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "interlock.cli",
+            "explain",
+            str(events),
+            "--request-id",
+            "waited",
+            "--decisions",
+            str(decisions),
+        ],  # fmt: skip
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
 from controlplane.gocompat import format_go_duration, go_quote, parse_go_duration, parse_listen_address
 from events.config import (
-    AdmissionConfig,
     DEFAULT_LOAD_SCRAPE_INTERVAL,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    AdmissionConfig,
     Config,
     FleetConfig,
     GatewayConfig,
@@ -990,9 +990,9 @@ def test_an_unknown_fleet_key_is_reported(tmp_path: Path) -> None:
     assert [(item.key, item.closest) for item in unknown] == [("fleet.leases", "fleet.lease")]
 
 
-def test_without_an_admission_table_admission_is_off(tmp_path: Path) -> None:
+def test_without_an_admission_table_the_queue_is_off(tmp_path: Path) -> None:
     config = load_text(tmp_path, ONE_NODE)
-    assert config.admission is None
+    assert config.admission == AdmissionConfig(queue=False)
     assert config.load_scrape_interval() == 0  # round robin reads no load
     assert "admission queue: off" in describe_config(config)
 
@@ -1000,7 +1000,7 @@ def test_without_an_admission_table_admission_is_off(tmp_path: Path) -> None:
 def test_admission_defaults_and_node_limits(tmp_path: Path) -> None:
     text = ONE_NODE + "max_in_flight = 4\n[admission]\n"
     config = load_text(tmp_path, text)
-    assert config.admission == AdmissionConfig()
+    assert config.admission == AdmissionConfig(queue=True)
     assert config.nodes[0].max_in_flight == 4
     assert config.load_scrape_interval() > 0  # admission reads the nodes' load
     summary = describe_config(config)
@@ -1025,9 +1025,17 @@ def test_admission_errors_name_the_key(tmp_path: Path, lines: str, key: str, mes
     assert message in error.message
 
 
+def test_an_admission_table_with_queue_false_keeps_its_other_keys_without_the_queue(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE + "[admission]\nqueue = false\ndefault_max_tokens = 64\n")
+    assert config.admission == AdmissionConfig(queue=False, default_max_tokens=64)
+    assert config.load_scrape_interval() == 0
+
+
 def test_max_in_flight_needs_admission_and_a_positive_count(tmp_path: Path) -> None:
     error = load_error(tmp_path, ONE_NODE + "max_in_flight = 2\n")
     assert error.key == "nodes[0].max_in_flight"
-    assert "needs an [admission] table" in error.message
+    assert "needs the admission queue" in error.message
+    error = load_error(tmp_path, ONE_NODE + "max_in_flight = 2\n[admission]\nqueue = false\n")
+    assert "needs the admission queue" in error.message
     error = load_error(tmp_path, ONE_NODE + "max_in_flight = 0\n[admission]\n")
     assert (error.key, error.message) == ("nodes[0].max_in_flight", "max_in_flight must be at least 1 (got 0)")
