@@ -1,7 +1,7 @@
 """Admission under a flood: does one tenant flooding the cluster raise another's time to first token?
 
     python -m bench.admission [--duration 20] [--idle-duration 8] [--grace 8] [--nodes 2]
-        [--tenants auto|on|off] [--seed 1] [--out DIR]
+        [--seed 1] [--out DIR]
 
 Simulated nodes (`fixtures.node`, each its own process) with the load model: at most
 NODE_LOAD["max_running"] requests in the batch, the others in the node's queue (vLLM's). The
@@ -12,11 +12,9 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
 
 - `idle`: B alone, without admission: B's time to first token on an idle cluster;
 - `no admission`: today, every request goes to a node at once;
-- `admission, one tenant`: `[admission]` (nodes' `max_in_flight` = their batch + 1), A and B
-  both the tenant `default`, queued first come first served: what this branch has alone;
-- `admission, equal priorities` and `admission, B above A`: A and B as two `[[tenants]]`
-  (keys `bench-key-a`, `bench-key-b`), run when the config schema has tenants (`--tenants
-  auto`, the default; `on` insists, `off` skips them).
+- `admission, equal priorities` and `admission, B above A`: `[admission]` (the queue; nodes'
+  `max_in_flight` = their batch + 1), A and B as two `[[tenants]]` (keys `bench-key-a`,
+  `bench-key-b`), of one priority, then B's above A's.
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -49,7 +47,6 @@ from bench.processes import Processes
 from bench.report import busy_note, load_average, machine_details, utc_now, write_results
 from bench.servers import SimulatedNodeProcess, start_gateway, start_simulated_nodes
 from controlplane.probes import ProbeError, parse_vllm_load
-from events.config import Config
 
 MODEL = "admission-model"
 TTFT, TPOT, TOKENS = 0.05, 0.04, 24
@@ -62,10 +59,6 @@ KEYS = {"A": "bench-key-a", "B": "bench-key-b"}
 
 MAX_B_TTFT_RATIO = 2.0
 MIN_TOKENS_SHARE = 0.95
-
-TENANTS_IN_SCHEMA = "tenants" in {field.name for field in msgspec.structs.fields(Config)}
-"""Whether this build's config has `[[tenants]]` (another branch of issue 22 adds them)."""
-
 
 def capacity(nodes: int) -> float:
     """Requests per second the cluster completes with every batch full (no batch slowdown)."""
@@ -178,18 +171,17 @@ def run(
     processes: Processes,
     folder: Path,
     *,
-    admission: bool,
     priorities: dict[str, int] | None = None,
 ) -> dict:
-    """A fresh gateway over the nodes, `requests` through it."""
+    """A fresh gateway over the nodes, `requests` through it: with `priorities`, A and B are
+    tenants of those priorities and the queue is on; without, every request goes to a node at once."""
     wait_until_idle(nodes)
     tables = ""
     node_keys = None
-    if admission:
-        tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in ADMISSION.items())
-        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1}
     if priorities is not None:
+        tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in ADMISSION.items())
         tables += tenants_table(priorities)
+        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1}
     gateway = start_gateway(
         processes,
         folder,
@@ -241,8 +233,7 @@ def _ms(ordered: list[float], fraction: float) -> float | None:
 
 
 def evaluate(runs: dict[str, dict]) -> list[dict]:
-    """The issue's targets for each admission run, PASS or MISS; a one-tenant run's B target is
-    `info` (B is in A's queue there: the target is for tenants)."""
+    """The issue's targets for each admission run, PASS or MISS."""
     idle = runs["idle"]["tenants"]["B"]["ttft_p99_ms"]
     today = runs["no admission"]
     today_ratio = _ratio(today["tenants"]["B"]["ttft_p99_ms"], idle)
@@ -253,7 +244,7 @@ def evaluate(runs: dict[str, dict]) -> list[dict]:
             continue
         tenants = result["tenants"]
         ratio = _ratio(tenants["B"]["ttft_p99_ms"], idle)
-        verdict = "info" if name == ONE_TENANT else _verdict(ratio is not None and ratio <= MAX_B_TTFT_RATIO)
+        verdict = _verdict(ratio is not None and ratio <= MAX_B_TTFT_RATIO)
         targets.append(
             {
                 "run": name,
@@ -282,9 +273,6 @@ def evaluate(runs: dict[str, dict]) -> list[dict]:
             }
         )
     return targets
-
-
-ONE_TENANT = "admission, one tenant"
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:
@@ -327,15 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--idle-duration", type=float, default=8.0, help="seconds of B alone (default: 8)")
     add("--grace", type=float, default=8.0, help="seconds after the arrivals before the rest is cut (default: 8)")
     add("--nodes", type=int, default=2, help="simulated nodes (default: 2)")
-    add("--tenants", choices=("auto", "on", "off"), default="auto", help="the two-tenant runs (default: auto)")
     add("--seed", type=int, default=1)
     add("--out", type=Path, help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
     if args.duration <= 0 or args.idle_duration <= 0 or args.grace < 0 or args.nodes < 1:
         parser.error("--duration and --idle-duration must be positive, --grace not negative, --nodes at least 1")
-    with_tenants = TENANTS_IN_SCHEMA if args.tenants == "auto" else args.tenants == "on"
-    if with_tenants and not TENANTS_IN_SCHEMA:
-        parser.error("--tenants on: this build's config has no [[tenants]]")
     cluster = capacity(args.nodes)
     rates = {"A": A_LOAD * cluster, "B": B_LOAD * cluster}
     flood = arrivals(args.seed, rates, args.duration)
@@ -351,34 +335,25 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_per_second": round(cluster, 2),
         "rates_per_second": {tenant: round(rate, 2) for tenant, rate in rates.items()},
         "admission": ADMISSION | {"max_in_flight": NODE_LOAD["max_running"] + 1},
-        "tenant_runs": with_tenants,
     } | {key: value for key, value in vars(args).items() if key != "out"}
     notes = [busy_note(results["machine"]["load_average_at_start"])]
-    if not with_tenants:
-        notes.append(
-            "no [[tenants]] in this build: the admission run has A and B as one tenant, first come first served;"
-            " the equal-priority and B-above-A runs need tenants"
-        )
     results["notes"] = [note for note in notes if note]
     runs: dict[str, dict] = {}
     with Processes(logs) as processes:
         nodes = start_simulated_nodes(processes, args.nodes, MODEL, ttft=TTFT, tpot=TPOT, tokens=TOKENS)
         for node in nodes:
             httpx.post(node.url + "/_control", json=NODE_LOAD, trust_env=False).raise_for_status()
-        plan: list[tuple[str, list, dict]] = [
-            ("idle", alone, {"admission": False}),
-            ("no admission", flood, {"admission": False}),
+        plan: list[tuple[str, list, dict[str, int] | None]] = [
+            ("idle", alone, None),
+            ("no admission", flood, None),
+            ("admission, equal priorities", flood, {"A": 0, "B": 0}),
+            ("admission, B above A", flood, {"A": 0, "B": 1}),
         ]
-        if with_tenants:
-            plan += [
-                ("admission, equal priorities", flood, {"admission": True, "priorities": {"A": 0, "B": 0}}),
-                ("admission, B above A", flood, {"admission": True, "priorities": {"A": 0, "B": 1}}),
-            ]
-        else:
-            plan.append((ONE_TENANT, flood, {"admission": True}))
-        for name, requests, settings in plan:
+        for name, requests, priorities in plan:
             duration = args.idle_duration if name == "idle" else args.duration
-            runs[name] = run(name, requests, duration, duration + args.grace, nodes, processes, logs, **settings)
+            runs[name] = run(
+                name, requests, duration, duration + args.grace, nodes, processes, logs, priorities=priorities
+            )
             print(f"{name}: done", file=sys.stderr, flush=True)
         for node in nodes:
             processes.stop(node.process)

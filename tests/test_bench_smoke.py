@@ -224,11 +224,11 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
     [path] = tmp_path.iterdir()
     results = json.loads(path.read_text())
     runs = {run["run"]: run["tenants"] for run in results["runs"]}
-    assert list(runs)[:2] == ["idle", "no admission"] and len(runs) >= 3
+    assert list(runs) == ["idle", "no admission", "admission, equal priorities", "admission, B above A"]
     assert runs["idle"]["B"]["completed"] == runs["idle"]["B"]["requests"] > 0
     for name, tenants in runs.items():
         if name.startswith("admission"):
             # With admission the flooding tenant hears only from the gateway, never of a node's failure.
             assert tenants["A"]["node_error"] == 0 and tenants["A"]["completed"] > 0
     verdicts = {target["verdict"] for target in results["targets"]}
-    assert verdicts <= {"PASS", "MISS", "info"} and "admission" in completed.stdout
+    assert verdicts <= {"PASS", "MISS"} and "admission" in completed.stdout
