@@ -26,8 +26,14 @@ of the run without admission's. The flood's span is what compares the two: after
 without admission still serves the backlog its nodes' queues hold (streams that waited longer
 than the flood), which a bounded queue with deadlines refused at the time, by design.
 
+Then `token limit, two workers`: `serve --workers 2`, tenant A with `tokens_per_minute` =
+TOKEN_LIMIT, sending non-streamed requests at TOKEN_RATE × what the limit lets through. Once
+the bucket (full at the start) is spent, at A's first 429, a window of `--token-window` seconds
+begins: the tokens the nodes reported (`usage`) for the requests sent in it, against the limit
+over that window. Target: within ±10% (`--token-window 0` skips the run).
+
 Prints a table, writes bench/results/<UTC time>-admission.json. Takes about idle + runs ×
-(duration + grace + 3 s).
+(duration + grace + 3 s), plus the token run's drain and window.
 """
 
 from __future__ import annotations
@@ -59,6 +65,11 @@ KEYS = {"A": "bench-key-a", "B": "bench-key-b"}
 
 MAX_B_TTFT_RATIO = 2.0
 MIN_TOKENS_SHARE = 0.95
+TOKEN_LIMIT = 9000
+"""Tenant A's tokens_per_minute in the token run: about half the cluster's capacity."""
+TOKEN_RATE = 5.0
+"""The token run's arrivals, as a multiple of the requests the limit lets through."""
+TOKEN_TOLERANCE = 0.10
 
 def capacity(nodes: int) -> float:
     """Requests per second the cluster completes with every batch full (no batch slowdown)."""
@@ -200,6 +211,83 @@ def run(
     return {"run": name, "tenants": {tenant: summarize(outcomes, tenant) for tenant in ("A", "B")}}
 
 
+async def drive_tokens(url: str, rate: float, window: float, give_up: float) -> tuple[list[dict], float | None]:
+    """Poisson arrivals of tenant A's non-streamed requests at `rate` a second until `window`
+    seconds after the first 429 (or `give_up` seconds in all): each request's send time, status
+    and the tokens its `usage` reported; and the first 429's send time."""
+    sent: list[dict] = []
+    first_refusal: list[float] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": TOKENS}
+    headers = {"Authorization": f"Bearer {KEYS['A']}"}
+    draw = random.Random(1)
+    async with httpx.AsyncClient(timeout=60, trust_env=False, limits=limits) as http:
+
+        async def send(at: float) -> None:
+            outcome = {"at": at, "status": None, "tokens": 0}
+            sent.append(outcome)
+            try:
+                response = await http.post(url, json=body, headers=headers)
+            except httpx.HTTPError:
+                return
+            outcome["status"] = response.status_code
+            if response.status_code == 429 and not first_refusal:
+                first_refusal.append(at)
+            elif response.status_code == 200:
+                outcome["tokens"] = response.json()["usage"]["total_tokens"]
+
+        started = trio.current_time()
+        async with trio.open_nursery() as senders:
+            while (now := trio.current_time() - started) < give_up:
+                if first_refusal and now >= first_refusal[0] + window:
+                    break
+                senders.start_soon(send, now)
+                await trio.sleep(draw.expovariate(rate))
+    return sent, first_refusal[0] if first_refusal else None
+
+
+def token_run(
+    window: float, nodes: list[SimulatedNodeProcess], processes: Processes, folder: Path
+) -> dict:
+    """`serve --workers 2` with tenant A limited to TOKEN_LIMIT tokens a minute: the tokens
+    admitted over `window` seconds once its bucket is spent, against the limit."""
+    wait_until_idle(nodes)
+    tables = tenants_table({"A": 0}) + f"tokens_per_minute = {TOKEN_LIMIT}\n"
+    gateway = start_gateway(
+        processes,
+        folder,
+        nodes,
+        MODEL,
+        gateway={"health_interval": "1s"},
+        name="token-limit",
+        tables=tables,
+        workers=2,
+    )
+    per_request = TOKENS + 10  # the completion and a short prompt, about
+    rate = TOKEN_RATE * TOKEN_LIMIT / 60 / per_request
+    drain = TOKEN_LIMIT / (rate * per_request - TOKEN_LIMIT / 60)
+    try:
+        sent, opened = trio.run(drive_tokens, gateway.url, rate, window, 3 * drain + window + 10)
+    finally:
+        processes.stop(gateway.process)
+    expected = TOKEN_LIMIT * window / 60
+    inside = [outcome for outcome in sent if opened is not None and opened <= outcome["at"] < opened + window]
+    tokens = sum(outcome["tokens"] for outcome in inside)
+    return {
+        "run": "token limit, two workers",
+        "tokens_per_minute": TOKEN_LIMIT,
+        "rate_per_second": round(rate, 2),
+        "window_seconds": window,
+        "window_opened_at_seconds": None if opened is None else round(opened, 2),
+        "sent_in_window": len(inside),
+        "admitted_in_window": sum(outcome["status"] == 200 for outcome in inside),
+        "refused_in_window": sum(outcome["status"] == 429 for outcome in inside),
+        "tokens_in_window": tokens,
+        "expected_tokens": round(expected),
+        "ratio": round(tokens / expected, 3) if opened is not None else None,
+    }
+
+
 def summarize(outcomes: list[dict], tenant: str) -> dict:
     mine = [outcome for outcome in outcomes if outcome["tenant"] == tenant]
     ttfts = sorted(outcome["ttft"] for outcome in mine if outcome["status"] == 200 and outcome["ttft"] is not None)
@@ -315,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--idle-duration", type=float, default=8.0, help="seconds of B alone (default: 8)")
     add("--grace", type=float, default=8.0, help="seconds after the arrivals before the rest is cut (default: 8)")
     add("--nodes", type=int, default=2, help="simulated nodes (default: 2)")
+    add("--token-window", type=float, default=60.0, help="seconds of the token run's window (default: 60; 0: no run)")
     add("--seed", type=int, default=1)
     add("--out", type=Path, help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
@@ -355,10 +444,23 @@ def main(argv: list[str] | None = None) -> int:
                 name, requests, duration, duration + args.grace, nodes, processes, logs, priorities=priorities
             )
             print(f"{name}: done", file=sys.stderr, flush=True)
+        token = token_run(args.token_window, nodes, processes, logs) if args.token_window > 0 else None
         for node in nodes:
             processes.stop(node.process)
     results["runs"] = list(runs.values())
     results["targets"] = evaluate(runs)
+    if token is not None:
+        results["token_run"] = token
+        ratio = token["ratio"]
+        results["targets"].append(
+            {
+                "run": token["run"],
+                "target": f"tokens admitted over the window within ±{TOKEN_TOLERANCE:.0%} of the limit",
+                "verdict": _verdict(ratio is not None and abs(ratio - 1) <= TOKEN_TOLERANCE),
+                "measured": f"{token['tokens_in_window']} vs {token['expected_tokens']} over {token['window_seconds']:g} s"
+                + (f": {ratio:.1%}" if ratio is not None else ": the bucket was never spent"),
+            }
+        )
     results |= {"load_average_at_end": load_average(), "finished_at": utc_now()}
     print(render(runs, results["targets"]))
     path = write_results(results, **({"folder": args.out} if args.out else {}), kind="admission")

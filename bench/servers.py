@@ -268,13 +268,16 @@ def start_gateway(
     roles: Sequence[str] = (),
     node_keys: dict[str, object] | None = None,
     tables: str = "",
+    workers: int = 1,
 ) -> Server:
-    """`interlock serve` for `nodes` (see `gateway_config`), ready once every node is healthy
-    and its models are known."""
+    """`interlock serve` for `nodes` (see `gateway_config`), with `workers` API processes, ready
+    once every node is healthy and its models are known."""
     port = free_port()
     config = folder / f"{name}.toml"
     config.write_text(gateway_config(port, nodes, model, gateway, routing or {}, roles, node_keys, tables))
     argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
 
     def all_ready(status: int, body: bytes) -> bool:
         health = json.loads(body) if status == 200 else {}

@@ -88,8 +88,9 @@ class Ticket:
 
     def end(self, status: int | None) -> None:
         """The request ended (`status` None: the client left first): what it took is settled. A
-        request that never got past admission (its limits, then the queue) gives everything back; an admitted one keeps its
-        request, gives back its in-flight slot, and settles its tokens to the node's `usage`
+        request that never got past admission (its limits, then the queue) gives everything back;
+        an admitted one keeps its request, gives back its in-flight slot, and settles its tokens
+        to the node's `usage`
         (without one: the reservation stands for a 2xx answer, and is given back otherwise)."""
         if self.tap is not None and self.tap.tokens is not None:
             self.tokens_used = self.tap.tokens

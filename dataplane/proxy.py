@@ -38,14 +38,6 @@ from dataplane.admission import Admission, Ticket, UsageTap
 from dataplane.admission_queue import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
-from dataplane.disaggregation import (
-    MAX_PREFILL_ANSWER_BYTES,
-    PrefillWithoutKvTransferParams,
-    decode_body,
-    kv_transfer_params,
-    prefill_body,
-)
-from dataplane.endpoints import ROUTED_PATHS
 from dataplane.errors import (
     NO_HEALTHY_NODE,
     NO_REACHABLE_NODE,
@@ -62,6 +54,14 @@ from dataplane.errors import (
     error_reply,
     model_not_found,
 )
+from dataplane.disaggregation import (
+    MAX_PREFILL_ANSWER_BYTES,
+    PrefillWithoutKvTransferParams,
+    decode_body,
+    kv_transfer_params,
+    prefill_body,
+)
+from dataplane.endpoints import ROUTED_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
@@ -561,7 +561,7 @@ class Relay:
                     await send_piece(chunk)
                 if tap is not None and (rest := tap.finish()):
                     await send_piece(rest)
-            except Exception:
+            except Exception as error:
                 if self._ended:
                     error = SHUTTING_DOWN.message
                 outcome = Outcome(TRUNCATED, status=upstream.status, error=error, committed=True)

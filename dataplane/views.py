@@ -13,9 +13,9 @@ import msgspec
 from controlplane.adapters import is_loading
 from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.routing import Route, pick_pool
+from dataplane.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
 from dataplane.headers import node_header
-from dataplane.tenants import TenantLimits
 from events.config import Config
 from events.state import ClusterState
 from events.types import Checkpoint

@@ -53,7 +53,6 @@ from events.config import (
     FleetConfig,
 )
 from events.decisions import Decision, find_decisions, missing_inputs, read_decisions_with_gaps
-from interlock.admission_whatif import render_tenants_what_if, tenants_what_if
 from interlock.describe import describe_config
 from interlock.explain_request import render_causes, render_request, render_saturation, request_to_builtins
 from interlock.reconfigured import (
@@ -78,6 +77,7 @@ from interlock.render import (
 from interlock.timeline import TimelineError, build_timeline, render_html
 from interlock.verify import DEFAULT_SHOWN, incomplete_warning, verify
 from interlock.verify import render_report as render_verify_report
+from interlock.admission_whatif import render_tenants_what_if, tenants_what_if
 from interlock.whatif import (
     DEFAULT_CACHE_ENTRIES,
     PROGRESS_SECONDS,

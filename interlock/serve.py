@@ -48,8 +48,8 @@ from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
-from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
 from dataplane.quota import Quota
+from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
 from dataplane.views import SnapshotViews
 from events.config import DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from events.decisions import Decision

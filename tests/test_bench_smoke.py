@@ -213,12 +213,12 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
     completed = subprocess.run(
         [
             sys.executable, "-m", "bench.admission", "--duration", "2", "--idle-duration", "1", "--grace", "3",
-            "--out", str(tmp_path),
+            "--token-window", "1", "--out", str(tmp_path),
         ],  # fmt: skip
         cwd=PROJECT_ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=180,
     )
     assert completed.returncode == 0, completed.stderr
     [path] = tmp_path.iterdir()
@@ -230,5 +230,6 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
         if name.startswith("admission"):
             # With admission the flooding tenant hears only from the gateway, never of a node's failure.
             assert tenants["A"]["node_error"] == 0 and tenants["A"]["completed"] > 0
+    assert results["token_run"]["window_opened_at_seconds"] is not None  # the limit refused, then the window
     verdicts = {target["verdict"] for target in results["targets"]}
     assert verdicts <= {"PASS", "MISS"} and "admission" in completed.stdout
