@@ -186,8 +186,8 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     client_key: str = ""
     """https: the certificate (PEM chain) and key the gateway shows the node (mutual TLS); both or neither."""
     max_in_flight: int | None = None
-    """Admission: the node counts as saturated while this gateway process has this many requests
-    in flight to it (`AdmissionConfig`); None = no such bound. Needs an `[admission]` table."""
+    """The admission queue: the node counts as saturated while this gateway process has this many
+    requests in flight to it (`AdmissionConfig`); None = no such bound. Needs the queue on."""
 
 
 ROLES = ("both", "prefill", "decode")

@@ -96,7 +96,7 @@ def _describe_routing(config: Config) -> str:
     interval = config.load_scrape_interval()
     scraped = f"every {format_go_seconds(interval)}" if interval else "never"
     if routing.load_scrape_interval is None:
-        scraped += " (load_scrape_interval unset: the default for these policies and admission)"
+        scraped += " (load_scrape_interval unset: the default for these policies and the admission queue)"
     text = f"routing: {routing.policy}; node load scraped {scraped}"
     if "prefix_affinity" in {routing.policy, *(model.policy for model in config.models.available)}:
         messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
