@@ -238,9 +238,12 @@ def gateway_config(
     gateway: dict[str, object],
     routing: dict[str, object],
     roles: Sequence[str] = (),
+    node_keys: dict[str, object] | None = None,
+    tables: str = "",
 ) -> str:
     """A TOML config for `nodes` serving `model`, with `gateway` keys and a [routing] table;
-    `roles` are the first nodes' disaggregation roles."""
+    `roles` are the first nodes' disaggregation roles, `node_keys` more keys of every node,
+    `tables` more TOML (tables of their own) at the end."""
     quoted = lambda value: msgspec.json.encode(value).decode()  # noqa: E731 (TOML spells these as JSON does)
     lines = ["[gateway]", f"listen = {quoted(f'{HOST}:{port}')}", f"metrics_listen = {quoted(f'{HOST}:{free_port()}')}"]
     lines += [f"{key} = {quoted(value)}" for key, value in gateway.items()]
@@ -249,9 +252,10 @@ def gateway_config(
         lines += [f"vllm_port = {node.port}", f"metrics_port = {node.metrics_port}"]
         if index < len(roles):
             lines.append(f"role = {quoted(roles[index])}")
+        lines += [f"{key} = {quoted(value)}" for key, value in (node_keys or {}).items()]
     lines += ["[routing]"] + [f"{key} = {quoted(value)}" for key, value in routing.items()]
     lines += ["[models]", f"default = {quoted(model)}", "[[models.available]]", f"name = {quoted(model)}"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + tables
 
 
 def start_gateway(
@@ -264,13 +268,18 @@ def start_gateway(
     routing: dict[str, object] | None = None,
     name: str = "interlock",
     roles: Sequence[str] = (),
+    node_keys: dict[str, object] | None = None,
+    tables: str = "",
+    workers: int = 1,
 ) -> Server:
-    """`interlock serve` for `nodes` (see `gateway_config`), ready once every node is healthy
-    and its models are known."""
+    """`interlock serve` for `nodes` (see `gateway_config`), with `workers` API processes, ready
+    once every node is healthy and its models are known."""
     port = free_port()
     config = folder / f"{name}.toml"
-    config.write_text(gateway_config(port, nodes, model, gateway, routing or {}, roles))
+    config.write_text(gateway_config(port, nodes, model, gateway, routing or {}, roles, node_keys, tables))
     argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
+    if workers > 1:
+        argv += ["--workers", str(workers)]
 
     def all_ready(status: int, body: bytes) -> bool:
         health = json.loads(body) if status == 200 else {}

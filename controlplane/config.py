@@ -193,6 +193,9 @@ def load_config(
     document, inline_key_hashes = _take_inline_api_keys(path, _read_toml(path))
     document = _match_field_names(document, msgspec.inspect.type_info(Config), "", report)
     document, duration_texts = _split_durations(path, document)
+    admission = document.get("admission")
+    if isinstance(admission, dict) and "queue" not in admission:
+        document["admission"] = {**admission, "queue": True}  # the table turns the queue on
     try:
         config = msgspec.convert(document, Config)
     except msgspec.ValidationError as exc:
@@ -443,6 +446,7 @@ def _validate(path: str, config: Config) -> Config:
     _check_adapters(invalid, config)
     _check_routing(invalid, config)
     _check_fleet(invalid, config.fleet)
+    _check_admission(invalid, config)
     gateway = replace(
         gateway,
         max_buffered_response_bytes=gateway.max_buffered_response_bytes
@@ -752,6 +756,41 @@ def _check_tenants(
 
 MAX_TENANT_NAME_LENGTH = 128
 """A tenant's or an objective's name labels metrics and fills decision records: bounded."""
+
+
+def _check_admission(invalid: Callable[[str, str], ConfigError], config: Config) -> None:
+    """The [admission] table's queue keys, then each node's `max_in_flight`, which only the queue reads."""
+    admission = config.admission
+    for index, node in enumerate(config.nodes):
+        if node.max_in_flight is None:
+            continue
+        key = f"nodes[{index}].max_in_flight"
+        if not admission.queue:
+            raise invalid(key, "max_in_flight needs the admission queue (an [admission] table without queue = false)")
+        if node.max_in_flight < 1:
+            raise invalid(key, f"max_in_flight must be at least 1 (got {node.max_in_flight})")
+    if admission.saturation_waiting < 1:
+        raise invalid(
+            "admission.saturation_waiting",
+            f"saturation_waiting must be at least 1 (got {admission.saturation_waiting})",
+        )
+    if not 0 < admission.saturation_kv_cache <= 1:
+        raise invalid(
+            "admission.saturation_kv_cache",
+            f"saturation_kv_cache must be a fraction above 0, at most 1 (got {admission.saturation_kv_cache})",
+        )
+    if admission.queue_size < 1:
+        raise invalid("admission.queue_size", f"queue_size must be at least 1 (got {admission.queue_size})")
+    if not 1 <= admission.tenant_queue_size <= admission.queue_size:
+        raise invalid(
+            "admission.tenant_queue_size",
+            f"tenant_queue_size must be 1 to queue_size ({admission.queue_size}) (got {admission.tenant_queue_size})",
+        )
+    if not (math.isfinite(admission.max_queue_seconds) and admission.max_queue_seconds >= 0):
+        raise invalid(
+            "admission.max_queue_seconds",
+            f"max_queue_seconds must be a finite number of seconds, 0 or more (got {admission.max_queue_seconds})",
+        )
 
 
 _FLEET_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

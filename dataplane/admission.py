@@ -20,6 +20,7 @@ import math
 import msgspec
 
 from controlplane.gocompat import format_go_seconds
+from dataplane.admission_queue import QUEUED, QueueOutcome
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.errors import Reply
 from dataplane.exchange import Exchange
@@ -45,7 +46,8 @@ class Ticket:
 
     __slots__ = (
         "tenant", "priority", "fairness_id", "verdict", "refused_by", "refused_state", "queued_ms",
-        "taken", "admitted", "tokens_reserved", "tokens_used", "tap", "headers", "_quota", "_metrics",
+        "saturated_seq", "taken", "admitted", "tokens_reserved", "tokens_used", "tap", "headers", "_quota",
+        "_metrics",
     )  # fmt: skip
 
     def __init__(self, tenant: TenantView, priority: int, fairness_id: str, quota: Quota, metrics: RequestMetrics):
@@ -56,6 +58,7 @@ class Ticket:
         self.refused_by = ""
         self.refused_state: LimitState | None = None
         self.queued_ms = 0.0
+        self.saturated_seq = 0
         self.taken: list[tuple[str, int]] = []
         self.admitted = False
         self.tokens_reserved = 0
@@ -67,6 +70,17 @@ class Ticket:
         self._quota = quota
         self._metrics = metrics
 
+    def queue_outcome(self, outcome: QueueOutcome) -> None:
+        """What the gateway's queue made of the request past its tenant's limits: queued for a
+        while, or refused (what the limits took is then given back, as for a limit's refusal)."""
+        self.queued_ms = round(outcome.queued_ms, 3)
+        self.saturated_seq = outcome.saturated_seq
+        if outcome.refused:
+            self.verdict = Verdict.REFUSED
+            self.refused_by = outcome.verdict
+        elif outcome.verdict == QUEUED:
+            self.verdict = Verdict.QUEUED
+
     def read_usage(self, body: bytes) -> None:
         """A complete answer's `usage`, when the tenant's tokens are counted."""
         if self.tenant.counts_tokens:
@@ -74,8 +88,9 @@ class Ticket:
 
     def end(self, status: int | None) -> None:
         """The request ended (`status` None: the client left first): what it took is settled. A
-        request that never got past admission gives everything back; an admitted one keeps its
-        request, gives back its in-flight slot, and settles its tokens to the node's `usage`
+        request that never got past admission (its limits, then the queue) gives everything back;
+        an admitted one keeps its request, gives back its in-flight slot, and settles its tokens
+        to the node's `usage`
         (without one: the reservation stands for a 2xx answer, and is given back otherwise)."""
         if self.tap is not None and self.tap.tokens is not None:
             self.tokens_used = self.tap.tokens
@@ -108,6 +123,7 @@ class Ticket:
             queued_ms=self.queued_ms,
             tokens_reserved=self.tokens_reserved,
             tokens_used=self.tokens_used,
+            saturated_seq=self.saturated_seq,
         )
 
 
@@ -135,7 +151,8 @@ class Admission:
         return Ticket(tenant, priority, fairness_id, self.quota, self._metrics)
 
     async def admit(self, ticket: Ticket, exchange: Exchange) -> Reply | None:
-        """Take what the request needs of its tenant's limits: None when admitted, else the 429.
+        """Take what the request needs of its tenant's limits: None when they let it through (to
+        the queue, then `counted`), else the 429.
         A token-counted stream is set up to read its usage (`ticket.tap`)."""
         tenant = ticket.tenant
         quota = self.quota
@@ -163,13 +180,12 @@ class Admission:
                 self._metrics.admission_refused(tenant.name, ticket.priority, limit)
                 return _refusal(ticket, limit, refused, exchange.request_id)
             ticket.taken.append((limit, amount))
-        ticket.admitted = True
         ticket.headers = self._rate_headers(tenant)
-        self._metrics.admission_admitted(tenant.name, ticket.priority)
         return None
 
     def counted(self, ticket: Ticket) -> None:
-        """An unlimited tenant's request, admitted without taking anything."""
+        """A request past its tenant's limits (an unlimited tenant's takes nothing) and the queue:
+        admitted, it keeps what it took."""
         ticket.admitted = True
         self._metrics.admission_admitted(ticket.tenant.name, ticket.priority)
 

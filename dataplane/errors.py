@@ -77,6 +77,19 @@ PREFILL_WITHOUT_KV_TRANSFER_PARAMS = ApiError(
 """Every prefill node tried answered without what the decode leg needs (no KV connector on it)."""
 STREAM_TERMINATED = ApiError(502, "stream terminated by upstream failure", "upstream_error")
 """Not a response: the error event that ends a stream the node cut short after commit."""
+QUEUE_IS_FULL = ApiError(
+    429, "too many requests waiting: every node is saturated and the gateway's queue is full", "rate_limit_exceeded",
+    "requests",
+)
+"""The admission queue (`dataplane.admission_queue`) is full, in all or for the tenant: OpenAI's shape
+of a rate limit, which the SDKs retry after `Retry-After`."""
+QUEUE_DEADLINE_PASSED = ApiError(
+    503, "every node is saturated: the request waited max_queue_seconds in the gateway's queue", "queue_timeout"
+)
+"""A request waited in the admission queue until its `max_queue_seconds`."""
+RETRY_AFTER = (b"retry-after", b"1")
+"""Sent with the queue's refusals (it changes as fast as requests end) and with a 503 for an
+adapter being loaded."""
 SHUTTING_DOWN = ApiError(503, "stream ended: the gateway is shutting down", "gateway_shutting_down")
 """Not a response: the error event that ends a stream still open when the shutdown grace ends."""
 

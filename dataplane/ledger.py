@@ -17,6 +17,7 @@ from controlplane.logs import JsonLog
 from controlplane.policies import Choice
 from controlplane.routing import DECODE, PREFILL, Route
 from dataplane.admission import Ticket
+from dataplane.admission_queue import AdmissionQueue
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS
@@ -39,7 +40,7 @@ COMPLETED, TRUNCATED, RETRIED, FAILED, CLIENT_GONE = (
 class Books:
     """Where every request's bookkeeping goes, one per process."""
 
-    __slots__ = ("control_plane", "metrics", "log", "balancer", "decisions")
+    __slots__ = ("control_plane", "metrics", "log", "balancer", "decisions", "queue")
 
     def __init__(
         self,
@@ -48,12 +49,15 @@ class Books:
         log: JsonLog,
         balancer: Balancer,
         decisions: DecisionRecorder | None,
+        queue: AdmissionQueue,
     ) -> None:
         self.control_plane = control_plane
         self.metrics = metrics
         self.log = log
         self.balancer = balancer
         self.decisions = decisions
+        self.queue = queue
+        """The admission queue, told when an attempt ends (a node may have room again)."""
 
 
 class Ledger:
@@ -159,7 +163,12 @@ class Ledger:
             log.error("client write failed after commit", node=ip, error=error)
             metrics.client_write_failure(self.metric_model)
         metrics.node_attempt_ended(ip)
+        queue = books.queue
+        if queue.waiting:
+            queue.note_scrape(ip)  # with the count the node's scrape may still show
         books.balancer.attempt_ended(ip)
+        if queue.waiting:
+            queue.freed()
         if self.leg:
             metrics.leg_attempt(self.leg, kind)
         if kind != CLIENT_GONE or outcome.committed:  # a client gone before commit is not counted (plinth)

@@ -19,6 +19,8 @@ from quart_trio import QuartTrio
 from dataplane.quart_apps import new_quart_app
 
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+QUEUE_BUCKETS = (*GO_DEFAULT_BUCKETS, 30.0, 60.0)
+"""Time in the admission queue: Go's buckets, and two for the longer `max_queue_seconds`."""
 
 
 class RequestMetrics:
@@ -109,7 +111,8 @@ class RequestMetrics:
         )
         self._refused = counter(
             "interlock_admission_refusals_total",
-            "Requests refused by a tenant's limit (requests, tokens, in_flight)",
+            "Requests refused, by tenant, priority and the limit that refused them (requests, tokens, in_flight; "
+            "queue_full: 429, queue_deadline: 503)",
             "tenant",
             "priority",
             "limit",
@@ -122,6 +125,27 @@ class RequestMetrics:
                 "Proxy attempts in progress by node (streams included until their last chunk)",
                 ["node"],
                 multiprocess_mode="livesum",
+                registry=registry,
+            )
+        )
+
+        # The admission queue (`dataplane.admission_queue`), by tenant and priority: configured
+        # names and priorities only, so bounded.
+        self._queue_length = _Children(
+            Gauge(
+                "interlock_admission_queue_length",
+                "Requests waiting in the gateway's admission queue, by tenant and priority",
+                ["tenant", "priority"],
+                multiprocess_mode="livesum",
+                registry=registry,
+            )
+        )
+        self._queue_seconds = _Children(
+            Histogram(
+                "interlock_admission_queue_seconds",
+                "Time requests waited in the admission queue (released, refused or gone), by tenant and priority",
+                ["tenant", "priority"],
+                buckets=QUEUE_BUCKETS,
                 registry=registry,
             )
         )
@@ -179,6 +203,13 @@ class RequestMetrics:
 
     def admission_refused(self, tenant: str, priority: int, limit: str) -> None:
         self._refused(tenant, priority, limit).inc()
+
+    def admission_queued(self, tenant: str, priority: int, change: int) -> None:
+        """A request joined the admission queue (1) or left it (-1)."""
+        self._queue_length(tenant, priority).inc(change)
+
+    def admission_waited(self, tenant: str, priority: int, seconds: float) -> None:
+        self._queue_seconds(tenant, priority).observe(seconds)
 
     def excluded(self, model: str, reason: str, count: int) -> None:
         """`count` nodes dropped by the model filter for `reason` (missing, empty or expired)."""

@@ -1,6 +1,8 @@
 """Forwarding a completion request to a node (plinth §4.3 steps 4-7).
 
-`Proxy.forward` takes a request (`Exchange`) once: it routes it (the model's `Route`, cached per
+`Proxy.forward` takes a request (`Exchange`) once: it admits it (its tenant's limits,
+`dataplane.admission`, then the gateway's queue while the model's pool is saturated,
+`dataplane.admission_queue`), routes it (the model's `Route`, cached per
 snapshot), reads the prompt prefix when the policy or the decision log needs it, opens the
 request's `Ledger`, and runs the attempt loop: pick a node among the candidates not yet tried
 and neither dead nor offline (`routing.pick_pool`, then the balancer under the model's policy),
@@ -33,12 +35,16 @@ from controlplane.policies import PREFIX_AFFINITY
 from controlplane.prefix import prompt_prefix
 from controlplane.routing import PREFILL, pick_pool
 from dataplane.admission import Admission, Ticket, UsageTap
+from dataplane.admission_queue import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.errors import (
     NO_HEALTHY_NODE,
     NO_REACHABLE_NODE,
     PREFILL_WITHOUT_KV_TRANSFER_PARAMS,
+    QUEUE_DEADLINE_PASSED,
+    QUEUE_IS_FULL,
+    RETRY_AFTER,
     SHUTTING_DOWN,
     STREAM_TERMINATED,
     UPSTREAM_ERROR,
@@ -61,6 +67,7 @@ from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
 from dataplane.metrics import RequestMetrics
 from dataplane.quota import LocalQuota, Quota
+from dataplane.views import SnapshotViews
 from events.state import NodeState
 from transport.http11 import ConnectFailed, HttpClient, LostBeforeResponse, WriteFailed
 from transport.http11 import Response as UpstreamResponse
@@ -73,8 +80,6 @@ FIRST_CHUNK_TIMEOUT = 10.0
 IDLE_CONNECTION_SECONDS = 90.0
 UNSERVED_WARNING_INTERVAL = 1.0
 """Seconds between two `no node serves requested model` warnings; those in between are counted."""
-RETRY_AFTER = (b"retry-after", b"1")
-"""A request for an adapter being loaded is answered 503 with this: the load takes seconds."""
 MAX_IDLE_CONNECTIONS_PER_NODE = 64
 """plinth keeps 4: with more requests in flight to a node than that, connections would be closed
 and dialled again all the time."""
@@ -117,6 +122,7 @@ class Proxy:
         decisions: DecisionRecorder | None = None,
         *,
         quota: Quota | None = None,
+        views: SnapshotViews | None = None,
         response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
         first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
     ) -> None:
@@ -126,7 +132,10 @@ class Proxy:
         self._log = log
         self._balancer = Balancer()
         self._prefill_balancer = Balancer(self._balancer.in_flight)
-        self._books = Books(control_plane, metrics, log, self._balancer, decisions)
+        self._views = views if views is not None else SnapshotViews(control_plane)
+        """The current snapshot's view, for a request that waited in the admission queue."""
+        self._queue = AdmissionQueue(control_plane, self._views, self._balancer.in_flight, metrics)
+        self._books = Books(control_plane, metrics, log, self._balancer, decisions, self._queue)
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
@@ -149,16 +158,18 @@ class Proxy:
             refused = None
             if ticket.tenant.limited:
                 refused = await self._admission.admit(ticket, exchange)
-            else:
-                self._admission.counted(ticket)
+                if refused is not None:
+                    ledger.request_ended(refused.status)
+            if refused is None and exchange.view.config.admission.queue and ledger.route.candidates:
+                admitted = await self._admit(exchange, ledger)
+                if isinstance(admitted, Reply):
+                    refused = admitted
+                else:
+                    ledger = admitted
             if refused is not None:
-                ledger.request_ended(refused.status)
                 reply = refused
             else:
-                # The gateway's queue goes here (issue 22, item 3): once the tenant's limits have
-                # admitted the request, it waits its turn while the model's pool is saturated:
-                #   await self._admit(ticket.tenant.name, ticket.priority, ticket.fairness_id,
-                #                     ticket.tenant.max_queue_seconds)
+                self._admission.counted(ticket)
                 reply = await self._route(exchange, ledger)
         except trio.Cancelled:
             ledger.client_left()
@@ -168,6 +179,7 @@ class Proxy:
         return reply
 
     def _open_ledger(self, exchange: Exchange, ticket: Ticket) -> Ledger:
+        """The request's ledger on its snapshot: its route, policy and prompt prefix."""
         view = exchange.view
         config = view.config
         route = view.route(exchange.model)
@@ -178,6 +190,34 @@ class Proxy:
             else ""
         )
         return Ledger(self._books, exchange, route, policy, prefix, ticket)
+
+    async def _admit(self, exchange: Exchange, ledger: Ledger) -> Ledger | Reply:
+        """The gateway's queue, once the tenant's limits let the request through: at once while
+        the model's pool has room, else after waiting (`dataplane.admission_queue`), until the
+        tenant's `max_queue_seconds` (else `[admission]`'s); or its refusal. A request that
+        waited is routed on the snapshot of now (a new ledger), as if it had just arrived."""
+        ticket = ledger.ticket
+        tenant = ticket.tenant
+        view = exchange.view
+        deadline = tenant.max_queue_seconds
+        if deadline is None:
+            deadline = view.config.admission.max_queue_seconds
+        arrived = trio.current_time()
+        try:
+            outcome = await self._queue.admit(
+                view, exchange.model, tenant.name, ticket.priority, ticket.fairness_id, deadline
+            )
+        except trio.Cancelled:  # the client left the queue: the record says how long it waited
+            ticket.queue_outcome(QueueOutcome(QUEUED, 1000 * (trio.current_time() - arrived), view.snapshot.seq))
+            raise
+        ticket.queue_outcome(outcome)
+        if outcome.refused:
+            refusal = QUEUE_IS_FULL if outcome.verdict == QUEUE_FULL else QUEUE_DEADLINE_PASSED
+            return self._error(ledger, refusal, RETRY_AFTER)
+        if outcome.verdict == QUEUED and (current := self._views.current()) is not view:
+            exchange.view = current
+            return self._open_ledger(exchange, ticket)
+        return ledger
 
     async def _route(self, exchange: Exchange, ledger: Ledger) -> Reply:
         """The attempt loop over the route's candidates (a disaggregated request's two legs)."""

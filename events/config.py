@@ -185,6 +185,9 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     client_certificate: str = ""
     client_key: str = ""
     """https: the certificate (PEM chain) and key the gateway shows the node (mutual TLS); both or neither."""
+    max_in_flight: int | None = None
+    """The admission queue: the node counts as saturated while this gateway process has this many
+    requests in flight to it (`AdmissionConfig`); None = no such bound. Needs the queue on."""
 
 
 ROLES = ("both", "prefill", "decode")
@@ -260,11 +263,20 @@ class TenantConfig(Struct, frozen=True, kw_only=True):
     """Prompt plus completion tokens, as the node reports them in `usage`."""
     max_in_flight: int | None = None
     max_queue_seconds: float | None = None
-    """How long a request of the tenant may wait in the gateway's queue (a Go duration in the file)."""
+    """Seconds a request of the tenant may wait in the gateway's queue (None: `[admission]`'s
+    `max_queue_seconds`)."""
+
+
+DEFAULT_SATURATION_WAITING = 5
+DEFAULT_SATURATION_KV_CACHE = 0.8
+DEFAULT_QUEUE_SIZE = 1024
+DEFAULT_TENANT_QUEUE_SIZE = 256
+DEFAULT_MAX_QUEUE_SECONDS = 30.0
 
 
 class AdmissionConfig(Struct, frozen=True, kw_only=True):
-    """`[admission]`: how requests are admitted."""
+    """`[admission]`: how requests are admitted. Tenants' limits (`[[tenants]]`) hold whether
+    or not the table is there; the queue (`dataplane.admission_queue`) runs only when `queue`."""
 
     objectives: dict[str, int] = {}
     """Named priorities that llm-d's `x-gateway-inference-objective` header may ask for (a
@@ -272,6 +284,22 @@ class AdmissionConfig(Struct, frozen=True, kw_only=True):
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     """Tokens reserved for a completion whose body names no `max_tokens` (a tenant with a
     token limit)."""
+    queue: bool = False
+    """While every node that could serve a model is saturated, its requests wait in the gateway
+    (`dataplane.admission_queue`), not in the nodes' own queues. The loader makes it true when
+    the file has an `[admission]` table that does not set it (`queue = false` keeps the table's
+    other keys without the queue)."""
+    saturation_waiting: int = DEFAULT_SATURATION_WAITING
+    """A node is saturated while its scraped `vllm:num_requests_waiting` is at least this…"""
+    saturation_kv_cache: float = DEFAULT_SATURATION_KV_CACHE
+    """…or its scraped KV-cache usage (0 to 1) at least this (or `NodeConfig.max_in_flight` is reached)."""
+    queue_size: int = DEFAULT_QUEUE_SIZE
+    """Requests that may wait in one gateway process's queue, all tenants together; more get a 429."""
+    tenant_queue_size: int = DEFAULT_TENANT_QUEUE_SIZE
+    """Requests of one tenant that may wait in one process's queue; more get a 429."""
+    max_queue_seconds: float = DEFAULT_MAX_QUEUE_SECONDS
+    """Seconds a request may wait in the queue (a tenant's `max_queue_seconds` overrides it), then
+    a 503 with Retry-After (0: never waits)."""
 
 
 class Config(Struct, frozen=True, kw_only=True):
@@ -312,12 +340,14 @@ class Config(Struct, frozen=True, kw_only=True):
         return self.routing.policy
 
     def load_scrape_interval(self) -> float:
-        """Seconds between load scrapes of each node; 0 = none (see `RoutingConfig`)."""
+        """Seconds between load scrapes of each node; 0 = none (see `RoutingConfig`). Admission
+        reads load as the load-aware policies do."""
         interval = self.routing.load_scrape_interval
         if interval is not None:
             return interval
         policies = {self.routing.policy, *(model.policy for model in self.models.available if model.policy)}
-        return DEFAULT_LOAD_SCRAPE_INTERVAL if policies != {POLICIES[0]} else 0.0
+        reads_load = policies != {POLICIES[0]} or self.admission.queue
+        return DEFAULT_LOAD_SCRAPE_INTERVAL if reads_load else 0.0
 
     def upstream_key_files(self) -> dict[str, str]:
         """The key file of each node that has one (its own, else the cluster-wide one), by IP."""

@@ -100,18 +100,23 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """llm-d's `x-gateway-inference-fairness-id` (clipped), "" when absent."""
     verdict: Verdict = Verdict.ADMITTED
     refused_by: str = ""
-    """The limit that refused it (`requests`, `tokens`, `in_flight`), "" when admitted."""
+    """What refused it: a limit (`requests`, `tokens`, `in_flight`: 429), or the queue
+    (`queue_full`: 429, `queue_deadline`: it waited its `max_queue_seconds`, 503); "" when admitted."""
     limit: int | None = None
     remaining: int | None = None
     reset: float | None = None
     """The refusing limit's state: the limit, what was left, seconds until it is whole again."""
     queued_ms: float = 0.0
-    """Milliseconds it waited in the gateway's queue."""
+    """Milliseconds it waited in the gateway's queue (a client that went away meanwhile: until then)."""
     tokens_reserved: int = 0
     """Tokens taken from the tenant's `tokens_per_minute` at admission (its `max_tokens`, or the
     default, plus its prompt's estimate); 0 when the tenant has no token limit."""
     tokens_used: int | None = None
     """The tokens the node reported (`usage`: prompt plus completion), when it reported them."""
+    saturated_seq: int = 0
+    """The seq of the snapshot on which every node of its pool was saturated when it reached the
+    queue (`controlplane.saturation`; 0: it was not, or the queue is off); `explain` derives the
+    nodes' saturation again from the state at that seq."""
 
 
 class Decision(msgspec.Struct, frozen=True):

@@ -54,7 +54,7 @@ from events.config import (
 )
 from events.decisions import Decision, find_decisions, missing_inputs, read_decisions_with_gaps
 from interlock.describe import describe_config
-from interlock.explain_request import render_causes, render_request, request_to_builtins
+from interlock.explain_request import render_causes, render_request, render_saturation, request_to_builtins
 from interlock.reconfigured import (
     HEALTH_KEYS,
     NOT_RECORDED_NOTE,
@@ -325,7 +325,12 @@ def _explain_request(args: argparse.Namespace) -> int:
     elif result is None:
         print(render_request(decision, earlier))
     else:
-        print(render_request(decision, earlier) + "\n\n" + render_causes(decision, result))
+        text = render_request(decision, earlier) + "\n\n" + render_causes(decision, result)
+        if decision.admission is not None and decision.admission.saturated_seq:
+            # The pool as admission saw it when the request arrived: the log up to that seq.
+            saturated = _replay(args, until_seq=decision.admission.saturated_seq)
+            text += "\n\n" + render_saturation(decision, saturated)
+        print(text)
     return EXIT_OK
 
 

@@ -33,7 +33,8 @@ def describe_config(config: Config) -> str:
     ]
     for node in config.nodes:
         ring = f"ring {node.ring}" if node.ring else "standalone"
-        lines.append(f"  {node.name or '(unnamed)'}  {node.ip}:{node.vllm_port}  {ring}")
+        limit = f"  at most {node.max_in_flight} in flight" if node.max_in_flight is not None else ""
+        lines.append(f"  {node.name or '(unnamed)'}  {node.ip}:{node.vllm_port}  {ring}{limit}")
     default_model = config.models.default or "(none)"
     lines.append(f"models ({len(config.models.available)}), default {default_model}:")
     for model in config.models.available:
@@ -44,6 +45,7 @@ def describe_config(config: Config) -> str:
         policy = f"  policy {model.policy}" if model.policy else ""
         lines.append(f"  {model.name}  {ring}{policy}")
     lines.append(_describe_routing(config))
+    lines.append(_describe_admission(config))
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
         lines.append(f"{what}: {_describe_log(gateway, key)}")
     if gateway.api_key_hashes:
@@ -94,12 +96,25 @@ def _describe_routing(config: Config) -> str:
     interval = config.load_scrape_interval()
     scraped = f"every {format_go_seconds(interval)}" if interval else "never"
     if routing.load_scrape_interval is None:
-        scraped += " (load_scrape_interval unset: the default for these policies)"
+        scraped += " (load_scrape_interval unset: the default for these policies and the admission queue)"
     text = f"routing: {routing.policy}; node load scraped {scraped}"
     if "prefix_affinity" in {routing.policy, *(model.policy for model in config.models.available)}:
         messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
         text += f"; prefix: {messages}, up to {routing.prefix_bytes} bytes; load bound {routing.load_bound:g}"
     return text
+
+
+def _describe_admission(config: Config) -> str:
+    """When requests wait in the gateway's queue, and how many may, as `check-config` shows it."""
+    admission = config.admission
+    if not admission.queue:
+        return "admission queue: off (no [admission] table, or queue = false: every request goes to a node at once)"
+    return (
+        f"admission queue: requests queue while every node of a model has {admission.saturation_waiting} or more"
+        f" waiting, KV cache {admission.saturation_kv_cache:g} or more used, or its max_in_flight reached;"
+        f" up to {admission.queue_size} queued ({admission.tenant_queue_size} per tenant),"
+        f" each for at most {admission.max_queue_seconds:g} s"
+    )
 
 
 def _size_text(size: int) -> str:

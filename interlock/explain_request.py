@@ -16,8 +16,10 @@ import msgspec
 
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit
-from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE
+from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
+from controlplane.saturation import scraped_reason
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
+from dataplane.admission_queue import QUEUE_DEADLINE, QUEUE_FULL
 from dataplane.errors import model_not_found
 from events.decisions import Admission, AttemptOutcome, AttemptRecord, CandidateScore, Decision, Verdict
 from events.state import NodeState
@@ -140,7 +142,10 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
     if admission is None:
         return []
     tenant = admission.tenant + (f" (fairness id {admission.fairness_id})" if admission.fairness_id else "")
-    if admission.verdict == Verdict.REFUSED:
+    if admission.refused_by in (QUEUE_FULL, QUEUE_DEADLINE):
+        waited = f" after {admission.queued_ms:.1f} ms" if admission.queued_ms else ""
+        verdict = f"refused by the queue ({admission.refused_by.replace('_', ' ')}){waited}"
+    elif admission.verdict == Verdict.REFUSED:
         verdict = (
             f"refused by {admission.refused_by.replace('_', ' ')}: limit {_or_dash(admission.limit)}, "
             f"{_or_dash(admission.remaining)} left"
@@ -148,14 +153,45 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
         if admission.reset:  # a per-minute limit (in-flight slots come back as requests end)
             verdict += f", whole again in {admission.reset:g} s"
     elif admission.verdict == Verdict.QUEUED:
-        verdict = f"queued for {admission.queued_ms:.0f} ms"
+        verdict = f"queued {admission.queued_ms:.1f} ms"
     else:
         verdict = "admitted at once"
+    if admission.saturated_seq:
+        verdict += f", pool saturated at seq {admission.saturated_seq}"
     rows = [["tenant", tenant], ["priority", str(admission.priority)], ["admission", verdict]]
     if admission.tokens_reserved:
         used = "not reported" if admission.tokens_used is None else str(admission.tokens_used)
         rows.append(["tokens", f"{admission.tokens_reserved} reserved, {used} used"])
     return rows
+
+
+def render_saturation(decision: Decision, result: ReplayResult) -> str:
+    """Why the request's pool was saturated: each node a pick would have chosen from, in the
+    state at the record's `saturated_seq` (`result`: the event log replayed up to it), with
+    `controlplane.saturation`'s reason. This process's in-flight counts are not in the log: a
+    node saturated only by its `max_in_flight` shows that bound."""
+    state = result.state
+    seq = decision.admission.saturated_seq
+    lines = [f"pool saturated at seq {seq} ({format_timestamp(state.at)}), replayed from the event log"]
+    admission = state.config.admission if state.config is not None else None
+    if admission is None or not admission.queue:
+        return "\n".join(lines + ["the config in force then has the admission queue off"])
+    limits = {node.ip: node.max_in_flight for node in state.config.nodes}
+    rows = []
+    for node in pick_pool(Route(state, decision.model).candidates, decision.at):
+        load = node.load
+        reason = scraped_reason(node, admission)
+        if not reason:
+            limit = limits.get(node.ip)
+            reason = (
+                f"not by its scrape: by max_in_flight {limit}, if this process had as many in flight (not in the log)"
+                if limit
+                else "no"
+            )
+        waiting = _number(load.waiting) if load.known else "-"
+        usage = _number(load.kv_cache_usage) if load.known else "-"
+        rows.append([node.ip, node.name or "-", waiting, usage, reason])
+    return "\n".join(lines + format_table(["NODE", "NAME", "WAITING", "KV CACHE", "SATURATED"], rows))
 
 
 def _attempts_table(heading: str, attempts: tuple[AttemptRecord, ...]) -> list[str]:

@@ -155,6 +155,7 @@ async def api_application(
     follower), with its connections to the nodes, open until the block ends. `quota`: where
     tenants' quota is taken (a worker's leases; by default this process holds it)."""
     async with new_upstream_pool() as upstream_pool:
+        views = SnapshotViews(control_plane)
         proxy = Proxy(
             control_plane,
             upstream_pool,
@@ -162,10 +163,11 @@ async def api_application(
             log,
             decisions,
             quota=quota,
+            views=views,
             response_header_timeout=response_header_timeout,
             first_chunk_timeout=first_chunk_timeout,
         )
-        yield ApiApp(control_plane, proxy, SnapshotViews(control_plane), worker)
+        yield ApiApp(control_plane, proxy, views, worker)
 
 
 async def _run(

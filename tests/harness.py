@@ -389,6 +389,20 @@ async def serve_process(config_path: Path, **popen: object) -> AsyncIterator[Ser
 # --- requests and answers ----------------------------------------------------------------------
 
 
+def tenants_toml(*tables: dict[str, object]) -> str:
+    """`[[tenants]]` tables as TOML (for `config_text`'s `extra`)."""
+    return "".join(_table_toml("[[tenants]]", table) for table in tables)
+
+
+def admission_toml(**keys: object) -> str:
+    """An `[admission]` table as TOML (the table turns the gateway's queue on)."""
+    return _table_toml("[admission]", keys)
+
+
+def _table_toml(header: str, table: dict[str, object]) -> str:
+    return "\n".join([header, *(f"{key} = {_toml(value)}" for key, value in table.items())]) + "\n"
+
+
 def completions_to(node: SimulatedNode) -> list:
     """The completion requests `node` received (probes left out)."""
     return [request for request in node.requests if request.path.startswith("/v1/") and request.method == "POST"]

@@ -33,19 +33,11 @@ from harness import (
     nodes_and_gateway,
     serve_process,
     sse_events,
+    tenants_toml,
     write_config,
 )
 
 HI = [{"role": "user", "content": "hi"}]
-
-
-def tenants(*tables: dict[str, object]) -> str:
-    """`[[tenants]]` tables as TOML."""
-    lines = []
-    for table in tables:
-        lines.append("[[tenants]]")
-        lines += [f"{key} = {json.dumps(value)}" for key, value in table.items()]
-    return "\n".join(lines) + "\n"
 
 
 def sdk(gateway: Gateway, key: str) -> openai.AsyncOpenAI:
@@ -64,7 +56,7 @@ async def records_for(gateway: Gateway, decisions: Path, count: int) -> list:
 
 async def test_requests_per_minute_through_the_sdk(tmp_path):
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants(
+    extra = tenants_toml(
         {"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2, "priority": 3},
         {"name": "team-b", "api_keys": ["key-b"]},
     )
@@ -112,7 +104,7 @@ async def test_tokens_are_reserved_then_settled_to_the_usage_the_node_reports(tm
     """Not streamed: the reservation (max_tokens plus the prompt's estimate) is settled to the
     answer's usage; the tokens counted are what the nodes reported."""
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
     extra += "[admission]\ndefault_max_tokens = 300\n"
     specs = node_specs(1, tokens=5)
     async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as (_, gateway):
@@ -136,7 +128,7 @@ async def test_tokens_are_reserved_then_settled_to_the_usage_the_node_reports(tm
 async def test_a_token_limit_refuses_once_spent_and_says_so(tmp_path):
     """A request is admitted while any tokens are left; the node's usage beyond the minute's
     limit is owed, and refuses the next until it has refilled."""
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 30})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 30})
     async with nodes_and_gateway(tmp_path, node_specs(1, tokens=40), extra=extra) as (_, gateway):
         async with sdk(gateway, "key-a") as a:
             await a.chat.completions.create(model=MODEL, messages=HI)
@@ -152,7 +144,7 @@ async def test_a_stream_asks_the_node_for_usage_and_the_client_does_not_see_it(t
     """The client did not ask for usage: the node is asked, its usage chunk is settled and left
     out of the client's stream, every other event unchanged."""
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
     specs = node_specs(1, tokens=4)
     async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as ([node], gateway):
         body = {"model": MODEL, "messages": HI, "stream": True, "temperature": 0.5}
@@ -173,7 +165,7 @@ async def test_a_stream_asks_the_node_for_usage_and_the_client_does_not_see_it(t
 
 async def test_a_stream_whose_client_asked_for_usage_gets_it(tmp_path):
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
     async with nodes_and_gateway(
         tmp_path, node_specs(1, tokens=4), extra=extra, decision_log=str(decisions)
     ) as ([node], gateway):
@@ -201,7 +193,7 @@ async def test_an_unlimited_tenants_stream_is_left_alone(tmp_path):
 
 async def test_requests_in_flight(tmp_path):
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "max_in_flight": 1})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "max_in_flight": 1})
     specs = node_specs(1, tokens=100, tpot=0.02)
     async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as (_, gateway):
         async with sdk(gateway, "key-a") as a:
@@ -221,7 +213,7 @@ async def test_requests_in_flight(tmp_path):
 
 async def test_priority_follows_the_objective_header_down_never_up(tmp_path):
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "priority": 5})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "priority": 5})
     extra += "[admission]\nobjectives = { batch = 1, critical = 9 }\n"
     async with nodes_and_gateway(
         tmp_path, node_specs(1), extra=extra, decision_log=str(decisions)
@@ -246,7 +238,7 @@ async def test_priority_follows_the_objective_header_down_never_up(tmp_path):
 
 async def test_without_keys_every_request_is_the_default_tenant_whose_limits_apply(tmp_path):
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "default", "requests_per_minute": 1})
+    extra = tenants_toml({"name": "default", "requests_per_minute": 1})
     async with nodes_and_gateway(
         tmp_path, node_specs(1), extra=extra, decision_log=str(decisions)
     ) as (_, gateway):
@@ -261,7 +253,7 @@ async def test_without_keys_every_request_is_the_default_tenant_whose_limits_app
 
 async def test_gateway_keys_are_a_tenant_without_limits(tmp_path):
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1})
     async with nodes_and_gateway(
         tmp_path, node_specs(1), extra=extra, api_keys=["old-key"], decision_log=str(decisions)
     ) as (_, gateway):
@@ -276,7 +268,7 @@ async def test_gateway_keys_are_a_tenant_without_limits(tmp_path):
 
 
 async def test_a_reload_changes_limits_without_resetting_what_was_used(tmp_path):
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2})
     async with nodes_and_gateway(tmp_path, node_specs(1), extra=extra) as (nodes, gateway):
         async with sdk(gateway, "key-a") as a:
             await a.chat.completions.create(model=MODEL, messages=HI)
@@ -300,7 +292,7 @@ async def test_limits_hold_for_the_host_across_two_workers(tmp_path):
     refilled meanwhile), not the limit each."""
     decisions = tmp_path / "decisions.jsonl"
     limit = 20
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": limit})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": limit})
     async with nodes_and_gateway(
         tmp_path, node_specs(1), extra=extra, workers=2, decision_log=str(decisions)
     ) as (_, gateway):
@@ -334,7 +326,7 @@ async def test_explain_and_whatif_tell_who_was_limited(tmp_path, capsys):
     """`explain --request-id` prints a refused request's admission; `whatif --tenants` replays
     the records under other limits (open-loop)."""
     decisions = tmp_path / "decisions.jsonl"
-    extra = tenants(
+    extra = tenants_toml(
         {"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 2, "priority": 2},
         {"name": "team-b", "api_keys": ["key-b"]},
     )
@@ -356,7 +348,7 @@ async def test_explain_and_whatif_tell_who_was_limited(tmp_path, capsys):
 
     other = tmp_path / "other.toml"
     other.write_text(
-        tenants(
+        tenants_toml(
             {"name": "team-a", "requests_per_minute": 5},
             {"name": "team-b", "max_in_flight": 1, "requests_per_minute": 1},
         )
@@ -397,7 +389,7 @@ async def test_explain_and_whatif_tell_who_was_limited(tmp_path, capsys):
 )
 def test_bad_tenants_are_refused_naming_the_key(tmp_path, tables, key, message):
     path = tmp_path / "gateway.toml"
-    path.write_text('[[nodes]]\nip = "10.0.0.1"\n' + tenants(*tables))
+    path.write_text('[[nodes]]\nip = "10.0.0.1"\n' + tenants_toml(*tables))
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert refused.value.key == key and message in refused.value.message
@@ -406,7 +398,7 @@ def test_bad_tenants_are_refused_naming_the_key(tmp_path, tables, key, message):
 def test_a_gateway_key_in_a_tenant_is_refused(tmp_path):
     path = tmp_path / "gateway.toml"
     gateway_keys = '[gateway]\napi_keys = ["k"]\n[[nodes]]\nip = "10.0.0.1"\n'
-    path.write_text(gateway_keys + tenants({"name": "a", "api_keys": ["k"]}))
+    path.write_text(gateway_keys + tenants_toml({"name": "a", "api_keys": ["k"]}))
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert refused.value.message.endswith("is also a key of [gateway]: a key belongs to one tenant")
@@ -432,11 +424,11 @@ def test_the_usage_tap_reads_usage_however_the_stream_is_cut(cuts, strip):
     assert out == (body.replace(CHUNKS[2], b"") if strip else body)
 
 
-def test_check_config_shows_tenants(tmp_path):
+def test_check_config_shows_tenants_toml(tmp_path):
     path = tmp_path / "gateway.toml"
     path.write_text(
         '[[nodes]]\nip = "10.0.0.1"\n'
-        + tenants({"name": "a", "api_keys": ["k"], "priority": 2, "requests_per_minute": 10, "max_in_flight": 3})
+        + tenants_toml({"name": "a", "api_keys": ["k"], "priority": 2, "requests_per_minute": 10, "max_in_flight": 3})
         + "[admission]\nobjectives = { batch = 1 }\n"
     )
     summary = describe_config(load_config(path))
@@ -451,7 +443,7 @@ async def test_a_client_that_leaves_while_its_worker_waits_for_a_lease_gets_a_re
     port, metrics_port = free_port(), free_port()
     decisions = tmp_path / "decisions.jsonl"
     # One request a minute, a lease of one: once the first is served, no worker holds any.
-    extra = tenants({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1})
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "requests_per_minute": 1})
     body = {"model": MODEL, "messages": HI}
     async with serve_nodes(node_specs(1)) as nodes:
         config = write_config(tmp_path, nodes, workers=2, decision_log=str(decisions), extra=extra)

@@ -37,10 +37,10 @@ def upstream(processes) -> Server:
     return start_upstream(processes, cores=None)
 
 
-def run_bench(module: str, *argv: str) -> subprocess.CompletedProcess:
+def run_bench(module: str, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m module argv…` from the checkout, which must succeed; its output as text."""
     completed = subprocess.run(
-        [sys.executable, "-m", module, *argv], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", module, *argv], cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=timeout
     )
     assert completed.returncode == 0, completed.stderr
     return completed
@@ -228,3 +228,22 @@ def test_the_call_count_measures_cpu_time_instead_without_the_profiler(tmp_path)
     result = json.loads(out.read_text())
     assert (result["per_small_request"]["units"], result["per_paced_chunk"]["units"]) == (30, 10)
     assert result["per_small_request"]["cpu_us_per_unit"] >= 0 and "own_per_unit" not in result["per_small_request"]
+
+
+def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
+    completed = run_bench(
+        "bench.admission", "--duration", "2", "--idle-duration", "1", "--grace", "3", "--token-window", "1",
+        "--out", str(tmp_path), timeout=180,
+    )  # fmt: skip
+    [path] = tmp_path.iterdir()
+    results = json.loads(path.read_text())
+    runs = {run["run"]: run["tenants"] for run in results["runs"]}
+    assert list(runs) == ["idle", "no admission", "admission, equal priorities", "admission, B above A"]
+    assert runs["idle"]["B"]["completed"] == runs["idle"]["B"]["requests"] > 0
+    for name, tenants in runs.items():
+        if name.startswith("admission"):
+            # With admission the flooding tenant hears only from the gateway, never of a node's failure.
+            assert tenants["A"]["node_error"] == 0 and tenants["A"]["completed"] > 0
+    assert results["token_run"]["window_opened_at_seconds"] is not None  # the limit refused, then the window
+    verdicts = {target["verdict"] for target in results["targets"]}
+    assert verdicts <= {"PASS", "MISS"} and "admission" in completed.stdout

@@ -17,6 +17,7 @@ from events.config import (
     DEFAULT_LOAD_SCRAPE_INTERVAL,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    AdmissionConfig,
     Config,
     FleetConfig,
     GatewayConfig,
@@ -671,6 +672,7 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "ca_file": "",
         "client_certificate": "",
         "client_key": "",
+        "max_in_flight": None,
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
@@ -986,3 +988,54 @@ def test_an_unknown_fleet_key_is_reported(tmp_path: Path) -> None:
     path = write_config(tmp_path, ONE_NODE + '[fleet]\nnats = ["nats://a:1"]\nleases = "3s"\n')
     load_config(path, warn=unknown.append)
     assert [(item.key, item.closest) for item in unknown] == [("fleet.leases", "fleet.lease")]
+
+
+def test_without_an_admission_table_the_queue_is_off(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE)
+    assert config.admission == AdmissionConfig(queue=False)
+    assert config.load_scrape_interval() == 0  # round robin reads no load
+    assert "admission queue: off" in describe_config(config)
+
+
+def test_admission_defaults_and_node_limits(tmp_path: Path) -> None:
+    text = ONE_NODE + "max_in_flight = 4\n[admission]\n"
+    config = load_text(tmp_path, text)
+    assert config.admission == AdmissionConfig(queue=True)
+    assert config.nodes[0].max_in_flight == 4
+    assert config.load_scrape_interval() > 0  # admission reads the nodes' load
+    summary = describe_config(config)
+    assert "admission queue: requests queue while every node of a model has 5 or more waiting" in summary
+    assert "at most 4 in flight" in summary
+
+
+@pytest.mark.parametrize(
+    ("lines", "key", "message"),
+    [
+        ("saturation_waiting = 0", "admission.saturation_waiting", "saturation_waiting must be at least 1 (got 0)"),
+        ("saturation_kv_cache = 1.5", "admission.saturation_kv_cache", "must be a fraction above 0, at most 1"),
+        ("queue_size = 0", "admission.queue_size", "queue_size must be at least 1"),
+        ("queue_size = 5\ntenant_queue_size = 6", "admission.tenant_queue_size", "tenant_queue_size must be 1 to"),
+        ("max_queue_seconds = -1", "admission.max_queue_seconds", "max_queue_seconds must be a finite number"),
+        ('max_queue_seconds = "5s"', "admission.max_queue_seconds", "Expected `float`, got `str`"),
+    ],
+)
+def test_admission_errors_name_the_key(tmp_path: Path, lines: str, key: str, message: str) -> None:
+    error = load_error(tmp_path, ONE_NODE + "[admission]\n" + lines + "\n")
+    assert error.key == key
+    assert message in error.message
+
+
+def test_an_admission_table_with_queue_false_keeps_its_other_keys_without_the_queue(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE + "[admission]\nqueue = false\ndefault_max_tokens = 64\n")
+    assert config.admission == AdmissionConfig(queue=False, default_max_tokens=64)
+    assert config.load_scrape_interval() == 0
+
+
+def test_max_in_flight_needs_admission_and_a_positive_count(tmp_path: Path) -> None:
+    error = load_error(tmp_path, ONE_NODE + "max_in_flight = 2\n")
+    assert error.key == "nodes[0].max_in_flight"
+    assert "needs the admission queue" in error.message
+    error = load_error(tmp_path, ONE_NODE + "max_in_flight = 2\n[admission]\nqueue = false\n")
+    assert "needs the admission queue" in error.message
+    error = load_error(tmp_path, ONE_NODE + "max_in_flight = 0\n[admission]\n")
+    assert (error.key, error.message) == ("nodes[0].max_in_flight", "max_in_flight must be at least 1 (got 0)")

@@ -1,0 +1,65 @@
+"""Saturation: whether every node that could serve a model is too busy for another request, so
+that admission holds the request in the gateway (`dataplane.admission_queue`) instead of in a node's
+own queue, where the gateway can neither reorder nor cancel it.
+
+A node is saturated when its last scrape says so (`[admission] saturation_waiting` requests
+waiting, or `saturation_kv_cache` of its KV cache used), or when this gateway process has its
+`[[nodes]] max_in_flight` requests in flight to it. A pure function of the snapshot and the
+in-flight counts: the data plane asks it for every request, and `interlock explain` asks the
+scrape's part again of the state at the seq a record names (in-flight counts are not recorded).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from events.config import AdmissionConfig
+from events.state import NodeState
+
+
+def scraped_reason(node: NodeState, admission: AdmissionConfig) -> str:
+    """Why `node`'s last scrape says it is saturated, "" when it does not (or its load is unknown)."""
+    load = node.load
+    if not load.known:
+        return ""
+    if load.waiting >= admission.saturation_waiting:
+        return f"{load.waiting:g} waiting >= saturation_waiting {admission.saturation_waiting}"
+    usage = load.kv_cache_usage
+    if usage is not None and usage >= admission.saturation_kv_cache:
+        return f"KV cache {usage:.2f} >= saturation_kv_cache {admission.saturation_kv_cache:g}"
+    return ""
+
+
+def free_places(
+    nodes: Iterable[NodeState],
+    admission: AdmissionConfig,
+    max_in_flight: Mapping[str, int],
+    in_flight: Mapping[str, int],
+    in_flight_at_scrape: Mapping[str, int],
+) -> float:
+    """How many more requests `nodes` (a model's pick pool) take before every one is saturated:
+    0 when all are; inf when one is not and has no `max_in_flight`.
+
+    A scrape is older than the requests that ended since: each request of this process that
+    ended on a node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the
+    count now) gives back a place the scrape still shows taken, one waiting request or the KV
+    cache of one. Without that, a node whose batch empties would stay saturated, and idle,
+    until its next scrape."""
+    places = 0.0
+    for node in nodes:
+        count = in_flight.get(node.ip, 0)
+        limit = max_in_flight.get(node.ip)
+        room = math.inf if limit is None else limit - count
+        if scraped_reason(node, admission):
+            ended = max(0, in_flight_at_scrape.get(node.ip, count) - count)
+            room = min(room, ended)
+            excess_waiting = node.load.waiting - ended - admission.saturation_waiting
+            if excess_waiting >= 0:
+                room = 0
+            elif node.load.waiting >= admission.saturation_waiting:
+                room = min(room, -excess_waiting)
+        if room == math.inf:
+            return room
+        places += max(0, room)
+    return places

@@ -1,0 +1,298 @@
+"""The admission queue: while every node that could serve a model is saturated
+(`controlplane.saturation`), its requests wait here, in the gateway, where they can be ordered,
+bounded and cancelled, rather than in a node's own queue.
+
+One queue per process (workers each have theirs, as they have their in-flight counts), one line
+per model. A waiting request is released when its model's pool has room again: when an attempt
+ends (`AdmissionQueue.freed`, from the ledger) or when the control plane's snapshot changes (a
+new load scrape; a watcher task looks every SNAPSHOT_POLL_SECONDS while anything waits). The
+next request released is the one of the highest priority; within a priority, tenants take turns
+(round robin), so a tenant with many waiting requests does not starve one with few; within a
+tenant, its fairness ids take turns; within one of those, first come first served.
+
+A request waits at most its `max_queue_seconds`, then is refused (503 with Retry-After); a full
+queue (`queue_size` in all, `tenant_queue_size` per tenant) refuses at once (429); a client that
+goes away leaves the queue at once (its request is cancelled). A released request counts
+against its model's room until its first attempt begins (`pending`), so one free place releases
+one request; a node without a `max_in_flight` bound whose scrape says it is not saturated
+has room for any number, until the next scrape says otherwise. A node its scrape says is
+saturated has room for as many requests as this process ended on it since that scrape
+(`saturation.free_places`): the queue notes its in-flight count to a node when it first sees the
+node's new scrape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import trio
+
+from controlplane.routing import pick_pool
+from controlplane.saturation import free_places
+from dataplane.control import ControlPlaneView
+from dataplane.metrics import RequestMetrics
+from dataplane.views import SnapshotView, SnapshotViews
+from events.state import NodeState
+
+SNAPSHOT_POLL_SECONDS = 0.05
+"""How often, while requests wait, the queue looks whether a new snapshot gives a pool room."""
+
+ADMITTED, QUEUED, QUEUE_DEADLINE, QUEUE_FULL = "admitted", "queued", "queue_deadline", "queue_full"
+"""A `QueueOutcome`'s verdict: admitted at once, admitted after waiting, or refused because the
+wait reached its deadline or the queue was full."""
+
+
+class QueueOutcome:
+    """What the queue did with one request: its verdict, how long it waited, and the seq of the
+    snapshot on which its model's pool was saturated (0: it was not)."""
+
+    __slots__ = ("verdict", "queued_ms", "saturated_seq")
+
+    def __init__(self, verdict: str, queued_ms: float = 0.0, saturated_seq: int = 0) -> None:
+        self.verdict = verdict
+        self.queued_ms = queued_ms
+        self.saturated_seq = saturated_seq
+
+    @property
+    def refused(self) -> bool:
+        return self.verdict in (QUEUE_DEADLINE, QUEUE_FULL)
+
+
+ADMITTED_AT_ONCE = QueueOutcome(ADMITTED)
+
+
+class _Waiter:
+    __slots__ = ("model", "tenant", "fairness_id", "priority", "released")
+
+    def __init__(self, model: str, tenant: str, fairness_id: str, priority: int) -> None:
+        self.model = model
+        self.tenant = tenant
+        self.fairness_id = fairness_id
+        self.priority = priority
+        self.released = trio.Event()
+
+
+class _Band:
+    """The requests of one priority for one model: tenants in turn, each tenant's fairness ids in
+    turn, each fairness id's requests in order. A dict keeps the turn: whoever was just served
+    goes to its end."""
+
+    __slots__ = ("tenants",)
+
+    def __init__(self) -> None:
+        self.tenants: dict[str, dict[str, deque[_Waiter]]] = {}
+
+    def push(self, waiter: _Waiter) -> None:
+        flows = self.tenants.setdefault(waiter.tenant, {})
+        flows.setdefault(waiter.fairness_id, deque()).append(waiter)
+
+    def pop(self) -> _Waiter:
+        tenant, flows = next(iter(self.tenants.items()))
+        fairness_id, waiters = next(iter(flows.items()))
+        waiter = waiters.popleft()
+        del flows[fairness_id]
+        if waiters:
+            flows[fairness_id] = waiters
+        del self.tenants[tenant]
+        if flows:
+            self.tenants[tenant] = flows
+        return waiter
+
+    def remove(self, waiter: _Waiter) -> None:
+        flows = self.tenants[waiter.tenant]
+        waiters = flows[waiter.fairness_id]
+        waiters.remove(waiter)
+        if not waiters:
+            del flows[waiter.fairness_id]
+            if not flows:
+                del self.tenants[waiter.tenant]
+
+
+class _Line:
+    """One model's waiting requests, by priority."""
+
+    __slots__ = ("bands", "count")
+
+    def __init__(self) -> None:
+        self.bands: dict[int, _Band] = {}
+        self.count = 0
+
+    def push(self, waiter: _Waiter) -> None:
+        band = self.bands.get(waiter.priority)
+        if band is None:
+            band = self.bands[waiter.priority] = _Band()
+        band.push(waiter)
+        self.count += 1
+
+    def pop(self) -> _Waiter:
+        priority = max(self.bands)
+        band = self.bands[priority]
+        waiter = band.pop()
+        self._counted_out(priority, band)
+        return waiter
+
+    def remove(self, waiter: _Waiter) -> None:
+        band = self.bands[waiter.priority]
+        band.remove(waiter)
+        self._counted_out(waiter.priority, band)
+
+    def _counted_out(self, priority: int, band: _Band) -> None:
+        self.count -= 1
+        if not band.tenants:
+            del self.bands[priority]
+
+
+class AdmissionQueue:
+    """The process's queue (see the module's docstring). `in_flight` is the balancer's count of
+    attempts in progress by node, which the ledger keeps."""
+
+    def __init__(
+        self, control_plane: ControlPlaneView, views: SnapshotViews, in_flight: dict[str, int], metrics: RequestMetrics
+    ) -> None:
+        self._control_plane = control_plane
+        self._views = views
+        self._in_flight = in_flight
+        self._metrics = metrics
+        self._lines: dict[str, _Line] = {}
+        self._pending: dict[str, int] = {}
+        """Requests released for each model whose first attempt has not begun yet."""
+        self._tenants: dict[str, int] = {}
+        """Requests waiting, by tenant."""
+        self.waiting = 0
+        """Requests waiting, in all: the ledger's cheap test before `freed`."""
+        self._watching = False
+        self._scraped_at: dict[str, float | None] = {}
+        self._in_flight_at_scrape: dict[str, int] = {}
+        """Each node's last scrape this queue saw, and this process's in-flight count to the
+        node when it first saw it (`saturation.free_places`); emptied when the config changes."""
+        self._scrapes_config: object = None
+
+    async def admit(
+        self, view: SnapshotView, model: str, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
+    ) -> QueueOutcome:
+        """Admit a request for `model` (routed on `view`, whose config has the queue on) now,
+        after waiting, or refuse it. A cancellation (the client gone) leaves the queue."""
+        line = self._lines.get(model)
+        if line is None and self._places(model, view) > 0:
+            return ADMITTED_AT_ONCE
+        saturated_seq = view.snapshot.seq
+        admission = view.config.admission
+        if self.waiting >= admission.queue_size or self._tenants.get(tenant, 0) >= admission.tenant_queue_size:
+            self._metrics.admission_refused(tenant, priority, QUEUE_FULL)
+            return QueueOutcome(QUEUE_FULL, saturated_seq=saturated_seq)
+        waiter = _Waiter(model, tenant, fairness_id, priority)
+        if line is None:
+            line = self._lines[model] = _Line()
+        line.push(waiter)
+        self.waiting += 1
+        self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+        self._metrics.admission_queued(tenant, priority, 1)
+        self._release(model)
+        if self.waiting and not self._watching:
+            self._watching = True
+            trio.lowlevel.spawn_system_task(self._watch_snapshots)
+        started = trio.current_time()
+        try:
+            with trio.move_on_after(max_queue_seconds):
+                await waiter.released.wait()
+        except BaseException:  # the client went away
+            self._metrics.admission_waited(tenant, priority, trio.current_time() - started)
+            self._leave(waiter)
+            raise
+        waited = trio.current_time() - started
+        self._metrics.admission_waited(tenant, priority, waited)
+        if waiter.released.is_set():
+            self._pending[model] -= 1
+            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq)
+        self._leave(waiter)
+        self._metrics.admission_refused(tenant, priority, QUEUE_DEADLINE)
+        return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq)
+
+    def note_scrape(self, ip: str) -> None:
+        """An attempt on node `ip` is ending: if the node's scrape is new here, note this
+        process's in-flight count to it before the count drops (the place the attempt gives
+        back is then counted against that scrape)."""
+        node = self._control_plane.snapshot.nodes.get(ip)
+        if node is not None:
+            self._note_scrapes(self._views.current(), [node])
+
+    def freed(self) -> None:
+        """An attempt ended, so a node may have a place again: release whom it lets in."""
+        for model in list(self._lines):
+            self._release(model)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """`waiter` goes without being served: out of its line, or, when it was released
+        already, its place goes to the next one."""
+        model = waiter.model
+        if waiter.released.is_set():
+            self._pending[model] -= 1
+            self._release(model)
+            return
+        line = self._lines[model]
+        line.remove(waiter)
+        if not line.count:
+            del self._lines[model]
+        self._counted_out(waiter)
+
+    def _counted_out(self, waiter: _Waiter) -> None:
+        self.waiting -= 1
+        left = self._tenants[waiter.tenant] - 1
+        if left:
+            self._tenants[waiter.tenant] = left
+        else:
+            del self._tenants[waiter.tenant]
+        self._metrics.admission_queued(waiter.tenant, waiter.priority, -1)
+
+    def _release(self, model: str) -> None:
+        """Release the waiting requests for `model`, next first, while its pool has room."""
+        line = self._lines.get(model)
+        if line is None:
+            return
+        view = self._views.current()
+        places = self._places(model, view)
+        while places >= 1 and line.count:
+            waiter = line.pop()
+            self._counted_out(waiter)
+            self._pending[model] = self._pending.get(model, 0) + 1
+            waiter.released.set()
+            places -= 1
+        if not line.count:
+            del self._lines[model]
+
+    def _places(self, model: str, view: SnapshotView) -> float:
+        """The requests `model`'s pool takes now, less those released for it that have not
+        begun; inf when nothing holds them back: the queue is off (a reload took it away), or no
+        node to pick (routing answers the request at once)."""
+        admission = view.config.admission
+        if not admission.queue:
+            return math.inf
+        pool = pick_pool(view.route(model).candidates, self._control_plane.now())
+        if not pool:
+            return math.inf
+        self._note_scrapes(view, pool)
+        places = free_places(pool, admission, view.config.max_in_flight, self._in_flight, self._in_flight_at_scrape)
+        return places - self._pending.get(model, 0)
+
+    def _note_scrapes(self, view: SnapshotView, pool: list[NodeState]) -> None:
+        """Note this process's in-flight count to each node of `pool` whose scrape is new here."""
+        if view.config is not self._scrapes_config:
+            self._scrapes_config = view.config
+            self._scraped_at.clear()
+            self._in_flight_at_scrape.clear()
+        for node in pool:
+            scraped_at = node.load.scraped_at
+            if node.ip not in self._scraped_at or self._scraped_at[node.ip] != scraped_at:
+                self._scraped_at[node.ip] = scraped_at
+                self._in_flight_at_scrape[node.ip] = self._in_flight.get(node.ip, 0)
+
+    async def _watch_snapshots(self) -> None:
+        """While requests wait: look at the current snapshot every SNAPSHOT_POLL_SECONDS (a
+        scrape may have given a pool room, or an offline mark ended)."""
+        try:
+            while self.waiting:
+                await trio.sleep(SNAPSHOT_POLL_SECONDS)
+                self.freed()
+        finally:
+            self._watching = False
