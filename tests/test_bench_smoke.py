@@ -243,6 +243,7 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
         "no admission",
         "admission, equal priorities",
         "admission, B above A",
+        "admission, B above A, headroom 1",
         "admission, B above A, headroom 2",
     ]
     assert runs["idle"]["B"]["completed"] == runs["idle"]["B"]["requests"] > 0
