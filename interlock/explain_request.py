@@ -187,7 +187,7 @@ def render_saturation(decision: Decision, result: ReplayResult) -> str:
         if not reason:
             limit = limits.get(node.ip)
             headroom = decision.admission.headroom
-            threshold = f"max_in_flight {limit} less priority_headroom {headroom}" if headroom else f"max_in_flight {limit}"
+            threshold = f"max_in_flight {limit}" + (f" less priority_headroom {headroom}" if headroom else "")
             reason = (
                 f"not by its scrape: by {threshold}, if this process had as many in flight (not in the log)"
                 if limit
