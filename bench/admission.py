@@ -14,7 +14,11 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
 - `no admission`: today, every request goes to a node at once;
 - `admission, equal priorities` and `admission, B above A`: `[admission]` (the queue; nodes'
   `max_in_flight` = their batch + 1), A and B as two `[[tenants]]` (keys `bench-key-a`,
-  `bench-key-b`), of one priority, then B's above A's.
+  `bench-key-b`), of one priority, then B's above A's;
+- `admission, B above A, headroom N`, for each N of HEADROOMS: B above A with `[admission]
+  priority_headroom = N`, so A, below the top priority, fills at most `max_in_flight` - N places
+  of a node and B's requests find a place free at once rather than after the next request ends.
+  Its tokens served against the run without admission's is what the headroom costs.
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -62,6 +66,11 @@ A_LOAD, B_LOAD = 3.0, 0.2
 LOAD_SCRAPE = "100ms"
 ADMISSION = {"max_queue_seconds": 5, "queue_size": 256, "tenant_queue_size": 64}
 KEYS = {"A": "bench-key-a", "B": "bench-key-b"}
+HEADROOMS = (1, 2)
+"""`priority_headroom` of the headroom runs. With `max_in_flight` = batch + 1: 1 lets A fill a
+node's batch, and B's request waits in the node's queue only until a slot frees (A's requests
+between the end of one and the next's start leave gaps); 2 keeps the batch one short of full
+for B, whose load (B_LOAD of the batches on average) fits in that place."""
 
 MAX_B_TTFT_RATIO = 2.0
 MIN_TOKENS_SHARE = 0.95
@@ -183,14 +192,17 @@ def run(
     folder: Path,
     *,
     priorities: dict[str, int] | None = None,
+    headroom: int = 0,
 ) -> dict:
     """A fresh gateway over the nodes, `requests` through it: with `priorities`, A and B are
-    tenants of those priorities and the queue is on; without, every request goes to a node at once."""
+    tenants of those priorities and the queue is on (with `headroom` as its `priority_headroom`);
+    without, every request goes to a node at once."""
     wait_until_idle(nodes)
     tables = ""
     node_keys = None
     if priorities is not None:
-        tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in ADMISSION.items())
+        table = ADMISSION | ({"priority_headroom": headroom} if headroom else {})
+        tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in table.items())
         tables += tenants_table(priorities)
         node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1}
     gateway = start_gateway(
@@ -376,14 +388,14 @@ def _verdict(passed: bool) -> str:
 
 
 def render(runs: dict[str, dict], targets: list[dict]) -> str:
-    heading = f"{'run':29}{'tenant':>7}{'sent':>6}{'p50':>9}{'p99':>9}{'done':>6}{'429':>5}{'503':>5}{'node err':>9}"
+    heading = f"{'run':36}{'tenant':>7}{'sent':>6}{'p50':>9}{'p99':>9}{'done':>6}{'429':>5}{'503':>5}{'node err':>9}"
     lines = [heading + f"{'cut':>5}{'tokens':>8}{'in flood':>9}"]
     for result in runs.values():
         for tenant, row in result["tenants"].items():
             if not row["requests"]:
                 continue
             lines.append(
-                f"{result['run']:29}{tenant:>7}{row['requests']:>6}{_ms_cell(row['ttft_p50_ms']):>9}"
+                f"{result['run']:36}{tenant:>7}{row['requests']:>6}{_ms_cell(row['ttft_p50_ms']):>9}"
                 f"{_ms_cell(row['ttft_p99_ms']):>9}{row['completed']:>6}{row['refused_429']:>5}{row['refused_503']:>5}"
                 f"{row['node_error']:>9}{row['cut']:>5}{row['tokens']:>8}{row['window_tokens']:>9}"
             )
@@ -424,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "capacity_per_second": round(cluster, 2),
         "rates_per_second": {tenant: round(rate, 2) for tenant, rate in rates.items()},
         "admission": ADMISSION | {"max_in_flight": NODE_LOAD["max_running"] + 1},
+        "priority_headroom": HEADROOMS,
     } | {key: value for key, value in vars(args).items() if key != "out"}
     notes = [busy_note(results["machine"]["load_average_at_start"])]
     results["notes"] = [note for note in notes if note]
@@ -432,16 +445,25 @@ def main(argv: list[str] | None = None) -> int:
         nodes = start_simulated_nodes(processes, args.nodes, MODEL, ttft=TTFT, tpot=TPOT, tokens=TOKENS)
         for node in nodes:
             httpx.post(node.url + "/_control", json=NODE_LOAD, trust_env=False).raise_for_status()
-        plan: list[tuple[str, list, dict[str, int] | None]] = [
-            ("idle", alone, None),
-            ("no admission", flood, None),
-            ("admission, equal priorities", flood, {"A": 0, "B": 0}),
-            ("admission, B above A", flood, {"A": 0, "B": 1}),
+        plan: list[tuple[str, list, dict[str, int] | None, int]] = [
+            ("idle", alone, None, 0),
+            ("no admission", flood, None, 0),
+            ("admission, equal priorities", flood, {"A": 0, "B": 0}, 0),
+            ("admission, B above A", flood, {"A": 0, "B": 1}, 0),
         ]
-        for name, requests, priorities in plan:
+        plan += [(f"admission, B above A, headroom {n}", flood, {"A": 0, "B": 1}, n) for n in HEADROOMS]
+        for name, requests, priorities, headroom in plan:
             duration = args.idle_duration if name == "idle" else args.duration
             runs[name] = run(
-                name, requests, duration, duration + args.grace, nodes, processes, logs, priorities=priorities
+                name,
+                requests,
+                duration,
+                duration + args.grace,
+                nodes,
+                processes,
+                logs,
+                priorities=priorities,
+                headroom=headroom,
             )
             print(f"{name}: done", file=sys.stderr, flush=True)
         token = token_run(args.token_window, nodes, processes, logs) if args.token_window > 0 else None

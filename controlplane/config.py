@@ -769,6 +769,22 @@ def _check_admission(invalid: Callable[[str, str], ConfigError], config: Config)
             raise invalid(key, "max_in_flight needs the admission queue (an [admission] table without queue = false)")
         if node.max_in_flight < 1:
             raise invalid(key, f"max_in_flight must be at least 1 (got {node.max_in_flight})")
+        if node.max_in_flight <= admission.priority_headroom:
+            raise invalid(
+                key,
+                f"max_in_flight must be above [admission] priority_headroom ({admission.priority_headroom}),"
+                f" or no request below the top priority would ever reach the node (got {node.max_in_flight})",
+            )
+    if admission.priority_headroom < 0:
+        raise invalid(
+            "admission.priority_headroom",
+            f"priority_headroom must be a number of in-flight places, 0 or more (got {admission.priority_headroom})",
+        )
+    if admission.priority_headroom and not any(node.max_in_flight for node in config.nodes):
+        raise invalid(
+            "admission.priority_headroom",
+            "priority_headroom keeps places free below a node's max_in_flight: set [[nodes]] max_in_flight",
+        )
     if admission.saturation_waiting < 1:
         raise invalid(
             "admission.saturation_waiting",

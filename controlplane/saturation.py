@@ -4,7 +4,9 @@ own queue, where the gateway can neither reorder nor cancel it.
 
 A node is saturated when its last scrape says so (`[admission] saturation_waiting` requests
 waiting, or `saturation_kv_cache` of its KV cache used), or when this gateway process has its
-`[[nodes]] max_in_flight` requests in flight to it. A pure function of the snapshot and the
+`[[nodes]] max_in_flight` requests in flight to it, less `[admission] priority_headroom` for a
+request of a priority below the highest configured tenant's (`priority_headroom`): those places
+are kept free for the higher priorities. A pure function of the snapshot and the
 in-flight counts: the data plane asks it for every request, and `interlock explain` asks the
 scrape's part again of the state at the seq a record names (in-flight counts are not recorded).
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from events.config import AdmissionConfig
+from events.config import AdmissionConfig, Config
 from events.state import NodeState
 
 
@@ -31,15 +33,28 @@ def scraped_reason(node: NodeState, admission: AdmissionConfig) -> str:
     return ""
 
 
+def priority_headroom(config: Config, priority: int) -> int:
+    """The in-flight places per node (of those with a `max_in_flight`) that a request of
+    `priority` leaves free: `[admission] priority_headroom` below the highest priority of the
+    configured tenants, 0 at it (or above)."""
+    headroom = config.admission.priority_headroom
+    if not headroom:
+        return 0
+    top = max((tenant.priority for tenant in config.tenants), default=0)
+    return headroom if priority < top else 0
+
+
 def free_places(
     nodes: Iterable[NodeState],
     admission: AdmissionConfig,
     max_in_flight: Mapping[str, int],
     in_flight: Mapping[str, int],
     in_flight_at_scrape: Mapping[str, int],
+    headroom: int = 0,
 ) -> float:
     """How many more requests `nodes` (a model's pick pool) take before every one is saturated:
-    0 when all are; inf when one is not and has no `max_in_flight`.
+    0 when all are; inf when one is not and has no `max_in_flight`. A node with a
+    `max_in_flight` counts as saturated `headroom` places early (`priority_headroom`).
 
     A scrape is older than the requests that ended since: each request of this process that
     ended on a node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the
@@ -50,7 +65,7 @@ def free_places(
     for node in nodes:
         count = in_flight.get(node.ip, 0)
         limit = max_in_flight.get(node.ip)
-        room = math.inf if limit is None else limit - count
+        room = math.inf if limit is None else limit - headroom - count
         if scraped_reason(node, admission):
             ended = max(0, in_flight_at_scrape.get(node.ip, count) - count)
             room = min(room, ended)

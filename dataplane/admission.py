@@ -46,7 +46,7 @@ class Ticket:
 
     __slots__ = (
         "tenant", "priority", "fairness_id", "verdict", "refused_by", "refused_state", "queued_ms",
-        "saturated_seq", "taken", "admitted", "tokens_reserved", "tokens_used", "tap", "headers", "_quota",
+        "saturated_seq", "headroom", "taken", "admitted", "tokens_reserved", "tokens_used", "tap", "headers", "_quota",
         "_metrics",
     )  # fmt: skip
 
@@ -59,6 +59,7 @@ class Ticket:
         self.refused_state: LimitState | None = None
         self.queued_ms = 0.0
         self.saturated_seq = 0
+        self.headroom = 0
         self.taken: list[tuple[str, int]] = []
         self.admitted = False
         self.tokens_reserved = 0
@@ -75,6 +76,7 @@ class Ticket:
         while, or refused (what the limits took is then given back, as for a limit's refusal)."""
         self.queued_ms = round(outcome.queued_ms, 3)
         self.saturated_seq = outcome.saturated_seq
+        self.headroom = outcome.headroom
         if outcome.refused:
             self.verdict = Verdict.REFUSED
             self.refused_by = outcome.verdict
@@ -124,6 +126,7 @@ class Ticket:
             tokens_reserved=self.tokens_reserved,
             tokens_used=self.tokens_used,
             saturated_seq=self.saturated_seq,
+            headroom=self.headroom,
         )
 
 

@@ -19,6 +19,11 @@ has room for any number, until the next scrape says otherwise. A node its scrape
 saturated has room for as many requests as this process ended on it since that scrape
 (`saturation.free_places`): the queue notes its in-flight count to a node when it first sees the
 node's new scrape.
+
+With `[admission] priority_headroom`, a request below the highest configured tenant priority
+finds a node with a `max_in_flight` full that many places early (`saturation.priority_headroom`):
+those places go only to the top priority, which the line releases first anyway, so a top-priority
+request finds one at once instead of waiting for the next request to end.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from collections import deque
 import trio
 
 from controlplane.routing import pick_pool
-from controlplane.saturation import free_places
+from controlplane.saturation import free_places, priority_headroom
 from dataplane.control import ControlPlaneView
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotView, SnapshotViews
@@ -44,15 +49,17 @@ wait reached its deadline or the queue was full."""
 
 
 class QueueOutcome:
-    """What the queue did with one request: its verdict, how long it waited, and the seq of the
-    snapshot on which its model's pool was saturated (0: it was not)."""
+    """What the queue did with one request: its verdict, how long it waited, the seq of the
+    snapshot on which its model's pool was saturated (0: it was not), and the places per node its
+    priority left free (`saturation.priority_headroom`)."""
 
-    __slots__ = ("verdict", "queued_ms", "saturated_seq")
+    __slots__ = ("verdict", "queued_ms", "saturated_seq", "headroom")
 
-    def __init__(self, verdict: str, queued_ms: float = 0.0, saturated_seq: int = 0) -> None:
+    def __init__(self, verdict: str, queued_ms: float = 0.0, saturated_seq: int = 0, headroom: int = 0) -> None:
         self.verdict = verdict
         self.queued_ms = queued_ms
         self.saturated_seq = saturated_seq
+        self.headroom = headroom
 
     @property
     def refused(self) -> bool:
@@ -174,13 +181,14 @@ class AdmissionQueue:
         """Admit a request for `model` (routed on `view`, whose config has the queue on) now,
         after waiting, or refuse it. A cancellation (the client gone) leaves the queue."""
         line = self._lines.get(model)
-        if line is None and self._places(model, view) > 0:
-            return ADMITTED_AT_ONCE
+        headroom = priority_headroom(view.config.config, priority)
+        if (line is None or max(line.bands) < priority) and self._places(model, view, headroom) > 0:
+            return QueueOutcome(ADMITTED, headroom=headroom) if headroom else ADMITTED_AT_ONCE
         saturated_seq = view.snapshot.seq
         admission = view.config.admission
         if self.waiting >= admission.queue_size or self._tenants.get(tenant, 0) >= admission.tenant_queue_size:
             self._metrics.admission_refused(tenant, priority, QUEUE_FULL)
-            return QueueOutcome(QUEUE_FULL, saturated_seq=saturated_seq)
+            return QueueOutcome(QUEUE_FULL, saturated_seq=saturated_seq, headroom=headroom)
         waiter = _Waiter(model, tenant, fairness_id, priority)
         if line is None:
             line = self._lines[model] = _Line()
@@ -204,10 +212,10 @@ class AdmissionQueue:
         self._metrics.admission_waited(tenant, priority, waited)
         if waiter.released.is_set():
             self._pending[model] -= 1
-            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq)
+            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq, headroom)
         self._leave(waiter)
         self._metrics.admission_refused(tenant, priority, QUEUE_DEADLINE)
-        return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq)
+        return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq, headroom)
 
     def note_scrape(self, ip: str) -> None:
         """An attempt on node `ip` is ending: if the node's scrape is new here, note this
@@ -246,25 +254,28 @@ class AdmissionQueue:
         self._metrics.admission_queued(waiter.tenant, waiter.priority, -1)
 
     def _release(self, model: str) -> None:
-        """Release the waiting requests for `model`, next first, while its pool has room."""
+        """Release the waiting requests for `model`, next first, while its pool has room for the
+        next one's priority (the line gives the highest first: once the next one finds no room,
+        no one after it, of its priority or lower, would)."""
         line = self._lines.get(model)
         if line is None:
             return
         view = self._views.current()
-        places = self._places(model, view)
-        while places >= 1 and line.count:
+        while line.count:
+            if self._places(model, view, priority_headroom(view.config.config, max(line.bands))) < 1:
+                break
             waiter = line.pop()
             self._counted_out(waiter)
             self._pending[model] = self._pending.get(model, 0) + 1
             waiter.released.set()
-            places -= 1
         if not line.count:
             del self._lines[model]
 
-    def _places(self, model: str, view: SnapshotView) -> float:
-        """The requests `model`'s pool takes now, less those released for it that have not
-        begun; inf when nothing holds them back: the queue is off (a reload took it away), or no
-        node to pick (routing answers the request at once)."""
+    def _places(self, model: str, view: SnapshotView, headroom: int) -> float:
+        """The requests `model`'s pool takes now for a priority that leaves `headroom` places per
+        node free, less those released for it that have not begun; inf when nothing holds them
+        back: the queue is off (a reload took it away), or no node to pick (routing answers the
+        request at once)."""
         admission = view.config.admission
         if not admission.queue:
             return math.inf
@@ -272,7 +283,9 @@ class AdmissionQueue:
         if not pool:
             return math.inf
         self._note_scrapes(view, pool)
-        places = free_places(pool, admission, view.config.max_in_flight, self._in_flight, self._in_flight_at_scrape)
+        places = free_places(
+            pool, admission, view.config.max_in_flight, self._in_flight, self._in_flight_at_scrape, headroom
+        )
         return places - self._pending.get(model, 0)
 
     def _note_scrapes(self, view: SnapshotView, pool: list[NodeState]) -> None:

@@ -34,6 +34,7 @@ from controlplane.logs import JsonLog, Throttle, clipped
 from controlplane.policies import PREFIX_AFFINITY
 from controlplane.prefix import prompt_prefix
 from controlplane.routing import PREFILL, pick_pool
+from controlplane.saturation import priority_headroom
 from dataplane.admission import Admission, Ticket, UsageTap
 from dataplane.admission_queue import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView
@@ -208,7 +209,9 @@ class Proxy:
                 view, exchange.model, tenant.name, ticket.priority, ticket.fairness_id, deadline
             )
         except trio.Cancelled:  # the client left the queue: the record says how long it waited
-            ticket.queue_outcome(QueueOutcome(QUEUED, 1000 * (trio.current_time() - arrived), view.snapshot.seq))
+            waited_ms = 1000 * (trio.current_time() - arrived)
+            headroom = priority_headroom(view.config.config, ticket.priority)
+            ticket.queue_outcome(QueueOutcome(QUEUED, waited_ms, view.snapshot.seq, headroom))
             raise
         ticket.queue_outcome(outcome)
         if outcome.refused:

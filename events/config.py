@@ -300,6 +300,11 @@ class AdmissionConfig(Struct, frozen=True, kw_only=True):
     max_queue_seconds: float = DEFAULT_MAX_QUEUE_SECONDS
     """Seconds a request may wait in the queue (a tenant's `max_queue_seconds` overrides it), then
     a 503 with Retry-After (0: never waits)."""
+    priority_headroom: int = 0
+    """In-flight places per node kept free for the highest configured tenant priority: a request
+    of a lower priority counts a node with a `max_in_flight` as saturated this many places early
+    (`controlplane.saturation.priority_headroom`), so a higher one finds a place at once rather
+    than after the next request ends. 0: every priority may fill `max_in_flight`."""
 
 
 class Config(Struct, frozen=True, kw_only=True):

@@ -117,6 +117,10 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """The seq of the snapshot on which every node of its pool was saturated when it reached the
     queue (`controlplane.saturation`; 0: it was not, or the queue is off); `explain` derives the
     nodes' saturation again from the state at that seq."""
+    headroom: int = 0
+    """The in-flight places per node its priority left free for the top priority (`[admission]
+    priority_headroom`, below the highest configured tenant priority): a node with a
+    `max_in_flight` was full for it that many places early; 0: the full `max_in_flight`."""
 
 
 class Decision(msgspec.Struct, frozen=True):

@@ -114,6 +114,12 @@ def _describe_admission(config: Config) -> str:
         f" waiting, KV cache {admission.saturation_kv_cache:g} or more used, or its max_in_flight reached;"
         f" up to {admission.queue_size} queued ({admission.tenant_queue_size} per tenant),"
         f" each for at most {admission.max_queue_seconds:g} s"
+        + (
+            f"; priority_headroom {admission.priority_headroom}: below the highest tenant priority a node is full"
+            f" {admission.priority_headroom} places before its max_in_flight"
+            if admission.priority_headroom
+            else ""
+        )
     )
 
 

@@ -158,6 +158,8 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
         verdict = "admitted at once"
     if admission.saturated_seq:
         verdict += f", pool saturated at seq {admission.saturated_seq}"
+    if admission.headroom:
+        verdict += f", {admission.headroom} in-flight places per node left to higher priorities (priority_headroom)"
     rows = [["tenant", tenant], ["priority", str(admission.priority)], ["admission", verdict]]
     if admission.tokens_reserved:
         used = "not reported" if admission.tokens_used is None else str(admission.tokens_used)
@@ -169,7 +171,8 @@ def render_saturation(decision: Decision, result: ReplayResult) -> str:
     """Why the request's pool was saturated: each node a pick would have chosen from, in the
     state at the record's `saturated_seq` (`result`: the event log replayed up to it), with
     `controlplane.saturation`'s reason. This process's in-flight counts are not in the log: a
-    node saturated only by its `max_in_flight` shows that bound."""
+    node saturated only by its `max_in_flight` shows that bound (less the places the request's
+    priority left free, `Admission.headroom`)."""
     state = result.state
     seq = decision.admission.saturated_seq
     lines = [f"pool saturated at seq {seq} ({format_timestamp(state.at)}), replayed from the event log"]
@@ -183,8 +186,10 @@ def render_saturation(decision: Decision, result: ReplayResult) -> str:
         reason = scraped_reason(node, admission)
         if not reason:
             limit = limits.get(node.ip)
+            headroom = decision.admission.headroom
+            threshold = f"max_in_flight {limit}" + (f" less priority_headroom {headroom}" if headroom else "")
             reason = (
-                f"not by its scrape: by max_in_flight {limit}, if this process had as many in flight (not in the log)"
+                f"not by its scrape: by {threshold}, if this process had as many in flight (not in the log)"
                 if limit
                 else "no"
             )

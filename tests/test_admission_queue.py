@@ -23,11 +23,11 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.routing import pick_pool
 from controlplane.runtime import open_control_plane
-from controlplane.saturation import free_places
+from controlplane.saturation import free_places, priority_headroom
 from dataplane.admission_queue import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotViews
-from events.config import AdmissionConfig
+from events.config import AdmissionConfig, Config, TenantConfig
 from events.state import NodeLoad, NodeState
 from fixtures.node import SimulatedNode, serve_nodes
 
@@ -277,6 +277,54 @@ async def test_through_the_gateway_tenants_of_one_priority_take_turns(tmp_path):
         assert await served_order(gateway, arrivals, "key-a") == ["a-1", "b-1", "a-2", "a-3"]
 
 
+async def test_with_priority_headroom_a_lower_priority_queues_while_a_place_is_kept_for_the_top_one(tmp_path):
+    # max_in_flight 2, one place kept for the top priority: with one low stream in flight, a
+    # second low request waits in the gateway although the node has a place, and a high one
+    # takes that place at once.
+    decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
+    async with nodes_and_gateway(
+        tmp_path,
+        node_specs(1, **HELD),
+        node_settings={"n1": {"max_in_flight": 2}},
+        extra=admission_toml(max_queue_seconds=30, priority_headroom=1) + tenants_toml(LOW, HIGH),
+        decision_log=str(decisions),
+        event_log=str(events),
+    ) as (nodes, gateway):
+        await gateway.discovered()
+        low_answers = []
+
+        async def low_request() -> None:
+            low_answers.append(await post_chat(gateway, "low-waiting", "key-low"))
+
+        async with trio.open_nursery() as nursery:
+            async with holding_the_node(gateway, "key-low"):
+                nursery.start_soon(low_request)
+                await wait_for_total_queue_length(gateway, 1)
+                assert len(completions_to(nodes[0])) == 1  # a place is free, but not for priority 0
+                high = await post_chat(gateway, "high-at-once", "key-high")
+                assert high.status_code == 200
+                assert not low_answers  # the low request still waits
+            # The held stream's client left: its place goes to the waiting low request.
+        [low] = low_answers
+        assert low.status_code == 200
+        high_record = await record_of(decisions, "high-at-once")
+        assert (high_record.admission.verdict, high_record.admission.headroom) == (ADMITTED, 0)
+        low_record = await record_of(decisions, "low-waiting")
+        assert (low_record.admission.verdict, low_record.admission.headroom) == (QUEUED, 1)
+        assert low_record.admission.saturated_seq > 0
+    explained = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", "low-waiting",
+         "--decisions", str(decisions)],  # fmt: skip
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert explained.returncode == 0, explained.stderr
+    assert "1 in-flight places per node left to higher priorities (priority_headroom)" in explained.stdout
+    assert "by max_in_flight 2 less priority_headroom 1" in explained.stdout
+
+
 async def test_a_tenants_max_queue_seconds_is_its_deadline_and_the_refusal_gives_back_what_its_limits_took(tmp_path):
     # [admission] lets requests wait 30 s; the tenant's own bound is 0.2 s. Its two requests a
     # minute: the held stream takes one, the late request takes the other and gives it back
@@ -429,3 +477,17 @@ def test_requests_that_ended_since_a_scrape_give_back_the_places_it_shows_taken(
     # Six waiting at the scrape, two ended since: four waiting, one place under the threshold.
     assert free_places([loaded("a", waiting=6)], admission, {}, {"a": 1}, {"a": 3}) == 1
     assert free_places([loaded("a", waiting=9)], admission, {}, {"a": 1}, {"a": 3}) == 0
+
+
+def test_priority_headroom_fills_a_node_early_below_the_top_tenant_priority():
+    admission = AdmissionConfig(priority_headroom=1)
+    tenants = (TenantConfig(name="low", priority=0), TenantConfig(name="high", priority=10))
+    config = Config(tenants=tenants, admission=admission)
+    assert [priority_headroom(config, priority) for priority in (0, 9, 10, 11)] == [1, 1, 0, 0]
+    assert priority_headroom(Config(tenants=tenants), 0) == 0  # no headroom configured
+    # One of three places in flight: two left at the top priority, one below it.
+    assert free_places([loaded("c")], admission, {"c": 3}, {"c": 1}, {}, headroom=0) == 2
+    assert free_places([loaded("c")], admission, {"c": 3}, {"c": 1}, {}, headroom=1) == 1
+    assert free_places([loaded("c")], admission, {"c": 3}, {"c": 2}, {}, headroom=1) == 0
+    # A node without a max_in_flight has no places to keep.
+    assert free_places([loaded("d")], admission, {}, {"d": 9}, {}, headroom=1) == math.inf

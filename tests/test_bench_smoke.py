@@ -238,7 +238,14 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
     [path] = tmp_path.iterdir()
     results = json.loads(path.read_text())
     runs = {run["run"]: run["tenants"] for run in results["runs"]}
-    assert list(runs) == ["idle", "no admission", "admission, equal priorities", "admission, B above A"]
+    assert list(runs) == [
+        "idle",
+        "no admission",
+        "admission, equal priorities",
+        "admission, B above A",
+        "admission, B above A, headroom 1",
+        "admission, B above A, headroom 2",
+    ]
     assert runs["idle"]["B"]["completed"] == runs["idle"]["B"]["requests"] > 0
     for name, tenants in runs.items():
         if name.startswith("admission"):

@@ -1039,3 +1039,18 @@ def test_max_in_flight_needs_admission_and_a_positive_count(tmp_path: Path) -> N
     assert "needs the admission queue" in error.message
     error = load_error(tmp_path, ONE_NODE + "max_in_flight = 0\n[admission]\n")
     assert (error.key, error.message) == ("nodes[0].max_in_flight", "max_in_flight must be at least 1 (got 0)")
+
+
+def test_priority_headroom_is_kept_below_every_nodes_max_in_flight(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE + "max_in_flight = 3\n[admission]\npriority_headroom = 1\n")
+    assert config.admission.priority_headroom == 1
+    assert "priority_headroom 1: below the highest tenant priority a node is full 1 places" in describe_config(config)
+    error = load_error(tmp_path, ONE_NODE + "max_in_flight = 2\n[admission]\npriority_headroom = 2\n")
+    assert error.key == "nodes[0].max_in_flight"
+    assert "max_in_flight must be above [admission] priority_headroom (2)" in error.message
+    error = load_error(tmp_path, ONE_NODE + "max_in_flight = 2\n[admission]\npriority_headroom = -1\n")
+    assert error.key == "admission.priority_headroom"
+    assert "0 or more (got -1)" in error.message
+    error = load_error(tmp_path, ONE_NODE + "[admission]\npriority_headroom = 1\n")
+    assert error.key == "admission.priority_headroom"
+    assert "set [[nodes]] max_in_flight" in error.message
