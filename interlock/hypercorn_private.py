@@ -22,11 +22,14 @@ import h11
 import hypercorn.protocol
 import hypercorn.trio
 import hypercorn.trio.run
+import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import TrioSingleTask
 
 HTTP2_RESETS_PER_CONNECTION = 100
 """Streams an HTTP/2 client may reset on one connection; the next reset ends it with GOAWAY."""
@@ -72,6 +75,21 @@ def check_private_surface() -> None:
             "send_eof" in _global_names(TCPServer._close) and "send_lock" in _global_names(TCPServer.protocol_send),
             "TCPServer._close ending the stream with send_eof, TCPServer.protocol_send sending under send_lock",
         ),
+        _async_method(TrioSingleTask, "restart", "task_group", "action"),
+        _async_method(TrioSingleTask, "stop"),
+        (
+            {"TrioSingleTask", "idle_task"} <= _global_names(TCPServer.__init__)
+            and {"idle_task", "restart", "_idle_timeout"} <= _global_names(TCPServer.run)
+            and {"idle_task", "restart", "stop", "_idle_timeout"} <= _global_names(TCPServer.protocol_send),
+            "TCPServer keeping its keep-alive timeout in idle_task, a TrioSingleTask restarted with _idle_timeout",
+        ),
+        _async_method(TCPServer, "_idle_timeout"),
+        (
+            {"keep_alive_timeout", "terminated", "_initiate_server_close"} <= _global_names(TCPServer._idle_timeout),
+            "TCPServer._idle_timeout waiting keep_alive_timeout or the server's end, then _initiate_server_close",
+        ),
+        _async_method(TCPServer, "_initiate_server_close"),
+        (callable(getattr(TaskGroup, "spawn", None)), "hypercorn.trio.task_group.TaskGroup.spawn"),
         (
             {"H2Protocol", "H11Protocol"} <= _global_names(hypercorn.protocol.ProtocolWrapper.__init__)
             and "H2Protocol" in _global_names(hypercorn.protocol.ProtocolWrapper.handle),
@@ -158,7 +176,8 @@ _REASON_PHRASES = {status.value: status.phrase.encode("ascii") for status in htt
 
 
 class _TCPServerClosingOnce(TCPServer):
-    """hypercorn's connection (trio), whose close never meets a send.
+    """hypercorn's connection (trio), whose close never meets a send, with a cheaper keep-alive
+    timeout (`_KeepAliveTimer`).
 
     hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
     by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) could meet
@@ -169,6 +188,10 @@ class _TCPServerClosingOnce(TCPServer):
     stream, which wakes that send the same way (as hypercorn does when `send_eof` fails). The
     sends themselves are hypercorn's, with nothing added to each."""
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.idle_task = _KeepAliveTimer(self)
+
     async def _close(self) -> None:
         if self.send_lock.locked():
             await self.stream.aclose()
@@ -178,6 +201,56 @@ class _TCPServerClosingOnce(TCPServer):
             await super()._close()
         finally:
             self.send_lock.release()
+
+
+class _KeepAliveTimer:
+    """A connection's keep-alive timeout, in place of hypercorn's `TrioSingleTask` as the
+    connection's `idle_task`, with the same effect: a connection idle for the keep-alive timeout,
+    or idle while the server ends, is closed (`TCPServer._idle_timeout`).
+
+    hypercorn stops the timeout when a request arrives and restarts it when the answer is over,
+    each time under a lock and by cancelling a task and starting another. Here one task waits
+    while the connection goes from one request to the next: the end of an answer moves its
+    deadline and the start of a request only marks the connection busy. The task ends when its
+    deadline finds the connection busy (hypercorn's would have been cancelled by then), so that a
+    connection that ends never waits for it longer than the timeout; the next idle spell starts
+    another."""
+
+    __slots__ = ("_idle", "_scope", "_server")
+
+    def __init__(self, server: TCPServer) -> None:
+        self._server = server
+        self._scope: trio.CancelScope | None = None
+        self._idle = False
+
+    async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
+        """The connection is idle (its `action`, `TCPServer._idle_timeout`, is what `_run` does)."""
+        self._idle = True
+        deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group.spawn(self._run)
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """The connection is busy: a request arrived."""
+        self._idle = False
+
+    async def _run(self) -> None:
+        terminated = self._server.context.terminated
+        while True:
+            with self._scope as waiting:
+                await terminated.wait()
+            if not self._idle:
+                break
+            if terminated.is_set() or trio.current_time() >= waiting.deadline:
+                with trio.CancelScope(shield=True):
+                    await self._server._initiate_server_close()
+                break
+            # The deadline passed in a request, and the answer, over since, moved it on.
+            self._scope = trio.CancelScope(deadline=waiting.deadline)
+        self._scope = None
 
 
 check_private_surface()

@@ -124,3 +124,94 @@ def test_a_hypercorn_whose_connection_sends_outside_its_lock_stops_the_gateway(m
     with pytest.raises(hypercorn_private.HypercornChanged) as raised:
         hypercorn_private.check_private_surface()
     assert "TCPServer.protocol_send sending under send_lock" in str(raised.value)
+
+
+def test_a_hypercorn_whose_connection_keeps_its_keep_alive_timeout_elsewhere_stops_the_gateway(monkeypatch):
+    """The keep-alive timeout's stand-in (`_KeepAliveTimer`) takes the place of hypercorn's idle task."""
+
+    async def protocol_send(self, event) -> None:
+        async with self.send_lock:
+            await self.stream.send_all(event.data)
+
+    monkeypatch.setattr(TCPServer, "protocol_send", protocol_send)
+    with pytest.raises(hypercorn_private.HypercornChanged) as raised:
+        hypercorn_private.check_private_surface()
+    assert str(raised.value).startswith(f"{HYPERCORN} is not the hypercorn Interlock was tested on")
+    assert "TCPServer keeping its keep-alive timeout in idle_task" in str(raised.value)
+
+
+async def _lifespan(receive, send) -> None:
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+async def _answer(stream: trio.SocketStream, path: bytes) -> bytes:
+    """One keep-alive request's answer (its body is `ok`)."""
+    await stream.send_all(b"GET %s HTTP/1.1\r\nHost: gw\r\n\r\n" % path)
+    received = b""
+    with trio.fail_after(10):
+        while not received.endswith(b"\r\n\r\nok"):
+            chunk = await stream.receive_some()
+            assert chunk, f"closed before the answer to {path!r}: {received!r}"
+            received += chunk
+    return received
+
+
+async def _closed(stream: trio.SocketStream) -> bool:
+    with trio.fail_after(10):
+        return await stream.receive_some() == b""
+
+
+async def test_a_connection_stays_open_through_requests_longer_than_its_keep_alive_timeout_and_closes_once_idle():
+    keep_alive = 1.0
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        if scope["path"] == "/slow":
+            await trio.sleep(keep_alive * 1.5)  # a request longer than the keep-alive timeout
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listening = listening_socket("127.0.0.1:0", "listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, app, listening, stopped, keep_alive_timeout=keep_alive))
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            for path in (b"/slow", b"/fast", b"/fast", b"/slow", b"/fast"):
+                assert (await _answer(stream, path)).startswith(b"HTTP/1.1 200 ")
+            assert await _closed(stream)
+        stopped.set()
+
+
+async def test_a_server_ending_closes_its_idle_connections_at_once_and_a_busy_one_after_its_answer():
+    release = trio.Event()
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        if scope["path"] == "/held":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    listening = listening_socket("127.0.0.1:0", "listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        # A keep-alive timeout far longer than the test waits for anything.
+        await nursery.start(partial(serve_on_socket, app, listening, stopped, keep_alive_timeout=3600))
+        async with (
+            await trio.open_tcp_stream("127.0.0.1", port) as idle,
+            await trio.open_tcp_stream("127.0.0.1", port) as busy,
+        ):
+            assert (await _answer(idle, b"/fast")).startswith(b"HTTP/1.1 200 ")
+            async with trio.open_nursery() as held:
+                held.start_soon(_answer, busy, b"/held")
+                await trio.testing.wait_all_tasks_blocked()  # the held request is in the app
+                stopped.set()
+                assert await _closed(idle)
+                release.set()
+            assert await _closed(busy)
