@@ -1,6 +1,6 @@
-"""The HTTP stack's private surface: what the gateway uses of hypercorn beyond its public API is
-still there in the hypercorn installed, and a hypercorn without it fails loudly, naming its
-version. The behaviour behind each use is tested where it shows (tests/test_client_input.py:
+"""The private surface of the HTTP stack and of prometheus_client: what the gateway uses of
+hypercorn beyond its public API, and of prometheus_client's metrics on the request path, is still
+there in the version installed, and one without it fails loudly, naming its version. The behaviour behind each use is tested where it shows (tests/test_client_input.py:
 the 408 race, h2c, the HTTP/2 reset budget; tests/test_dataplane_asgi.py: bodies)."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import trio
 import trio.testing
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.tcp_server import TCPServer
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dataplane import prometheus_private
 from dataplane.hypercorn_receive import is_queue_receive, queued_message
 from interlock import hypercorn_private
 from interlock.serve import listening_socket, serve_on_socket
@@ -215,3 +217,43 @@ async def test_a_server_ending_closes_its_idle_connections_at_once_and_a_busy_on
                 assert await _closed(idle)
                 release.set()
             assert await _closed(busy)
+
+
+def test_metrics_updated_through_their_values_expose_what_their_own_methods_would():
+    prometheus_private.check_private_surface()
+    pages = []
+    for direct in (False, True):
+        registry = CollectorRegistry()
+        counter = Counter("c", "a counter", ["model"], registry=registry).labels("m")
+        gauge = Gauge("g", "a gauge", ["node"], registry=registry).labels("n")
+        histogram = Histogram("h_seconds", "a histogram", buckets=(0.005, 0.01, 1.0), registry=registry)
+        if direct:
+            prometheus_private.value_of(counter).inc(3)
+            prometheus_private.value_of(gauge).inc(2)
+            prometheus_private.value_of(gauge).inc(-1)
+            observer = prometheus_private.Observer(histogram)
+        else:
+            counter.inc(3)
+            gauge.inc(2)
+            gauge.dec()
+            observer = histogram
+        for seconds in (0.0, 0.005, 0.0050001, 0.01, 0.5, 1.0, 7.0):
+            observer.observe(seconds)
+        pages.append(b"\n".join(line for line in generate_latest(registry).splitlines() if b"_created" not in line))
+    assert pages[0] == pages[1]
+    assert b'h_seconds_bucket{le="0.005"} 2.0' in pages[1]
+
+
+def test_a_prometheus_client_keeping_a_histogram_otherwise_stops_the_gateway_naming_its_version(monkeypatch):
+    def observe(self, amount: float, exemplar=None) -> None:
+        self._value.inc(amount)
+
+    monkeypatch.setattr(Histogram, "observe", observe)
+    with pytest.raises(prometheus_private.PrometheusClientChanged) as raised:
+        prometheus_private.check_private_surface()
+    message = str(raised.value)
+    assert message.startswith(
+        f"prometheus_client {version('prometheus_client')} is not the prometheus_client Interlock was tested on"
+    )
+    assert "Histogram.observe adding to _sum and to the first bucket" in message
+    assert "Counter.inc" not in message
