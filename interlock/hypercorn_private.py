@@ -24,7 +24,7 @@ import hypercorn.trio
 import hypercorn.trio.run
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.task_group import TaskGroup
@@ -74,6 +74,12 @@ def check_private_surface() -> None:
         (
             "send_eof" in _global_names(TCPServer._close) and "send_lock" in _global_names(TCPServer.protocol_send),
             "TCPServer._close ending the stream with send_eof, TCPServer.protocol_send sending under send_lock",
+        ),
+        _async_method(TCPServer, "protocol_send", "event"),
+        (
+            {"RawData", "send_lock", "CancelScope", "shield", "send_all", "data", "BrokenResourceError", "Closed"}
+            <= _global_names(TCPServer.protocol_send),
+            "TCPServer.protocol_send sending RawData with send_all under send_lock, shielded, handling Closed",
         ),
         _async_method(TrioSingleTask, "restart", "task_group", "action"),
         _async_method(TrioSingleTask, "stop"),
@@ -185,12 +191,28 @@ class _TCPServerClosingOnce(TCPServer):
     connection (a traceback per connection, or the end of `serve_listeners` and the process).
     Here the close takes the send lock: a send waiting for it then finds the stream closed,
     which hypercorn takes as a client gone. With a send in progress, the close only closes the
-    stream, which wakes that send the same way (as hypercorn does when `send_eof` fails). The
-    sends themselves are hypercorn's, with nothing added to each."""
+    stream, which wakes that send the same way (as hypercorn does when `send_eof` fails).
+
+    A send takes a free lock without trio's `Lock.acquire`, which lets every other task run
+    first even when the lock is free: the stream's `send_all` does that once already, and each
+    turn resumes the whole chain of the app's frames. Otherwise the sends are hypercorn's."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.idle_task = _KeepAliveTimer(self)
+
+    async def protocol_send(self, event: Event) -> None:
+        if type(event) is not RawData or self.send_lock.locked():
+            return await super().protocol_send(event)
+        await trio.lowlevel.checkpoint_if_cancelled()  # as `Lock.acquire` does
+        self.send_lock.acquire_nowait()
+        try:
+            with trio.CancelScope(shield=True):
+                await self.stream.send_all(event.data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
+        finally:
+            self.send_lock.release()
 
     async def _close(self) -> None:
         if self.send_lock.locked():
