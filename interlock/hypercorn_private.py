@@ -1,6 +1,6 @@
 """Everything the gateway does with hypercorn beyond its public API, fenced in one module.
 
-Three of hypercorn's classes are replaced by subclasses that override private methods, and
+Four of hypercorn's classes are replaced by subclasses that override private methods, and
 hypercorn offers no way to choose them: it looks them up by name in its own modules, so this
 module assigns them there, for the whole process, when it is imported. What they rely on is
 checked at the same moment (`check_private_surface`): a hypercorn whose private names or
@@ -22,6 +22,7 @@ import h11
 import hypercorn.protocol
 import hypercorn.trio
 import hypercorn.trio.run
+import hypercorn.trio.tcp_server
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event, RawData
@@ -96,6 +97,12 @@ def check_private_surface() -> None:
         ),
         _async_method(TCPServer, "_initiate_server_close"),
         (callable(getattr(TaskGroup, "spawn", None)), "hypercorn.trio.task_group.TaskGroup.spawn"),
+        _async_method(TaskGroup, "spawn_app", "app", "config", "scope", "send"),
+        (
+            {"open_memory_channel", "send"} <= _global_names(TaskGroup.spawn_app)
+            and "TaskGroup" in _global_names(TCPServer.run),
+            "TCPServer.run making its TaskGroup by module global, whose spawn_app returns a trio memory channel's send",
+        ),
         (
             {"H2Protocol", "H11Protocol"} <= _global_names(hypercorn.protocol.ProtocolWrapper.__init__)
             and "H2Protocol" in _global_names(hypercorn.protocol.ProtocolWrapper.handle),
@@ -204,6 +211,8 @@ class _TCPServerClosingOnce(TCPServer):
     async def protocol_send(self, event: Event) -> None:
         if type(event) is not RawData or self.send_lock.locked():
             return await super().protocol_send(event)
+        if not event.data:  # the end of a body of known length: nothing to send
+            return await trio.lowlevel.checkpoint_if_cancelled()
         await trio.lowlevel.checkpoint_if_cancelled()  # as `Lock.acquire` does
         self.send_lock.acquire_nowait()
         try:
@@ -223,6 +232,32 @@ class _TCPServerClosingOnce(TCPServer):
             await super()._close()
         finally:
             self.send_lock.release()
+
+
+class _TaskGroupPuttingAtOnce(TaskGroup):
+    """hypercorn's task group of a connection (trio), whose requests' messages are queued for the
+    app at once while the queue has room: a trio channel's `send` lets every other task run
+    first, which, a request's body, its end and the client's leaving each time, resumes the
+    connection's whole chain of frames; so a body that comes with its head is all queued, its
+    end too, when the app starts (`dataplane.asgi._read_body` takes it without waiting)."""
+
+    async def spawn_app(self, app, config, scope, send) -> Callable[[dict], Awaitable[None]]:
+        put = await super().spawn_app(app, config, scope, send)
+        channel = getattr(put, "__self__", None)
+        if not isinstance(channel, trio.MemorySendChannel):
+            raise HypercornChanged(
+                f"hypercorn {version('hypercorn')} is not the hypercorn Interlock was tested on (see pyproject.toml): "
+                "expected TaskGroup.spawn_app returning a trio memory channel's send"
+            )
+
+        async def put_at_once(message: dict) -> None:
+            await trio.lowlevel.checkpoint_if_cancelled()  # as the channel's `send` does
+            try:
+                channel.send_nowait(message)
+            except trio.WouldBlock:
+                await channel.send(message)
+
+        return put_at_once
 
 
 class _KeepAliveTimer:
@@ -279,3 +314,4 @@ check_private_surface()
 hypercorn.protocol.H2Protocol = _H2WithResetBudget
 hypercorn.protocol.H11Protocol = _H11AsServed
 hypercorn.trio.run.TCPServer = _TCPServerClosingOnce
+hypercorn.trio.tcp_server.TaskGroup = _TaskGroupPuttingAtOnce

@@ -14,6 +14,7 @@ import pytest
 import trio
 import trio.testing
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -257,3 +258,43 @@ def test_a_prometheus_client_keeping_a_histogram_otherwise_stops_the_gateway_nam
     )
     assert "Histogram.observe adding to _sum and to the first bucket" in message
     assert "Counter.inc" not in message
+
+
+async def test_a_body_sent_with_its_head_is_queued_whole_with_its_end_when_the_app_starts():
+    """hypercorn's puts are made at once (`_TaskGroupPuttingAtOnce`): the app takes such a body
+    without waiting (`dataplane.asgi._read_body`)."""
+    seen: list[list[tuple[bytes, bool]]] = []
+
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        queued = []
+        while (message := queued_message(receive)) is not None:
+            queued.append((message["body"], message["more_body"]))
+        seen.append(queued)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    listening = listening_socket("127.0.0.1:0", "listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, app, listening, stopped))
+        request = b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 5\r\n\r\nhello"
+        answer = await exchange_until_closed(
+            port, request + request.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+        )
+        stopped.set()
+    assert answer.count(b"HTTP/1.1 204 ") == 2
+    assert seen == [[(b"hello", True), (b"", False)]] * 2
+
+
+def test_a_hypercorn_whose_task_group_hands_requests_over_otherwise_stops_the_gateway(monkeypatch):
+    async def spawn_app(self, app, config, scope, send):
+        return await self._queue(app, config, scope, send)
+
+    monkeypatch.setattr(TaskGroup, "spawn_app", spawn_app)
+    with pytest.raises(hypercorn_private.HypercornChanged) as raised:
+        hypercorn_private.check_private_surface()
+    assert str(raised.value).startswith(f"{HYPERCORN} is not the hypercorn Interlock was tested on")
+    assert "whose spawn_app returns a trio memory channel's send" in str(raised.value)
