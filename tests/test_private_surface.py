@@ -5,6 +5,8 @@ the 408 race, h2c, the HTTP/2 reset budget; tests/test_dataplane_asgi.py: bodies
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
 from importlib.metadata import version
 
@@ -28,6 +30,27 @@ from raw_http import exchange_until_closed
 HYPERCORN = f"hypercorn {version('hypercorn')}"
 
 
+async def _lifespan(receive, send) -> None:
+    while (await receive())["type"] != "lifespan.shutdown":
+        await send({"type": "lifespan.startup.complete"})
+    await send({"type": "lifespan.shutdown.complete"})
+
+
+@asynccontextmanager
+async def _served(app, **options) -> AsyncIterator[int]:
+    """`app` served by hypercorn as the gateway serves (`serve_on_socket`) while the block runs;
+    its port."""
+    listening = listening_socket("127.0.0.1:0", "listen")
+    port = listening.getsockname()[1]
+    stopped = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_on_socket, app, listening, stopped, **options))
+        try:
+            yield port
+        finally:
+            stopped.set()
+
+
 def test_the_installed_hypercorn_has_what_the_gateway_overrides_and_takes_its_classes():
     hypercorn_private.check_private_surface()
     assert hypercorn.protocol.H2Protocol is hypercorn_private._H2WithResetBudget
@@ -45,35 +68,6 @@ def test_a_hypercorn_without_an_overridden_method_stops_the_gateway_naming_its_v
     assert "H2Protocol" not in message
 
 
-async def test_hypercorn_gives_the_app_a_receive_whose_queued_messages_are_taken_without_waiting():
-    seen: list[tuple[bool, bytes]] = []
-
-    async def app(scope, receive, send) -> None:
-        if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            return await send({"type": "lifespan.shutdown.complete"})
-        await trio.testing.wait_all_tasks_blocked()  # the body, sent with the head, is queued by now
-        message = queued_message(receive)
-        seen.append((is_queue_receive(receive), message["body"] if message is not None else b""))
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
-
-    listening = listening_socket("127.0.0.1:0", "listen")
-    port = listening.getsockname()[1]
-    stopped = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_on_socket, app, listening, stopped))
-        request = b"POST / HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Length: 5\r\n\r\nhello"
-        answer = await exchange_until_closed(port, request)
-        stopped.set()
-    assert answer.startswith(b"HTTP/1.1 204 ")
-    assert seen == [(True, b"hello")], (
-        f"{HYPERCORN} no longer gives the app a trio memory channel's receive with the body queued: "
-        "see dataplane/hypercorn_receive.py"
-    )
-
-
 def test_a_hypercorn_whose_responses_bypass_the_overridden_send_stops_the_gateway(monkeypatch):
     async def stream_send(self, event) -> None:
         await self.send(event)
@@ -87,24 +81,17 @@ def test_a_hypercorn_whose_responses_bypass_the_overridden_send_stops_the_gatewa
 async def test_status_lines_carry_the_reason_phrase():
     async def app(scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            while (await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            return await send({"type": "lifespan.shutdown.complete"})
+            return await _lifespan(receive, send)
         status = int(scope["path"].strip("/"))
         await send({"type": "http.response.start", "status": status, "headers": [(b"x-kept", b"Yes")]})
         await send({"type": "http.response.body", "body": b""})
 
-    listening = listening_socket("127.0.0.1:0", "listen")
-    port = listening.getsockname()[1]
-    stopped = trio.Event()
     answers = {}
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_on_socket, app, listening, stopped))
+    async with _served(app) as port:
         for status in (200, 404, 503, 299):
             request = b"GET /%d HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n" % status
             answers[status] = await exchange_until_closed(port, request)
         answers["hypercorn's own"] = await exchange_until_closed(port, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
-        stopped.set()
     status_lines = {key: answer.partition(b"\r\n")[0] for key, answer in answers.items()}
     assert status_lines == {
         200: b"HTTP/1.1 200 OK",
@@ -143,12 +130,6 @@ def test_a_hypercorn_whose_connection_keeps_its_keep_alive_timeout_elsewhere_sto
     assert "TCPServer keeping its keep-alive timeout in idle_task" in str(raised.value)
 
 
-async def _lifespan(receive, send) -> None:
-    while (await receive())["type"] != "lifespan.shutdown":
-        await send({"type": "lifespan.startup.complete"})
-    await send({"type": "lifespan.shutdown.complete"})
-
-
 async def _answer(stream: trio.SocketStream, path: bytes) -> bytes:
     """One keep-alive request's answer (its body is `ok`)."""
     await stream.send_all(b"GET %s HTTP/1.1\r\nHost: gw\r\n\r\n" % path)
@@ -177,16 +158,12 @@ async def test_a_connection_stays_open_through_requests_longer_than_its_keep_ali
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    listening = listening_socket("127.0.0.1:0", "listen")
-    port = listening.getsockname()[1]
-    stopped = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_on_socket, app, listening, stopped, keep_alive_timeout=keep_alive))
-        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+    async with _served(app, keep_alive_timeout=keep_alive) as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
             for path in (b"/slow", b"/fast", b"/fast", b"/slow", b"/fast"):
                 assert (await _answer(stream, path)).startswith(b"HTTP/1.1 200 ")
             assert await _closed(stream)
-        stopped.set()
 
 
 async def test_a_server_ending_closes_its_idle_connections_at_once_and_a_busy_one_after_its_answer():
@@ -269,24 +246,23 @@ async def test_a_body_sent_with_its_head_is_queued_whole_with_its_end_when_the_a
         if scope["type"] == "lifespan":
             return await _lifespan(receive, send)
         queued = []
+        assert is_queue_receive(receive)
         while (message := queued_message(receive)) is not None:
             queued.append((message["body"], message["more_body"]))
         seen.append(queued)
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    listening = listening_socket("127.0.0.1:0", "listen")
-    port = listening.getsockname()[1]
-    stopped = trio.Event()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(partial(serve_on_socket, app, listening, stopped))
+    async with _served(app) as port:
         request = b"POST / HTTP/1.1\r\nHost: gw\r\nContent-Length: 5\r\n\r\nhello"
         answer = await exchange_until_closed(
             port, request + request.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
         )
-        stopped.set()
     assert answer.count(b"HTTP/1.1 204 ") == 2
-    assert seen == [[(b"hello", True), (b"", False)]] * 2
+    assert seen == [[(b"hello", True), (b"", False)]] * 2, (
+        f"{HYPERCORN} no longer gives the app a trio memory channel's receive with a body sent with its head "
+        "queued whole when the app starts: see dataplane/hypercorn_receive.py and interlock/hypercorn_private.py"
+    )
 
 
 def test_a_hypercorn_whose_task_group_hands_requests_over_otherwise_stops_the_gateway(monkeypatch):
