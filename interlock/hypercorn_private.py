@@ -224,6 +224,7 @@ class _TCPServerClosingOnce(TCPServer):
             self.send_lock.release()
 
     async def _close(self) -> None:
+        self.idle_task.end()
         if self.send_lock.locked():
             await self.stream.aclose()
             return
@@ -269,16 +270,17 @@ class _KeepAliveTimer:
     each time under a lock and by cancelling a task and starting another. Here one task waits
     while the connection goes from one request to the next: the end of an answer moves its
     deadline and the start of a request only marks the connection busy. The task ends when its
-    deadline finds the connection busy (hypercorn's would have been cancelled by then), so that a
-    connection that ends never waits for it longer than the timeout; the next idle spell starts
-    another."""
+    deadline finds the connection busy (hypercorn's would have been cancelled by then; the next
+    idle spell starts another), or when the server closes the connection (`end`): a connection
+    that ends never waits for it longer than the timeout, as with hypercorn's."""
 
-    __slots__ = ("_idle", "_scope", "_server")
+    __slots__ = ("_ended", "_idle", "_scope", "_server")
 
     def __init__(self, server: TCPServer) -> None:
         self._server = server
         self._scope: trio.CancelScope | None = None
         self._idle = False
+        self._ended = False
 
     async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
         """The connection is idle (its `action`, `TCPServer._idle_timeout`, is what `_run` does)."""
@@ -294,12 +296,18 @@ class _KeepAliveTimer:
         """The connection is busy: a request arrived."""
         self._idle = False
 
+    def end(self) -> None:
+        """The server is closing the connection."""
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
     async def _run(self) -> None:
         terminated = self._server.context.terminated
         while True:
             with self._scope as waiting:
                 await terminated.wait()
-            if not self._idle:
+            if self._ended or not self._idle:
                 break
             if terminated.is_set() or trio.current_time() >= waiting.deadline:
                 with trio.CancelScope(shield=True):
