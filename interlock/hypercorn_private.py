@@ -71,6 +71,11 @@ def check_private_surface() -> None:
             and "Response" in _global_names(H11Protocol.stream_send),
             "H11Protocol.stream_send sending its h11.Response through _send_h11_event",
         ),
+        (
+            any("reason" in getattr(cls, "__slots__", ()) for cls in h11.Response.__mro__)
+            and "__setattr__" in _global_names(h11.Response.__init__),
+            f"h11 {version('h11')}'s Response keeping its reason in a slot that its constructor sets",
+        ),
         _async_method(TCPServer, "_close"),
         (
             "send_eof" in _global_names(TCPServer._close) and "send_lock" in _global_names(TCPServer.protocol_send),
@@ -177,11 +182,9 @@ class _H11AsServed(H11Protocol):
     def _send_h11_event(self, event) -> Awaitable[None]:
         # A plain function returning hypercorn's coroutine: no frame of ours to resume per piece sent.
         if type(event) is h11.Response and not event.reason:
-            event = h11.Response(
-                status_code=event.status_code,
-                headers=event.headers,  # validated already: taken as it is
-                reason=_REASON_PHRASES.get(event.status_code, b""),
-            )
+            # The response hypercorn has just built for this send, given its reason as h11's own
+            # constructor sets its fields (h11's events refuse plain assignment).
+            object.__setattr__(event, "reason", _REASON_PHRASES.get(event.status_code, b""))
         return super()._send_h11_event(event)
 
 
