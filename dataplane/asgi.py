@@ -244,23 +244,17 @@ async def _read_body(receive, declared_length: int | None, config: ConfigView) -
     than the limit, REQUEST_TIMEOUT when it takes longer than the body timeout in all or the
     idle timeout between two pieces.
 
-    A whole body already queued by hypercorn (most bodies, which come with their head; their
-    end is queued once hypercorn's task runs again) is taken without waiting, and only a body
-    still arriving is read in a cancel scope with the deadlines (a scope costs more than the
-    rest of this)."""
+    A whole body already queued by hypercorn (most bodies, which come with their head, and
+    their end with them: `interlock.hypercorn_private`) is taken without waiting, and only a
+    body still arriving is read in a cancel scope with the deadlines (a scope costs more than
+    the rest of this)."""
     if declared_length is not None and declared_length > config.body_limit:
         return REQUEST_TOO_LARGE
     pieces: list[bytes] = []
-    yielded = False
     while True:  # hypercorn queues at most a few
         message = queued_message(receive)
         if message is None:
-            if not pieces or yielded:
-                return await _read_rest(receive, pieces, config)
-            # hypercorn queues a body's end right after its data, once it runs again: let it.
-            yielded = True
-            await trio.lowlevel.checkpoint()
-            continue
+            return await _read_rest(receive, pieces, config)
         if message["type"] != "http.request":
             raise _ClientLeft
         if message["body"]:

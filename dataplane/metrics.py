@@ -16,6 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from quart import Response
 from quart_trio import QuartTrio
 
+from dataplane.prometheus_private import Observer, Value, value_of
 from dataplane.quart_apps import new_quart_app
 
 GO_DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -30,11 +31,13 @@ class RequestMetrics:
         def counter(name: str, help_text: str, *labels: str) -> _Children:
             return _Children(Counter(name, help_text, labels, registry=registry))
 
-        self._duration = Histogram(
-            "gateway_request_duration_seconds",
-            "Request duration in seconds",
-            buckets=GO_DEFAULT_BUCKETS,
-            registry=registry,
+        self._duration = Observer(
+            Histogram(
+                "gateway_request_duration_seconds",
+                "Request duration in seconds",
+                buckets=GO_DEFAULT_BUCKETS,
+                registry=registry,
+            )
         )
         self._requests = counter("gateway_requests_total", "Total requests by model and status", "model", "status")
         self._path_requests = counter(
@@ -154,55 +157,55 @@ class RequestMetrics:
         """A request's final outcome: its duration and its status, each recorded once; `path` is
         one of `dataplane.endpoints.ROUTED_PATHS` (the label stays bounded)."""
         self._duration.observe(seconds)
-        self._requests(model, status).inc()
-        self._path_requests(path, status).inc()
+        self._requests(model, status).inc(1)
+        self._path_requests(path, status).inc(1)
 
     def attempt(self, model: str, status: int) -> None:
         """One proxy attempt: the node's status, or 502 for an attempt that failed."""
-        self._attempts(model, status).inc()
+        self._attempts(model, status).inc(1)
 
     def picked(self, policy: str) -> None:
         """A node chosen under `policy` (one of the config's POLICIES: the label stays bounded)."""
-        self._picks(policy).inc()
+        self._picks(policy).inc(1)
 
     def node_attempt_started(self, node: str) -> None:
-        self._node_in_flight(node).inc()
+        self._node_in_flight(node).inc(1)
 
     def node_attempt_ended(self, node: str) -> None:
         """An attempt on `node` is over (whether or not it is counted: see `node_attempt`)."""
-        self._node_in_flight(node).dec()
+        self._node_in_flight(node).inc(-1)
 
     def node_attempt(self, node: str, status: int, seconds: float) -> None:
         """One attempt on `node` counted, as `attempt` counts it by model."""
-        self._node_requests(node, status).inc()
+        self._node_requests(node, status).inc(1)
         self._node_duration(node).observe(seconds)
 
     def leg_attempt(self, leg: str, outcome: str) -> None:
         """One attempt of a disaggregated request's `leg` ended with `outcome` (an AttemptOutcome)."""
-        self._leg_attempts(leg, outcome).inc()
+        self._leg_attempts(leg, outcome).inc(1)
 
     def retried(self, node: str) -> None:
-        self._node_retries(node).inc()
+        self._node_retries(node).inc(1)
 
     def passthrough(self, model: str, reason: str) -> None:
-        self._passthrough(model, reason).inc()
+        self._passthrough(model, reason).inc(1)
 
     def client_write_failure(self, model: str) -> None:
-        self._client_write_failures(model).inc()
+        self._client_write_failures(model).inc(1)
 
     def truncated(self, node: str) -> None:
         """A committed response cut short by node `node` (its IP: the label stays bounded by the config)."""
-        self._truncated(node).inc()
+        self._truncated(node).inc(1)
 
     def admission_admitted(self, tenant: str, priority: int) -> None:
         """Labels from the config: a configured tenant's name and a configured priority."""
-        self._admitted(tenant, priority).inc()
+        self._admitted(tenant, priority).inc(1)
 
     def admission_tokens(self, tenant: str, priority: int, tokens: int) -> None:
         self._admitted_tokens(tenant, priority).inc(tokens)
 
     def admission_refused(self, tenant: str, priority: int, limit: str) -> None:
-        self._refused(tenant, priority, limit).inc()
+        self._refused(tenant, priority, limit).inc(1)
 
     def admission_queued(self, tenant: str, priority: int, change: int) -> None:
         """A request joined the admission queue (1) or left it (-1)."""
@@ -218,18 +221,22 @@ class RequestMetrics:
 
 class _Children:
     """A labelled metric's children by their label values as the caller has them (a status as
-    an int): prometheus_client's own `.labels()` lookup validates and converts on every call."""
+    an int): prometheus_client's own `.labels()` lookup validates and converts on every call.
+    A counter's or gauge's child is kept as its value, a histogram's as its `Observer`
+    (`dataplane.prometheus_private`: no checks repeated on each update)."""
 
     __slots__ = ("_metric", "_children")
 
     def __init__(self, metric: MetricWrapperBase) -> None:
         self._metric = metric
-        self._children: dict[tuple, MetricWrapperBase] = {}
+        self._children: dict[tuple, Value | Observer] = {}
 
-    def __call__(self, *labels: str | int) -> MetricWrapperBase:
+    def __call__(self, *labels: str | int) -> Value | Observer:
         child = self._children.get(labels)
         if child is None:
-            child = self._children[labels] = self._metric.labels(*(str(label) for label in labels))
+            labelled = self._metric.labels(*(str(label) for label in labels))
+            child = Observer(labelled) if isinstance(labelled, Histogram) else value_of(labelled)
+            self._children[labels] = child
         return child
 
 

@@ -1,6 +1,6 @@
 """Everything the gateway does with hypercorn beyond its public API, fenced in one module.
 
-Three of hypercorn's classes are replaced by subclasses that override private methods, and
+Four of hypercorn's classes are replaced by subclasses that override private methods, and
 hypercorn offers no way to choose them: it looks them up by name in its own modules, so this
 module assigns them there, for the whole process, when it is imported. What they rely on is
 checked at the same moment (`check_private_surface`): a hypercorn whose private names or
@@ -22,11 +22,15 @@ import h11
 import hypercorn.protocol
 import hypercorn.trio
 import hypercorn.trio.run
+import hypercorn.trio.tcp_server
+import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h2 import H2Protocol
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import TrioSingleTask
 
 HTTP2_RESETS_PER_CONNECTION = 100
 """Streams an HTTP/2 client may reset on one connection; the next reset ends it with GOAWAY."""
@@ -67,10 +71,42 @@ def check_private_surface() -> None:
             and "Response" in _global_names(H11Protocol.stream_send),
             "H11Protocol.stream_send sending its h11.Response through _send_h11_event",
         ),
+        (
+            any("reason" in getattr(cls, "__slots__", ()) for cls in h11.Response.__mro__)
+            and "__setattr__" in _global_names(h11.Response.__init__),
+            f"h11 {version('h11')}'s Response keeping its reason in a slot that its constructor sets",
+        ),
         _async_method(TCPServer, "_close"),
         (
             "send_eof" in _global_names(TCPServer._close) and "send_lock" in _global_names(TCPServer.protocol_send),
             "TCPServer._close ending the stream with send_eof, TCPServer.protocol_send sending under send_lock",
+        ),
+        _async_method(TCPServer, "protocol_send", "event"),
+        (
+            {"RawData", "send_lock", "CancelScope", "shield", "send_all", "data", "BrokenResourceError", "Closed"}
+            <= _global_names(TCPServer.protocol_send),
+            "TCPServer.protocol_send sending RawData with send_all under send_lock, shielded, handling Closed",
+        ),
+        _async_method(TrioSingleTask, "restart", "task_group", "action"),
+        _async_method(TrioSingleTask, "stop"),
+        (
+            {"TrioSingleTask", "idle_task"} <= _global_names(TCPServer.__init__)
+            and {"idle_task", "restart", "_idle_timeout"} <= _global_names(TCPServer.run)
+            and {"idle_task", "restart", "stop", "_idle_timeout"} <= _global_names(TCPServer.protocol_send),
+            "TCPServer keeping its keep-alive timeout in idle_task, a TrioSingleTask restarted with _idle_timeout",
+        ),
+        _async_method(TCPServer, "_idle_timeout"),
+        (
+            {"keep_alive_timeout", "terminated", "_initiate_server_close"} <= _global_names(TCPServer._idle_timeout),
+            "TCPServer._idle_timeout waiting keep_alive_timeout or the server's end, then _initiate_server_close",
+        ),
+        _async_method(TCPServer, "_initiate_server_close"),
+        (callable(getattr(TaskGroup, "spawn", None)), "hypercorn.trio.task_group.TaskGroup.spawn"),
+        _async_method(TaskGroup, "spawn_app", "app", "config", "scope", "send"),
+        (
+            {"open_memory_channel", "send"} <= _global_names(TaskGroup.spawn_app)
+            and "TaskGroup" in _global_names(TCPServer.run),
+            "TCPServer.run making its TaskGroup by module global, whose spawn_app returns a trio memory channel's send",
         ),
         (
             {"H2Protocol", "H11Protocol"} <= _global_names(hypercorn.protocol.ProtocolWrapper.__init__)
@@ -146,11 +182,9 @@ class _H11AsServed(H11Protocol):
     def _send_h11_event(self, event) -> Awaitable[None]:
         # A plain function returning hypercorn's coroutine: no frame of ours to resume per piece sent.
         if type(event) is h11.Response and not event.reason:
-            event = h11.Response(
-                status_code=event.status_code,
-                headers=event.headers,  # validated already: taken as it is
-                reason=_REASON_PHRASES.get(event.status_code, b""),
-            )
+            # The response hypercorn has just built for this send, given its reason as h11's own
+            # constructor sets its fields (h11's events refuse plain assignment).
+            object.__setattr__(event, "reason", _REASON_PHRASES.get(event.status_code, b""))
         return super()._send_h11_event(event)
 
 
@@ -158,7 +192,8 @@ _REASON_PHRASES = {status.value: status.phrase.encode("ascii") for status in htt
 
 
 class _TCPServerClosingOnce(TCPServer):
-    """hypercorn's connection (trio), whose close never meets a send.
+    """hypercorn's connection (trio), whose close never meets a send, with a cheaper keep-alive
+    timeout (`_KeepAliveTimer`).
 
     hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
     by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) could meet
@@ -166,10 +201,33 @@ class _TCPServerClosingOnce(TCPServer):
     connection (a traceback per connection, or the end of `serve_listeners` and the process).
     Here the close takes the send lock: a send waiting for it then finds the stream closed,
     which hypercorn takes as a client gone. With a send in progress, the close only closes the
-    stream, which wakes that send the same way (as hypercorn does when `send_eof` fails). The
-    sends themselves are hypercorn's, with nothing added to each."""
+    stream, which wakes that send the same way (as hypercorn does when `send_eof` fails).
+
+    A send takes a free lock without trio's `Lock.acquire`, which lets every other task run
+    first even when the lock is free: the stream's `send_all` does that once already, and each
+    turn resumes the whole chain of the app's frames. Otherwise the sends are hypercorn's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.idle_task = _KeepAliveTimer(self)
+
+    async def protocol_send(self, event: Event) -> None:
+        if type(event) is not RawData or self.send_lock.locked():
+            return await super().protocol_send(event)
+        if not event.data:  # the end of a body of known length: nothing to send
+            return await trio.lowlevel.checkpoint_if_cancelled()
+        await trio.lowlevel.checkpoint_if_cancelled()  # as `Lock.acquire` does
+        self.send_lock.acquire_nowait()
+        try:
+            with trio.CancelScope(shield=True):
+                await self.stream.send_all(event.data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
+        finally:
+            self.send_lock.release()
 
     async def _close(self) -> None:
+        self.idle_task.end()
         if self.send_lock.locked():
             await self.stream.aclose()
             return
@@ -180,7 +238,91 @@ class _TCPServerClosingOnce(TCPServer):
             self.send_lock.release()
 
 
+class _TaskGroupPuttingAtOnce(TaskGroup):
+    """hypercorn's task group of a connection (trio), whose requests' messages are queued for the
+    app at once while the queue has room: a trio channel's `send` lets every other task run
+    first, which, a request's body, its end and the client's leaving each time, resumes the
+    connection's whole chain of frames; so a body that comes with its head is all queued, its
+    end too, when the app starts (`dataplane.asgi._read_body` takes it without waiting)."""
+
+    async def spawn_app(self, app, config, scope, send) -> Callable[[dict], Awaitable[None]]:
+        put = await super().spawn_app(app, config, scope, send)
+        channel = getattr(put, "__self__", None)
+        if not isinstance(channel, trio.MemorySendChannel):
+            raise HypercornChanged(
+                f"hypercorn {version('hypercorn')} is not the hypercorn Interlock was tested on (see pyproject.toml): "
+                "expected TaskGroup.spawn_app returning a trio memory channel's send"
+            )
+
+        async def put_at_once(message: dict) -> None:
+            await trio.lowlevel.checkpoint_if_cancelled()  # as the channel's `send` does
+            try:
+                channel.send_nowait(message)
+            except trio.WouldBlock:
+                await channel.send(message)
+
+        return put_at_once
+
+
+class _KeepAliveTimer:
+    """A connection's keep-alive timeout, in place of hypercorn's `TrioSingleTask` as the
+    connection's `idle_task`, with the same effect: a connection idle for the keep-alive timeout,
+    or idle while the server ends, is closed (`TCPServer._idle_timeout`).
+
+    hypercorn stops the timeout when a request arrives and restarts it when the answer is over,
+    each time under a lock and by cancelling a task and starting another. Here one task waits
+    while the connection goes from one request to the next: the end of an answer moves its
+    deadline and the start of a request only marks the connection busy. The task ends when its
+    deadline finds the connection busy (hypercorn's would have been cancelled by then; the next
+    idle spell starts another), or when the server closes the connection (`end`): a connection
+    that ends never waits for it longer than the timeout, as with hypercorn's."""
+
+    __slots__ = ("_ended", "_idle", "_scope", "_server")
+
+    def __init__(self, server: TCPServer) -> None:
+        self._server = server
+        self._scope: trio.CancelScope | None = None
+        self._idle = False
+        self._ended = False
+
+    async def restart(self, task_group: TaskGroup, action: Callable[[], Awaitable[None]]) -> None:
+        """The connection is idle (its `action`, `TCPServer._idle_timeout`, is what `_run` does)."""
+        self._idle = True
+        deadline = trio.current_time() + self._server.config.keep_alive_timeout
+        if self._scope is None:
+            self._scope = trio.CancelScope(deadline=deadline)
+            task_group.spawn(self._run)
+        else:
+            self._scope.deadline = deadline
+
+    async def stop(self) -> None:
+        """The connection is busy: a request arrived."""
+        self._idle = False
+
+    def end(self) -> None:
+        """The server is closing the connection."""
+        self._ended = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _run(self) -> None:
+        terminated = self._server.context.terminated
+        while True:
+            with self._scope as waiting:
+                await terminated.wait()
+            if self._ended or not self._idle:
+                break
+            if terminated.is_set() or trio.current_time() >= waiting.deadline:
+                with trio.CancelScope(shield=True):
+                    await self._server._initiate_server_close()
+                break
+            # The deadline passed in a request, and the answer, over since, moved it on.
+            self._scope = trio.CancelScope(deadline=waiting.deadline)
+        self._scope = None
+
+
 check_private_surface()
 hypercorn.protocol.H2Protocol = _H2WithResetBudget
 hypercorn.protocol.H11Protocol = _H11AsServed
 hypercorn.trio.run.TCPServer = _TCPServerClosingOnce
+hypercorn.trio.tcp_server.TaskGroup = _TaskGroupPuttingAtOnce
