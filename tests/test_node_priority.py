@@ -7,23 +7,52 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import httpx
 import trio
 
 from fixtures.node import SimulatedNode
 
-from harness import chat, completions_to, node_specs, nodes_and_gateway, tenants_toml
+from harness import Gateway, chat, completions_to, node_specs, nodes_and_gateway, tenants_toml
 
 LOW = {"name": "low", "api_keys": ["key-low"], "priority": 0}
 HIGH = {"name": "high", "api_keys": ["key-high"], "priority": 10}
+HELD = {"tpot": 0.5, "tokens": 1000, "max_running": 1}
+"""One place in the batch, and streams that last as long as a test holds them."""
 
 
-def priority_nodes(count: int, **behaviour):
-    return [dataclasses.replace(spec, scheduling_policy="priority") for spec in node_specs(count, **behaviour)]
+@asynccontextmanager
+async def priority_node_gateway(tmp_path: Path, **behaviour) -> AsyncIterator[tuple[SimulatedNode, Gateway]]:
+    """One node with priority scheduling (and `behaviour`), so configured, behind a gateway
+    with the tenants LOW and HIGH."""
+    [spec] = node_specs(1, **behaviour)
+    async with nodes_and_gateway(
+        tmp_path,
+        [dataclasses.replace(spec, scheduling_policy="priority")],
+        node_settings={"n1": {"scheduling": "priority"}},
+        extra=tenants_toml(LOW, HIGH),
+    ) as ([node], gateway):
+        await gateway.discovered()
+        yield node, gateway
 
 
-async def post(gateway, key: str, body: dict) -> httpx.Response:
+@asynccontextmanager
+async def running_stream(gateway: Gateway, key: str) -> AsyncIterator[AsyncIterator[bytes]]:
+    """A long stream of tenant `key` through the gateway, once its first token came (it runs on
+    the node); its client leaves when the block ends."""
+    headers = {"Authorization": f"Bearer {key}"}
+    body = chat(stream=True, max_tokens=1000)
+    async with gateway.http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as stream:
+        assert stream.status_code == 200
+        pieces = stream.aiter_raw()  # kept: a collected iterator would close the stream
+        await pieces.__anext__()
+        yield pieces
+
+
+async def post(gateway: Gateway, key: str, body: dict) -> httpx.Response:
     return await gateway.http.post(
         gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
     )
@@ -34,14 +63,7 @@ def last_body(node: SimulatedNode) -> dict:
 
 
 async def test_a_priority_node_gets_the_negated_tenant_priority_and_a_client_may_lower_it_but_not_raise_it(tmp_path):
-    async with nodes_and_gateway(
-        tmp_path,
-        priority_nodes(1),
-        node_settings={"n1": {"scheduling": "priority"}},
-        extra=tenants_toml(LOW, HIGH),
-    ) as (nodes, gateway):
-        await gateway.discovered()
-        [node] = nodes
+    async with priority_node_gateway(tmp_path) as (node, gateway):
         sent = chat(max_tokens=2, temperature=0.5)
         cases = [
             ("key-high", {}, -10),  # the tenant's priority, negated
@@ -70,20 +92,8 @@ async def test_a_node_without_priority_scheduling_gets_the_body_as_it_was(tmp_pa
 async def test_on_a_full_priority_node_a_higher_priority_request_preempts_a_running_lower_one(tmp_path):
     # One place in the node's batch, held by a low-priority stream that lasts as long as the
     # test holds it: the high-priority request is answered while that stream still runs.
-    async with nodes_and_gateway(
-        tmp_path,
-        priority_nodes(1, tpot=0.5, tokens=1000, max_running=1),
-        node_settings={"n1": {"scheduling": "priority"}},
-        extra=tenants_toml(LOW, HIGH),
-    ) as (nodes, gateway):
-        await gateway.discovered()
-        [node] = nodes
-        headers = {"Authorization": "Bearer key-low"}
-        body = chat(stream=True, max_tokens=1000)
-        async with gateway.http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as low:
-            assert low.status_code == 200
-            pieces = low.aiter_raw()
-            await pieces.__anext__()  # the first token: the low stream runs, the batch is full
+    async with priority_node_gateway(tmp_path, **HELD) as (node, gateway):
+        async with running_stream(gateway, "key-low") as pieces:  # the batch is full
             with trio.fail_after(10):  # without preemption it would wait for the low stream's end
                 high = await post(gateway, "key-high", chat(max_tokens=1))
             assert high.status_code == 200
@@ -95,14 +105,7 @@ async def test_on_a_full_priority_node_a_higher_priority_request_preempts_a_runn
 
 
 async def test_a_priority_node_runs_waiting_requests_by_priority_then_arrival(tmp_path):
-    async with nodes_and_gateway(
-        tmp_path,
-        priority_nodes(1, tpot=0.5, tokens=1000, max_running=1),
-        node_settings={"n1": {"scheduling": "priority"}},
-        extra=tenants_toml(LOW, HIGH),
-    ) as (nodes, gateway):
-        await gateway.discovered()
-        [node] = nodes
+    async with priority_node_gateway(tmp_path, **HELD) as (node, gateway):
         served: list[str] = []
 
         async def request(name: str, key: str) -> None:
@@ -110,12 +113,8 @@ async def test_a_priority_node_runs_waiting_requests_by_priority_then_arrival(tm
             assert response.status_code == 200
             served.append(name)
 
-        headers = {"Authorization": "Bearer key-high"}
-        body = chat(stream=True, max_tokens=1000)
         async with trio.open_nursery() as nursery:
-            async with gateway.http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as held:
-                pieces = held.aiter_raw()
-                await pieces.__anext__()  # a high stream holds the only place: nothing preempts it
+            async with running_stream(gateway, "key-high"):  # the only place: nothing preempts it
                 for number, (name, key) in enumerate(
                     [("low-1", "key-low"), ("low-2", "key-low"), ("high-1", "key-high")], start=2
                 ):
