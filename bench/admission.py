@@ -22,7 +22,9 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
 - `admission, B above A, node priority scheduling`: B above A, no headroom, the nodes run
   with vLLM's `--scheduling-policy priority` and `scheduling = "priority"` in the gateway's
   `[[nodes]]`: each request carries its tenant's priority to the node, whose scheduler runs B's
-  first and preempts one of A's for it when the batch is full.
+  first and preempts one of A's for it when the batch is full. Then the same with
+  `priority_headroom` 1 and the nodes' `max_in_flight` one higher: A still fills the batch and
+  the node's queue as before, and the place kept carries B's request to the node, which preempts.
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -209,7 +211,9 @@ def run(
         table = ADMISSION | ({"priority_headroom": headroom} if headroom else {})
         tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in table.items())
         tables += tenants_table(priorities)
-        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1, "scheduling": scheduling}
+        # On a priority node the headroom comes on top: A keeps what it has, B gets to the node.
+        extra_place = headroom if scheduling == "priority" else 0
+        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1 + extra_place, "scheduling": scheduling}
     gateway = start_gateway(
         processes,
         folder,
@@ -467,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         plan += [(f"admission, B above A, headroom {n}", flood, {"A": 0, "B": 1}, n, "fcfs") for n in HEADROOMS]
         plan.append(("admission, B above A, node priority scheduling", flood, {"A": 0, "B": 1}, 0, "priority"))
+        plan.append(("admission, B above A, node priority scheduling, headroom 1", flood, {"A": 0, "B": 1}, 1, "priority"))
         for name, requests, priorities, headroom, scheduling in plan:
             if scheduling != node_scheduling:
                 for node in nodes:
