@@ -19,6 +19,12 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
   priority_headroom = N`, so A, below the top priority, fills at most `max_in_flight` - N places
   of a node and B's requests find a place free at once rather than after the next request ends.
   Its tokens served against the run without admission's is what the headroom costs.
+- `admission, B above A, node priority scheduling`: B above A, no headroom, the nodes run
+  with vLLM's `--scheduling-policy priority` and `scheduling = "priority"` in the gateway's
+  `[[nodes]]`: each request carries its tenant's priority to the node, whose scheduler runs B's
+  first and preempts one of A's for it when the batch is full. Then the same with
+  `priority_headroom` 1 and the nodes' `max_in_flight` one higher: A still fills the batch and
+  the node's queue as before, and the place kept carries B's request to the node, which preempts.
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -193,6 +199,7 @@ def run(
     *,
     priorities: dict[str, int] | None = None,
     headroom: int = 0,
+    scheduling: str = "fcfs",
 ) -> dict:
     """A fresh gateway over the nodes, `requests` through it: with `priorities`, A and B are
     tenants of those priorities and the queue is on (with `headroom` as its `priority_headroom`);
@@ -204,7 +211,9 @@ def run(
         table = ADMISSION | ({"priority_headroom": headroom} if headroom else {})
         tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in table.items())
         tables += tenants_table(priorities)
-        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1}
+        # On a priority node the headroom comes on top: A keeps what it has, B gets to the node.
+        extra_place = headroom if scheduling == "priority" else 0
+        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1 + extra_place, "scheduling": scheduling}
     gateway = start_gateway(
         processes,
         folder,
@@ -332,6 +341,16 @@ def _ms(ordered: list[float], fraction: float) -> float | None:
 # --- targets and output -----------------------------------------------------------------------
 
 
+def start_nodes(processes: Processes, count: int, scheduling: str) -> list[SimulatedNodeProcess]:
+    """The run's simulated nodes with the load model, of vLLM's `scheduling` policy."""
+    nodes = start_simulated_nodes(
+        processes, count, MODEL, ttft=TTFT, tpot=TPOT, tokens=TOKENS, scheduling_policy=scheduling
+    )
+    for node in nodes:
+        httpx.post(node.url + "/_control", json=NODE_LOAD, trust_env=False).raise_for_status()
+    return nodes
+
+
 def evaluate(runs: dict[str, dict]) -> list[dict]:
     """The issue's targets for each admission run, PASS or MISS."""
     idle = runs["idle"]["tenants"]["B"]["ttft_p99_ms"]
@@ -442,17 +461,23 @@ def main(argv: list[str] | None = None) -> int:
     results["notes"] = [note for note in notes if note]
     runs: dict[str, dict] = {}
     with Processes(logs) as processes:
-        nodes = start_simulated_nodes(processes, args.nodes, MODEL, ttft=TTFT, tpot=TPOT, tokens=TOKENS)
-        for node in nodes:
-            httpx.post(node.url + "/_control", json=NODE_LOAD, trust_env=False).raise_for_status()
-        plan: list[tuple[str, list, dict[str, int] | None, int]] = [
-            ("idle", alone, None, 0),
-            ("no admission", flood, None, 0),
-            ("admission, equal priorities", flood, {"A": 0, "B": 0}, 0),
-            ("admission, B above A", flood, {"A": 0, "B": 1}, 0),
+        node_scheduling = "fcfs"
+        nodes = start_nodes(processes, args.nodes, node_scheduling)
+        plan: list[tuple[str, list, dict[str, int] | None, int, str]] = [
+            ("idle", alone, None, 0, "fcfs"),
+            ("no admission", flood, None, 0, "fcfs"),
+            ("admission, equal priorities", flood, {"A": 0, "B": 0}, 0, "fcfs"),
+            ("admission, B above A", flood, {"A": 0, "B": 1}, 0, "fcfs"),
         ]
-        plan += [(f"admission, B above A, headroom {n}", flood, {"A": 0, "B": 1}, n) for n in HEADROOMS]
-        for name, requests, priorities, headroom in plan:
+        plan += [(f"admission, B above A, headroom {n}", flood, {"A": 0, "B": 1}, n, "fcfs") for n in HEADROOMS]
+        plan.append(("admission, B above A, node priority scheduling", flood, {"A": 0, "B": 1}, 0, "priority"))
+        plan.append(("admission, B above A, node priority scheduling, headroom 1", flood, {"A": 0, "B": 1}, 1, "priority"))
+        for name, requests, priorities, headroom, scheduling in plan:
+            if scheduling != node_scheduling:
+                for node in nodes:
+                    processes.stop(node.process)
+                node_scheduling = scheduling
+                nodes = start_nodes(processes, args.nodes, node_scheduling)
             duration = args.idle_duration if name == "idle" else args.duration
             runs[name] = run(
                 name,
@@ -464,6 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                 logs,
                 priorities=priorities,
                 headroom=headroom,
+                scheduling=scheduling,
             )
             print(f"{name}: done", file=sys.stderr, flush=True)
         token = token_run(args.token_window, nodes, processes, logs) if args.token_window > 0 else None

@@ -212,9 +212,11 @@ def start_simulated_nodes(
     tpot: float,
     tokens: int,
     roles: Sequence[str] = (),
+    scheduling_policy: str = "fcfs",
 ) -> list[SimulatedNodeProcess]:
     """`count` simulated nodes n1, n2, … on 127.0.0.2, 127.0.0.3, …, each a process answering
-    its /health; `roles` are the first nodes' disaggregation roles (the others: both)."""
+    its /health; `roles` are the first nodes' disaggregation roles (the others: both);
+    `scheduling_policy` as vLLM's."""
     nodes = []
     for index in range(count):
         host = f"127.0.0.{index + 2}"
@@ -223,7 +225,7 @@ def start_simulated_nodes(
             sys.executable, "-m", "fixtures.node", "--host", host, "--base-port", str(port),
             "--metrics-base-port", str(metrics_port), "--name-prefix", f"n{index + 1}-", "--models", model,
             "--ttft", str(ttft), "--tpot", str(tpot), "--tokens", str(tokens),
-            "--role", roles[index] if index < len(roles) else "both",
+            "--role", roles[index] if index < len(roles) else "both", "--scheduling-policy", scheduling_policy,
         ]  # fmt: skip
         process = processes.start(f"node-{index + 1}", argv, cores=None, cwd=PROJECT_ROOT)
         wait_until_healthy(host, port, process)

@@ -52,6 +52,7 @@ from events.config import (
     LOG_LEVELS,
     POLICIES,
     ROLES,
+    SCHEDULING,
     AdmissionConfig,
     Config,
     FleetConfig,
@@ -583,6 +584,11 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
         if node.role not in ROLES:
             raise invalid(
                 f"nodes[{index}].role", f"role must be one of {', '.join(ROLES)} (got {go_quote(node.role)})"
+            )
+        if node.scheduling not in SCHEDULING:
+            raise invalid(
+                f"nodes[{index}].scheduling",
+                f"scheduling must be one of {', '.join(SCHEDULING)} (got {go_quote(node.scheduling)})",
             )
         for key in ("vllm_port", "metrics_port"):
             port = getattr(node, key)

@@ -47,7 +47,7 @@ class Ticket:
     __slots__ = (
         "tenant", "priority", "fairness_id", "verdict", "refused_by", "refused_state", "queued_ms",
         "saturated_seq", "headroom", "taken", "admitted", "tokens_reserved", "tokens_used", "tap", "headers", "_quota",
-        "_metrics",
+        "_metrics", "_prioritized",
     )  # fmt: skip
 
     def __init__(self, tenant: TenantView, priority: int, fairness_id: str, quota: Quota, metrics: RequestMetrics):
@@ -70,6 +70,16 @@ class Ticket:
         """OpenAI's `x-ratelimit-*` headers, for a limited tenant's every answer."""
         self._quota = quota
         self._metrics = metrics
+        self._prioritized: tuple[bytes, bytes] | None = None
+        """The last body given to `prioritized` and what it made of it."""
+
+    def prioritized(self, body: bytes) -> bytes:
+        """`body` for a node with priority scheduling (`with_priority`), rewritten once per body
+        however many attempts go to such nodes."""
+        done = self._prioritized
+        if done is None or done[0] is not body:
+            done = self._prioritized = (body, with_priority(body, self.priority))
+        return done[1]
 
     def queue_outcome(self, outcome: QueueOutcome) -> None:
         """What the gateway's queue made of the request past its tenant's limits: queued for a
@@ -309,6 +319,23 @@ def with_include_usage(body: bytes) -> bytes | None:
         return None
     option_members["include_usage"] = msgspec.Raw(b"true")
     members["stream_options"] = msgspec.Raw(_encode(option_members))
+    return _encode(members)
+
+
+def with_priority(body: bytes, priority: int) -> bytes:
+    """The body with vLLM's `priority` member set to the negated admission `priority` (vLLM
+    handles lower values first), every other member's bytes kept. A client's own integer
+    `priority` stays when it is not ahead of that: a client may lower its priority, never raise
+    it. A body that is not a JSON object goes as it is (the node answers it)."""
+    try:
+        members = _decode_members.decode(body)
+        asked = msgspec.json.decode(members["priority"]) if "priority" in members else None
+    except (msgspec.DecodeError, RecursionError):
+        return body
+    node_priority = -priority
+    if type(asked) is int and asked >= node_priority:
+        return body
+    members["priority"] = msgspec.Raw(_encode(node_priority))
     return _encode(members)
 
 

@@ -375,7 +375,10 @@ class Proxy:
         try:
             with trio.move_on_after(self._response_header_timeout) as waiting:
                 try:
-                    upstream = await self._request(exchange, node, exchange.body)
+                    body = exchange.body
+                    if node.ip in config.priority_scheduled:
+                        body = ledger.ticket.prioritized(body)
+                    upstream = await self._request(exchange, node, body)
                 except Exception as error:
                     return self._failed(exchange, error)
                 if exchange.stream:

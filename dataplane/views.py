@@ -58,6 +58,8 @@ class ConfigView:
         """Every accepted client key's digest with its tenant; () when no key is needed."""
         self.admission = config.admission
         self.max_in_flight = {node.ip: node.max_in_flight for node in config.nodes if node.max_in_flight is not None}
+        self.priority_scheduled = frozenset(node.ip for node in config.nodes if node.scheduling == "priority")
+        """The nodes sent each request's admission priority (`NodeConfig.scheduling`)."""
         self.health_open = not gateway.health_requires_api_key
         self.health_hides_errors = gateway.health_hides_errors
         self.health_shows_load = config.load_scrape_interval() > 0

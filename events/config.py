@@ -188,7 +188,14 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     max_in_flight: int | None = None
     """The admission queue: the node counts as saturated while this gateway process has this many
     requests in flight to it (`AdmissionConfig`); None = no such bound. Needs the queue on."""
+    scheduling: str = "fcfs"
+    """One of SCHEDULING, as the node's vLLM `--scheduling-policy`: "priority" = the gateway sends
+    each request's admission priority in the body's `priority` member (negated: vLLM handles lower
+    values first), so the node admits and preempts by it."""
 
+
+SCHEDULING = ("fcfs", "priority")
+"""A node's `scheduling`: vLLM's `--scheduling-policy`."""
 
 ROLES = ("both", "prefill", "decode")
 """A node's `role`: whole requests (and either leg), the prefill leg only, the decode leg only."""

@@ -192,6 +192,11 @@ def test_empty_node_ip_is_not_validated(tmp_path: Path) -> None:
         ),
         (ONE_NODE + "vllm_port = 70000\n", "nodes[0].vllm_port", "vllm_port must be between 1 and 65535 (got 70000)"),
         (
+            ONE_NODE + 'scheduling = "lifo"\n',
+            "nodes[0].scheduling",
+            'scheduling must be one of fcfs, priority (got "lifo")',
+        ),
+        (
             ONE_NODE + "metrics_port = -1\n",
             "nodes[0].metrics_port",
             "metrics_port must be between 1 and 65535 (got -1)",
@@ -673,6 +678,7 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "client_certificate": "",
         "client_key": "",
         "max_in_flight": None,
+        "scheduling": "fcfs",
     }
     assert msgspec.convert(builtins, Config) == config
     assert msgspec.convert(msgspec.json.decode(msgspec.json.encode(builtins)), Config) == config
