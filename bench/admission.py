@@ -1,7 +1,7 @@
 """Admission under a flood: does one tenant flooding the cluster raise another's time to first token?
 
     python -m bench.admission [--duration 20] [--idle-duration 8] [--grace 8] [--nodes 2]
-        [--seed 1] [--out DIR]
+        [--token-window 60] [--only TEXT] [--seed 1] [--out DIR]
 
 Simulated nodes (`fixtures.node`, each its own process) with the load model: at most
 NODE_LOAD["max_running"] requests in the batch, the others in the node's queue (vLLM's). The
@@ -22,9 +22,8 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
 - `admission, B above A, node priority scheduling`: B above A, no headroom, the nodes run
   with vLLM's `--scheduling-policy priority` and `scheduling = "priority"` in the gateway's
   `[[nodes]]`: each request carries its tenant's priority to the node, whose scheduler runs B's
-  first and preempts one of A's for it when the batch is full. Then the same with
-  `priority_headroom` 1 and the nodes' `max_in_flight` one higher: A still fills the batch and
-  the node's queue as before, and the place kept carries B's request to the node, which preempts.
+  first and preempts one of A's for it when the batch is full; the gateway lets B's requests
+  through to a node full of A's (`controlplane.saturation`).
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -211,9 +210,7 @@ def run(
         table = ADMISSION | ({"priority_headroom": headroom} if headroom else {})
         tables = "[admission]\n" + "".join(f"{key} = {value}\n" for key, value in table.items())
         tables += tenants_table(priorities)
-        # On a priority node the headroom comes on top: A keeps what it has, B gets to the node.
-        extra_place = headroom if scheduling == "priority" else 0
-        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1 + extra_place, "scheduling": scheduling}
+        node_keys = {"max_in_flight": NODE_LOAD["max_running"] + 1, "scheduling": scheduling}
     gateway = start_gateway(
         processes,
         folder,
@@ -435,6 +432,11 @@ def main(argv: list[str] | None = None) -> int:
     add("--grace", type=float, default=8.0, help="seconds after the arrivals before the rest is cut (default: 8)")
     add("--nodes", type=int, default=2, help="simulated nodes (default: 2)")
     add("--token-window", type=float, default=60.0, help="seconds of the token run's window (default: 60; 0: no run)")
+    add(
+        "--only",
+        metavar="TEXT",
+        help="of the admission runs, only those whose name contains TEXT (idle and no admission always run)",
+    )
     add("--seed", type=int, default=1)
     add("--out", type=Path, help="results folder (default: bench/results)")
     args = parser.parse_args(argv)
@@ -471,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         plan += [(f"admission, B above A, headroom {n}", flood, {"A": 0, "B": 1}, n, "fcfs") for n in HEADROOMS]
         plan.append(("admission, B above A, node priority scheduling", flood, {"A": 0, "B": 1}, 0, "priority"))
-        plan.append(("admission, B above A, node priority scheduling, headroom 1", flood, {"A": 0, "B": 1}, 1, "priority"))
+        if args.only:
+            plan = [step for step in plan if not step[0].startswith("admission") or args.only in step[0]]
         for name, requests, priorities, headroom, scheduling in plan:
             if scheduling != node_scheduling:
                 for node in nodes:

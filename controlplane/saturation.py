@@ -9,6 +9,12 @@ request of a priority below the highest configured tenant's (`priority_headroom`
 are kept free for the higher priorities. A pure function of the snapshot and the
 in-flight counts: the data plane asks it for every request, and `interlock explain` asks the
 scrape's part again of the state at the seq a record names (in-flight counts are not recorded).
+
+A node run with vLLM's priority scheduling (`[[nodes]] scheduling = "priority"`) preempts a
+running request for one of a higher priority: for a request, the requests of lower priority this
+process has in flight there hold no place, neither of its `max_in_flight` nor of those its scrape
+shows taken. The top priority thus reaches a node full of lower ones at once, and the node,
+not the gateway's queue, makes it room.
 """
 
 from __future__ import annotations
@@ -51,10 +57,13 @@ def free_places(
     in_flight: Mapping[str, int],
     in_flight_at_scrape: Mapping[str, int],
     headroom: int = 0,
+    preemptible: Mapping[str, int] = {},
 ) -> float:
     """How many more requests `nodes` (a model's pick pool) take before every one is saturated:
     0 when all are; inf when one is not and has no `max_in_flight`. A node with a
     `max_in_flight` counts as saturated `headroom` places early (`priority_headroom`).
+    `preemptible` counts, for each priority-scheduled node, the requests in flight there of a
+    lower priority than the one asking: the node preempts them for it, so they free their places.
 
     A scrape is older than the requests that ended since: each request of this process that
     ended on a node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the
@@ -64,12 +73,13 @@ def free_places(
     places = 0.0
     for node in nodes:
         count = in_flight.get(node.ip, 0)
+        lower = preemptible.get(node.ip, 0)
         limit = max_in_flight.get(node.ip)
-        room = math.inf if limit is None else limit - headroom - count
+        room = math.inf if limit is None else limit - headroom - (count - lower)
         if scraped_reason(node, admission):
-            ended = max(0, in_flight_at_scrape.get(node.ip, count) - count)
-            room = min(room, ended)
-            excess_waiting = node.load.waiting - ended - admission.saturation_waiting
+            freed = max(0, in_flight_at_scrape.get(node.ip, count) - count) + lower
+            room = min(room, freed)
+            excess_waiting = node.load.waiting - freed - admission.saturation_waiting
             if excess_waiting >= 0:
                 room = 0
             elif node.load.waiting >= admission.saturation_waiting:

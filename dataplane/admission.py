@@ -46,8 +46,8 @@ class Ticket:
 
     __slots__ = (
         "tenant", "priority", "fairness_id", "verdict", "refused_by", "refused_state", "queued_ms",
-        "saturated_seq", "headroom", "taken", "admitted", "tokens_reserved", "tokens_used", "tap", "headers", "_quota",
-        "_metrics", "_prioritized",
+        "saturated_seq", "headroom", "preemptible", "taken", "admitted", "tokens_reserved", "tokens_used", "tap",
+        "headers", "_quota", "_metrics", "_prioritized",
     )  # fmt: skip
 
     def __init__(self, tenant: TenantView, priority: int, fairness_id: str, quota: Quota, metrics: RequestMetrics):
@@ -60,6 +60,7 @@ class Ticket:
         self.queued_ms = 0.0
         self.saturated_seq = 0
         self.headroom = 0
+        self.preemptible = 0
         self.taken: list[tuple[str, int]] = []
         self.admitted = False
         self.tokens_reserved = 0
@@ -87,6 +88,7 @@ class Ticket:
         self.queued_ms = round(outcome.queued_ms, 3)
         self.saturated_seq = outcome.saturated_seq
         self.headroom = outcome.headroom
+        self.preemptible = outcome.preemptible
         if outcome.refused:
             self.verdict = Verdict.REFUSED
             self.refused_by = outcome.verdict
@@ -137,6 +139,7 @@ class Ticket:
             tokens_used=self.tokens_used,
             saturated_seq=self.saturated_seq,
             headroom=self.headroom,
+            preemptible=self.preemptible,
         )
 
 

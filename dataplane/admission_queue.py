@@ -24,6 +24,10 @@ With `[admission] priority_headroom`, a request below the highest configured ten
 finds a node with a `max_in_flight` full that many places early (`saturation.priority_headroom`):
 those places go only to the top priority, which the line releases first anyway, so a top-priority
 request finds one at once instead of waiting for the next request to end.
+
+On a node with priority scheduling, this process's requests of a lower priority than the one
+asking hold no place (the node preempts them for it, `saturation.free_places`): the queue counts
+the attempts in flight by node and priority (`attempt_started`, `attempt_ended`, from the ledger).
 """
 
 from __future__ import annotations
@@ -50,16 +54,22 @@ wait reached its deadline or the queue was full."""
 
 class QueueOutcome:
     """What the queue did with one request: its verdict, how long it waited, the seq of the
-    snapshot on which its model's pool was saturated (0: it was not), and the places per node its
-    priority left free (`saturation.priority_headroom`)."""
+    snapshot on which its model's pool was saturated (0: it was not), the places per node its
+    priority left free (`saturation.priority_headroom`), and the lower-priority requests it may
+    preempt."""
 
-    __slots__ = ("verdict", "queued_ms", "saturated_seq", "headroom")
+    __slots__ = ("verdict", "queued_ms", "saturated_seq", "headroom", "preemptible")
 
-    def __init__(self, verdict: str, queued_ms: float = 0.0, saturated_seq: int = 0, headroom: int = 0) -> None:
+    def __init__(
+        self, verdict: str, queued_ms: float = 0.0, saturated_seq: int = 0, headroom: int = 0, preemptible: int = 0
+    ) -> None:
         self.verdict = verdict
         self.queued_ms = queued_ms
         self.saturated_seq = saturated_seq
         self.headroom = headroom
+        self.preemptible = preemptible
+        """The requests of lower priorities in flight on the pool's priority-scheduled nodes when
+        it was admitted, which held it no place (the nodes preempt them for it)."""
 
     @property
     def refused(self) -> bool:
@@ -70,7 +80,7 @@ ADMITTED_AT_ONCE = QueueOutcome(ADMITTED)
 
 
 class _Waiter:
-    __slots__ = ("model", "tenant", "fairness_id", "priority", "released")
+    __slots__ = ("model", "tenant", "fairness_id", "priority", "released", "preemptible")
 
     def __init__(self, model: str, tenant: str, fairness_id: str, priority: int) -> None:
         self.model = model
@@ -78,6 +88,7 @@ class _Waiter:
         self.fairness_id = fairness_id
         self.priority = priority
         self.released = trio.Event()
+        self.preemptible = 0
 
 
 class _Band:
@@ -174,6 +185,8 @@ class AdmissionQueue:
         """Each node's last scrape this queue saw, and this process's in-flight count to the
         node when it first saw it (`saturation.free_places`); emptied when the config changes."""
         self._scrapes_config: object = None
+        self._by_priority: dict[str, dict[int, int]] = {}
+        """This process's attempts in flight, by node and by their request's priority."""
 
     async def admit(
         self, view: SnapshotView, model: str, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
@@ -182,8 +195,12 @@ class AdmissionQueue:
         after waiting, or refuse it. A cancellation (the client gone) leaves the queue."""
         line = self._lines.get(model)
         headroom = priority_headroom(view.config.config, priority)
-        if (line is None or max(line.bands) < priority) and self._places(model, view, headroom) > 0:
-            return QueueOutcome(ADMITTED, headroom=headroom) if headroom else ADMITTED_AT_ONCE
+        if line is None or max(line.bands) < priority:
+            places, preemptible = self._places(model, view, priority)
+            if places > 0:
+                if headroom or preemptible:
+                    return QueueOutcome(ADMITTED, headroom=headroom, preemptible=preemptible)
+                return ADMITTED_AT_ONCE
         saturated_seq = view.snapshot.seq
         admission = view.config.admission
         if self.waiting >= admission.queue_size or self._tenants.get(tenant, 0) >= admission.tenant_queue_size:
@@ -212,7 +229,7 @@ class AdmissionQueue:
         self._metrics.admission_waited(tenant, priority, waited)
         if waiter.released.is_set():
             self._pending[model] -= 1
-            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq, headroom)
+            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq, headroom, waiter.preemptible)
         self._leave(waiter)
         self._metrics.admission_refused(tenant, priority, QUEUE_DEADLINE)
         return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq, headroom)
@@ -224,6 +241,22 @@ class AdmissionQueue:
         node = self._control_plane.snapshot.nodes.get(ip)
         if node is not None:
             self._note_scrapes(self._views.current(), [node])
+
+    def attempt_started(self, ip: str, priority: int) -> None:
+        counts = self._by_priority.get(ip)
+        if counts is None:
+            counts = self._by_priority[ip] = {}
+        counts[priority] = counts.get(priority, 0) + 1
+
+    def attempt_ended(self, ip: str, priority: int) -> None:
+        counts = self._by_priority[ip]
+        left = counts[priority] - 1
+        if left:
+            counts[priority] = left
+        else:
+            del counts[priority]
+            if not counts:
+                del self._by_priority[ip]
 
     def freed(self) -> None:
         """An attempt ended, so a node may have a place again: release whom it lets in."""
@@ -262,31 +295,53 @@ class AdmissionQueue:
             return
         view = self._views.current()
         while line.count:
-            if self._places(model, view, priority_headroom(view.config.config, max(line.bands))) < 1:
+            places, preemptible = self._places(model, view, max(line.bands))
+            if places < 1:
                 break
             waiter = line.pop()
+            waiter.preemptible = preemptible
             self._counted_out(waiter)
             self._pending[model] = self._pending.get(model, 0) + 1
             waiter.released.set()
         if not line.count:
             del self._lines[model]
 
-    def _places(self, model: str, view: SnapshotView, headroom: int) -> float:
-        """The requests `model`'s pool takes now for a priority that leaves `headroom` places per
-        node free, less those released for it that have not begun; inf when nothing holds them
-        back: the queue is off (a reload took it away), or no node to pick (routing answers the
-        request at once)."""
+    def _places(self, model: str, view: SnapshotView, priority: int) -> tuple[float, int]:
+        """The requests of `priority` that `model`'s pool takes now, less those released for it
+        that have not begun (inf when nothing holds them back: the queue is off, a reload took it
+        away, or no node to pick, routing answers the request at once); and the requests of lower
+        priorities in flight on its priority-scheduled nodes, which hold them no place."""
         admission = view.config.admission
         if not admission.queue:
-            return math.inf
+            return math.inf, 0
         pool = pick_pool(view.route(model).candidates, self._control_plane.now())
         if not pool:
-            return math.inf
+            return math.inf, 0
         self._note_scrapes(view, pool)
+        preemptible = self._preemptible(view, pool, priority)
         places = free_places(
-            pool, admission, view.config.max_in_flight, self._in_flight, self._in_flight_at_scrape, headroom
+            pool,
+            admission,
+            view.config.max_in_flight,
+            self._in_flight,
+            self._in_flight_at_scrape,
+            priority_headroom(view.config.config, priority),
+            preemptible,
         )
-        return places - self._pending.get(model, 0)
+        return places - self._pending.get(model, 0), sum(preemptible.values())
+
+    def _preemptible(self, view: SnapshotView, pool: list[NodeState], priority: int) -> dict[str, int]:
+        """For each priority-scheduled node of `pool`: this process's attempts in flight there of
+        a lower priority than `priority`."""
+        preemptible = {}
+        scheduled = view.config.priority_scheduled
+        for node in pool:
+            counts = self._by_priority.get(node.ip)
+            if counts and node.ip in scheduled:
+                lower = sum(count for their_priority, count in counts.items() if their_priority < priority)
+                if lower:
+                    preemptible[node.ip] = lower
+        return preemptible
 
     def _note_scrapes(self, view: SnapshotView, pool: list[NodeState]) -> None:
         """Note this process's in-flight count to each node of `pool` whose scrape is new here."""

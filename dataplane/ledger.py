@@ -57,7 +57,7 @@ class Books:
         self.balancer = balancer
         self.decisions = decisions
         self.queue = queue
-        """The admission queue, told when an attempt ends (a node may have room again)."""
+        """The admission queue, told when an attempt begins and ends (a node may have room again)."""
 
 
 class Ledger:
@@ -128,6 +128,7 @@ class Ledger:
         self.attempt_started = time.perf_counter()
         self._books.metrics.node_attempt_started(ip)
         self._books.balancer.attempt_started(ip)
+        self._books.queue.attempt_started(ip, self.ticket.priority)
 
     def committed(self, ip: str) -> None:
         """The node's answer is flowing to the client: the node answers (the attempt ends later)."""
@@ -167,6 +168,7 @@ class Ledger:
         if queue.waiting:
             queue.note_scrape(ip)  # with the count the node's scrape may still show
         books.balancer.attempt_ended(ip)
+        queue.attempt_ended(ip, self.ticket.priority)
         if queue.waiting:
             queue.freed()
         if self.leg:

@@ -303,6 +303,8 @@ class Proxy:
         try:
             with trio.move_on_after(self._response_header_timeout) as waiting:
                 try:
+                    if node.ip in config.priority_scheduled:
+                        body = ledger.ticket.prioritized(body)
                     upstream = await self._request(exchange, node, body)
                     waiting.deadline = trio.current_time() + config.response_body_timeout
                     answer = await upstream.read_body(MAX_PREFILL_ANSWER_BYTES)

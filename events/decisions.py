@@ -121,6 +121,10 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """The in-flight places per node its priority left free for the top priority (`[admission]
     priority_headroom`, below the highest configured tenant priority): a node with a
     `max_in_flight` was full for it that many places early; 0: the full `max_in_flight`."""
+    preemptible: int = 0
+    """The requests of lower priorities this process had in flight on the pool's nodes with
+    priority scheduling when it was admitted: they held it no place, as those nodes preempt them
+    for it (`controlplane.saturation`)."""
 
 
 class Decision(msgspec.Struct, frozen=True):

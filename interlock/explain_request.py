@@ -160,6 +160,12 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
         verdict += f", pool saturated at seq {admission.saturated_seq}"
     if admission.headroom:
         verdict += f", {admission.headroom} in-flight places per node left to higher priorities (priority_headroom)"
+    if admission.preemptible:
+        verdict += (
+            f", {admission.preemptible} lower-priority request{'s' if admission.preemptible != 1 else ''} in flight"
+            " on priority-scheduled nodes held it no place"
+            " (they are preempted for it)"
+        )
     rows = [["tenant", tenant], ["priority", str(admission.priority)], ["admission", verdict]]
     if admission.tokens_reserved:
         used = "not reported" if admission.tokens_used is None else str(admission.tokens_used)

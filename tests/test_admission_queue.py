@@ -198,6 +198,20 @@ async def record_of(path: Path, request_id: str):
             await trio.sleep(0.02)
 
 
+def explain_request(events: Path, decisions: Path, request_id: str) -> str:
+    """What `interlock explain --request-id` prints for `request_id` (it must succeed)."""
+    explained = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", request_id,
+         "--decisions", str(decisions)],  # fmt: skip
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert explained.returncode == 0, explained.stderr
+    return explained.stdout
+
+
 async def test_a_request_waits_in_the_gateway_until_an_attempt_ends(tmp_path):
     async with held_node_gateway(tmp_path) as (gateway, nodes):
         answers = []
@@ -312,17 +326,9 @@ async def test_with_priority_headroom_a_lower_priority_queues_while_a_place_is_k
         low_record = await record_of(decisions, "low-waiting")
         assert (low_record.admission.verdict, low_record.admission.headroom) == (QUEUED, 1)
         assert low_record.admission.saturated_seq > 0
-    explained = subprocess.run(
-        [sys.executable, "-m", "interlock.cli", "explain", str(events), "--request-id", "low-waiting",
-         "--decisions", str(decisions)],  # fmt: skip
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert explained.returncode == 0, explained.stderr
-    assert "1 in-flight places per node left to higher priorities (priority_headroom)" in explained.stdout
-    assert "by max_in_flight 2 less priority_headroom 1" in explained.stdout
+    explained = explain_request(events, decisions, "low-waiting")
+    assert "1 in-flight places per node left to higher priorities (priority_headroom)" in explained
+    assert "by max_in_flight 2 less priority_headroom 1" in explained
 
 
 async def test_a_tenants_max_queue_seconds_is_its_deadline_and_the_refusal_gives_back_what_its_limits_took(tmp_path):
@@ -426,28 +432,11 @@ async def test_a_scrape_that_shows_the_node_freed_releases_the_queue_and_explain
         assert record.status == 200
         assert record.admission.verdict == QUEUED and record.admission.saturated_seq > 0
         assert len(completions_to(node)) == 2
-    explained = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "interlock.cli",
-            "explain",
-            str(events),
-            "--request-id",
-            "waited",
-            "--decisions",
-            str(decisions),
-        ],  # fmt: skip
-        cwd=PROJECT_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert explained.returncode == 0, explained.stderr
+    explained = explain_request(events, decisions, "waited")
     seq = record.admission.saturated_seq
-    assert f"queued {record.admission.queued_ms:.1f} ms, pool saturated at seq {seq}" in explained.stdout
-    assert f"pool saturated at seq {seq}" in explained.stdout
-    assert "KV cache 1.00 >= saturation_kv_cache 0.8" in explained.stdout
+    assert f"queued {record.admission.queued_ms:.1f} ms, pool saturated at seq {seq}" in explained
+    assert f"pool saturated at seq {seq}" in explained
+    assert "KV cache 1.00 >= saturation_kv_cache 0.8" in explained
 
 
 # --- saturation, the pure function ----------------------------------------------------------------
@@ -491,3 +480,15 @@ def test_priority_headroom_fills_a_node_early_below_the_top_tenant_priority():
     assert free_places([loaded("c")], admission, {"c": 3}, {"c": 2}, {}, headroom=1) == 0
     # A node without a max_in_flight has no places to keep.
     assert free_places([loaded("d")], admission, {}, {"d": 9}, {}, headroom=1) == math.inf
+
+
+def test_on_a_priority_scheduled_node_lower_priority_requests_hold_no_place():
+    admission = AdmissionConfig(saturation_waiting=5, saturation_kv_cache=0.8)
+    # Five in flight of a max_in_flight of five, its KV cache full: saturated, unless three of
+    # them are of lower priorities (the node preempts them): then three places.
+    assert free_places([loaded("p", kv=1.0)], admission, {"p": 5}, {"p": 5}, {"p": 5}) == 0
+    assert free_places([loaded("p", kv=1.0)], admission, {"p": 5}, {"p": 5}, {"p": 5}, preemptible={"p": 3}) == 3
+    # Of equal or higher priorities, the other two still count against max_in_flight.
+    assert free_places([loaded("p")], admission, {"p": 2}, {"p": 5}, {}, preemptible={"p": 3}) == 0
+    # Nodes the lower ones wait on count too: six waiting, of which four could be preempted.
+    assert free_places([loaded("p", waiting=6)], admission, {}, {"p": 4}, {"p": 4}, preemptible={"p": 4}) == 3

@@ -14,26 +14,41 @@ from pathlib import Path
 import httpx
 import trio
 
-from fixtures.node import SimulatedNode
+from dataplane.admission_queue import ADMITTED
+from fixtures.node import NodeSpec, SimulatedNode
 
-from harness import Gateway, chat, completions_to, node_specs, nodes_and_gateway, tenants_toml
+from harness import (
+    MODEL,
+    Gateway,
+    admission_toml,
+    chat,
+    completions_to,
+    node_specs,
+    nodes_and_gateway,
+    tenants_toml,
+)
+from test_admission_queue import explain_request, record_of
 
 LOW = {"name": "low", "api_keys": ["key-low"], "priority": 0}
 HIGH = {"name": "high", "api_keys": ["key-high"], "priority": 10}
+LOW_QUEUE_LENGTH = 'interlock_admission_queue_length{priority="0",tenant="low"}'
 HELD = {"tpot": 0.5, "tokens": 1000, "max_running": 1}
 """One place in the batch, and streams that last as long as a test holds them."""
 
 
 @asynccontextmanager
-async def priority_node_gateway(tmp_path: Path, **behaviour) -> AsyncIterator[tuple[SimulatedNode, Gateway]]:
-    """One node with priority scheduling (and `behaviour`), so configured, behind a gateway
-    with the tenants LOW and HIGH."""
+async def priority_node_gateway(
+    tmp_path: Path, node_keys: dict | None = None, extra: str = "", config: dict | None = None, **behaviour
+) -> AsyncIterator[tuple[SimulatedNode, Gateway]]:
+    """One node with priority scheduling (and `behaviour`), so configured (with `node_keys`),
+    behind a gateway with the tenants LOW and HIGH (and `extra` tables, `config`'s keys)."""
     [spec] = node_specs(1, **behaviour)
     async with nodes_and_gateway(
         tmp_path,
         [dataclasses.replace(spec, scheduling_policy="priority")],
-        node_settings={"n1": {"scheduling": "priority"}},
-        extra=tenants_toml(LOW, HIGH),
+        node_settings={"n1": {"scheduling": "priority", **(node_keys or {})}},
+        extra=tenants_toml(LOW, HIGH) + extra,
+        **(config or {}),
     ) as ([node], gateway):
         await gateway.discovered()
         yield node, gateway
@@ -52,10 +67,9 @@ async def running_stream(gateway: Gateway, key: str) -> AsyncIterator[AsyncItera
         yield pieces
 
 
-async def post(gateway: Gateway, key: str, body: dict) -> httpx.Response:
-    return await gateway.http.post(
-        gateway.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}
-    )
+async def post(gateway: Gateway, key: str, body: dict, request_id: str = "") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} | ({"X-Request-Id": request_id} if request_id else {})
+    return await gateway.http.post(gateway.url + "/v1/chat/completions", json=body, headers=headers)
 
 
 def last_body(node: SimulatedNode) -> dict:
@@ -124,3 +138,48 @@ async def test_a_priority_node_runs_waiting_requests_by_priority_then_arrival(tm
                             await trio.sleep(0.01)
                 assert not served
         assert served == ["high-1", "low-1", "low-2"]
+
+
+async def test_a_saturated_priority_node_takes_a_higher_priority_request_at_once_and_explain_says_why(tmp_path):
+    # The node's one place is taken by a low stream: its max_in_flight (1) is reached and its
+    # scraped KV cache is full. A second low request waits in the gateway's queue; a high one
+    # goes to the node at once, which preempts the low stream for it.
+    decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
+    config = {"routing": {"load_scrape_interval": "100ms"}, "decision_log": str(decisions), "event_log": str(events)}
+    async with priority_node_gateway(
+        tmp_path, {"max_in_flight": 1}, admission_toml(max_queue_seconds=30), config, **HELD
+    ) as (node, gateway):
+        async with running_stream(gateway, "key-low"), trio.open_nursery() as nursery:
+            await gateway.wait_for(lambda: (gateway.node(node.host).load.kv_cache_usage or 0) >= 0.8)
+            nursery.start_soon(post, gateway, "key-low", chat(max_tokens=1), "low-queued")
+            with trio.fail_after(10):
+                while await gateway.metric(LOW_QUEUE_LENGTH) != 1:
+                    await trio.sleep(0.01)
+            with trio.fail_after(10):  # held in the queue, it would wait for the low stream's end
+                high = await post(gateway, "key-high", chat(max_tokens=1), "high")
+            assert high.status_code == 200
+            assert await gateway.metric(LOW_QUEUE_LENGTH) == 1  # the low one still waits
+            assert len(completions_to(node)) == 2
+            nursery.cancel_scope.cancel()
+        record = await record_of(decisions, "high")
+    assert record.admission.verdict == ADMITTED and record.admission.preemptible == 1
+    explained = explain_request(events, decisions, "high")
+    why = "admitted at once, 1 lower-priority request in flight on priority-scheduled nodes held it no place"
+    assert why in explained
+
+
+async def test_the_prefill_leg_of_a_disaggregated_request_carries_the_priority_too(tmp_path):
+    specs = [
+        NodeSpec(name="p1", host="127.0.0.2", models=[MODEL], role="prefill", scheduling_policy="priority"),
+        NodeSpec(name="d1", host="127.0.0.3", models=[MODEL], role="decode", scheduling_policy="priority"),
+    ]
+    settings = {spec.name: {"role": spec.role, "scheduling": "priority"} for spec in specs}
+    async with nodes_and_gateway(tmp_path, specs, node_settings=settings, extra=tenants_toml(LOW, HIGH)) as (
+        [prefill, decode],
+        gateway,
+    ):
+        await gateway.discovered()
+        response = await post(gateway, "key-high", chat(max_tokens=2))
+        assert response.status_code == 200, response.text
+    assert last_body(prefill)["priority"] == -10
+    assert last_body(decode)["priority"] == -10
