@@ -270,8 +270,8 @@ class LeasedQuota:
                     lease.asking = None
                 lease.held -= amount  # the leader did not answer in time: admitted, owed
                 return None
-            if not can_take(limit, lease.held, amount) and lease.state is not None:
-                return lease.state
+            # Granted: take from it, or (another request took it first) ask again, unless the
+            # leader had nothing left (`empty_until`).
 
     def granted(self, grant: QuotaGrant) -> None:
         lease = self._leases.get((grant.tenant, grant.limit))
