@@ -19,11 +19,13 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
   priority_headroom = N`, so A, below the top priority, fills at most `max_in_flight` - N places
   of a node and B's requests find a place free at once rather than after the next request ends.
   Its tokens served against the run without admission's is what the headroom costs.
-- `admission, B above A, node priority scheduling`: B above A, no headroom, the nodes run
-  with vLLM's `--scheduling-policy priority` and `scheduling = "priority"` in the gateway's
-  `[[nodes]]`: each request carries its tenant's priority to the node, whose scheduler runs B's
-  first and preempts one of A's for it when the batch is full; the gateway lets B's requests
-  through to a node full of A's (`controlplane.saturation`).
+- `admission, equal priorities, node priority scheduling` and `admission, B above A, node
+  priority scheduling`: no headroom, the nodes run with vLLM's `--scheduling-policy priority`
+  and `scheduling = "priority"` in the gateway's `[[nodes]]`: each request carries its rank to
+  the node (its tenant's priority; within one priority, ahead when its tenant holds less than its
+  fair share of the requests in flight, as B does), whose scheduler runs B's first and preempts
+  one of A's for it when the batch is full; the gateway lets B's requests through to a node full
+  of A's (`controlplane.saturation`).
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -472,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             ("admission, B above A", flood, {"A": 0, "B": 1}, 0, "fcfs"),
         ]
         plan += [(f"admission, B above A, headroom {n}", flood, {"A": 0, "B": 1}, n, "fcfs") for n in HEADROOMS]
+        plan.append(("admission, equal priorities, node priority scheduling", flood, {"A": 0, "B": 0}, 0, "priority"))
         plan.append(("admission, B above A, node priority scheduling", flood, {"A": 0, "B": 1}, 0, "priority"))
         if args.only:
             plan = [step for step in plan if not step[0].startswith("admission") or args.only in step[0]]

@@ -11,10 +11,12 @@ in-flight counts: the data plane asks it for every request, and `interlock expla
 scrape's part again of the state at the seq a record names (in-flight counts are not recorded).
 
 A node run with vLLM's priority scheduling (`[[nodes]] scheduling = "priority"`) preempts a
-running request for one of a higher priority: for a request, the requests of lower priority this
+running request for one of a better rank: for a request, the requests of a lower `rank` this
 process has in flight there hold no place, neither of its `max_in_flight` nor of those its scrape
 shows taken. The top priority thus reaches a node full of lower ones at once, and the node,
-not the gateway's queue, makes it room.
+not the gateway's queue, makes it room. Within one priority, a request whose tenant holds less
+than its fair share of that priority's requests in flight ranks ahead of the others
+(`under_fair_share`): a tenant that sends little is not held behind one that floods the nodes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import math
 from collections.abc import Iterable, Mapping
 
 from events.config import AdmissionConfig, Config
+from events.decisions import FairShare
 from events.state import NodeState
 
 
@@ -37,6 +40,20 @@ def scraped_reason(node: NodeState, admission: AdmissionConfig) -> str:
     if usage is not None and usage >= admission.saturation_kv_cache:
         return f"KV cache {usage:.2f} >= saturation_kv_cache {admission.saturation_kv_cache:g}"
     return ""
+
+
+def under_fair_share(share: FairShare) -> bool:
+    """Whether a tenant with `share.tenant` of the `share.priority` requests of its priority in
+    flight, of `share.tenants` tenants, would hold fewer than their average with one more: then its
+    request goes ahead of the others of its priority. A tenant alone never does."""
+    return (share.tenant + 1) * share.tenants < share.priority + 1
+
+
+def rank(priority: int, ahead: bool) -> int:
+    """A request's place in the gateway's queue and, negated, the `priority` a node with priority
+    scheduling gets: twice its priority, one more when it goes ahead of the others of its
+    priority (`under_fair_share`). Higher ranks go first."""
+    return 2 * priority + ahead
 
 
 def priority_headroom(config: Config, priority: int) -> int:
@@ -63,7 +80,7 @@ def free_places(
     0 when all are; inf when one is not and has no `max_in_flight`. A node with a
     `max_in_flight` counts as saturated `headroom` places early (`priority_headroom`).
     `preemptible` counts, for each priority-scheduled node, the requests in flight there of a
-    lower priority than the one asking: the node preempts them for it, so they free their places.
+    lower rank than the one asking: the node preempts them for it, so they free their places.
 
     A scrape is older than the requests that ended since: each request of this process that
     ended on a node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the

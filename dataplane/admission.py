@@ -20,6 +20,7 @@ import math
 import msgspec
 
 from controlplane.gocompat import format_go_seconds
+from controlplane.saturation import rank, under_fair_share
 from dataplane.admission_queue import QUEUED, QueueOutcome
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.errors import Reply
@@ -30,7 +31,7 @@ from dataplane.quota import IN_FLIGHT, REQUESTS, TOKENS, LimitState, Quota
 from dataplane.tenants import TenantView
 from events.config import DEFAULT_TENANT
 from events.decisions import Admission as AdmissionRecord
-from events.decisions import Verdict
+from events.decisions import FairShare, Verdict
 
 OBJECTIVE_HEADER = b"x-gateway-inference-objective"
 FAIRNESS_HEADER = b"x-gateway-inference-fairness-id"
@@ -46,7 +47,7 @@ class Ticket:
 
     __slots__ = (
         "tenant", "priority", "fairness_id", "verdict", "refused_by", "refused_state", "queued_ms",
-        "saturated_seq", "headroom", "preemptible", "taken", "admitted", "tokens_reserved", "tokens_used", "tap",
+        "saturated_seq", "headroom", "fair_share", "rank", "preemptible", "taken", "admitted", "tokens_reserved", "tokens_used", "tap",
         "headers", "_quota", "_metrics", "_prioritized",
     )  # fmt: skip
 
@@ -60,6 +61,10 @@ class Ticket:
         self.queued_ms = 0.0
         self.saturated_seq = 0
         self.headroom = 0
+        self.fair_share: FairShare | None = None
+        self.rank = rank(priority, False)
+        """Its place among the priorities (`saturation.rank`): its priority's, or ahead of it
+        when the queue found its tenant under its fair share."""
         self.preemptible = 0
         self.taken: list[tuple[str, int]] = []
         self.admitted = False
@@ -79,7 +84,7 @@ class Ticket:
         however many attempts go to such nodes."""
         done = self._prioritized
         if done is None or done[0] is not body:
-            done = self._prioritized = (body, with_priority(body, self.priority))
+            done = self._prioritized = (body, with_priority(body, self.rank))
         return done[1]
 
     def queue_outcome(self, outcome: QueueOutcome) -> None:
@@ -89,6 +94,9 @@ class Ticket:
         self.saturated_seq = outcome.saturated_seq
         self.headroom = outcome.headroom
         self.preemptible = outcome.preemptible
+        share = self.fair_share = outcome.fair_share
+        if share is not None:
+            self.rank = rank(self.priority, under_fair_share(share))
         if outcome.refused:
             self.verdict = Verdict.REFUSED
             self.refused_by = outcome.verdict
@@ -139,6 +147,7 @@ class Ticket:
             tokens_used=self.tokens_used,
             saturated_seq=self.saturated_seq,
             headroom=self.headroom,
+            fair_share=self.fair_share,
             preemptible=self.preemptible,
         )
 
@@ -325,17 +334,18 @@ def with_include_usage(body: bytes) -> bytes | None:
     return _encode(members)
 
 
-def with_priority(body: bytes, priority: int) -> bytes:
-    """The body with vLLM's `priority` member set to the negated admission `priority` (vLLM
-    handles lower values first), every other member's bytes kept. A client's own integer
-    `priority` stays when it is not ahead of that: a client may lower its priority, never raise
-    it. A body that is not a JSON object goes as it is (the node answers it)."""
+def with_priority(body: bytes, request_rank: int) -> bytes:
+    """The body with vLLM's `priority` member set to the negated `request_rank` (twice the
+    admission priority, one more ahead of its priority: `saturation.rank`; vLLM handles lower
+    values first), every other member's bytes kept. A client's own integer `priority` stays when
+    it is not ahead of that: a client may lower its priority, never raise it. A body that is not a
+    JSON object goes as it is (the node answers it)."""
     try:
         members = _decode_members.decode(body)
         asked = msgspec.json.decode(members["priority"]) if "priority" in members else None
     except (msgspec.DecodeError, RecursionError):
         return body
-    node_priority = -priority
+    node_priority = -request_rank
     if type(asked) is int and asked >= node_priority:
         return body
     members["priority"] = msgspec.Raw(_encode(node_priority))

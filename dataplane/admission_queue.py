@@ -6,9 +6,10 @@ One queue per process (workers each have theirs, as they have their in-flight co
 per model. A waiting request is released when its model's pool has room again: when an attempt
 ends (`AdmissionQueue.freed`, from the ledger) or when the control plane's snapshot changes (a
 new load scrape; a watcher task looks every SNAPSHOT_POLL_SECONDS while anything waits). The
-next request released is the one of the highest priority; within a priority, tenants take turns
-(round robin), so a tenant with many waiting requests does not starve one with few; within a
-tenant, its fairness ids take turns; within one of those, first come first served.
+next request released is the one of the highest rank (its priority, then its tenant's fair share:
+below); within a rank, tenants take turns (round robin), so a tenant with many waiting requests
+does not starve one with few; within a tenant, its fairness ids take turns; within one of those,
+first come first served.
 
 A request waits at most its `max_queue_seconds`, then is refused (503 with Retry-After); a full
 queue (`queue_size` in all, `tenant_queue_size` per tenant) refuses at once (429); a client that
@@ -25,24 +26,33 @@ finds a node with a `max_in_flight` full that many places early (`saturation.pri
 those places go only to the top priority, which the line releases first anyway, so a top-priority
 request finds one at once instead of waiting for the next request to end.
 
-On a node with priority scheduling, this process's requests of a lower priority than the one
-asking hold no place (the node preempts them for it, `saturation.free_places`): the queue counts
-the attempts in flight by node and priority (`attempt_started`, `attempt_ended`, from the ledger).
+The line orders requests by `saturation.rank`, not by priority alone: within a priority, a
+request whose tenant holds less than its fair share of that priority's requests in flight
+(`saturation.under_fair_share`, counted as it arrives) goes ahead of the others. On a node with
+priority scheduling, this process's requests of a lower rank than the one asking hold no place
+(the node preempts them for it, `saturation.free_places`). For both the queue counts the attempts
+in flight, by node and rank and by priority and tenant (`attempt_started`, `attempt_ended`, from
+the ledger).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from typing import TYPE_CHECKING
 
 import trio
 
 from controlplane.routing import pick_pool
-from controlplane.saturation import free_places, priority_headroom
+from controlplane.saturation import free_places, priority_headroom, rank, under_fair_share
 from dataplane.control import ControlPlaneView
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotView, SnapshotViews
+from events.decisions import FairShare
 from events.state import NodeState
+
+if TYPE_CHECKING:
+    from dataplane.admission import Ticket
 
 SNAPSHOT_POLL_SECONDS = 0.05
 """How often, while requests wait, the queue looks whether a new snapshot gives a pool room."""
@@ -55,21 +65,29 @@ wait reached its deadline or the queue was full."""
 class QueueOutcome:
     """What the queue did with one request: its verdict, how long it waited, the seq of the
     snapshot on which its model's pool was saturated (0: it was not), the places per node its
-    priority left free (`saturation.priority_headroom`), and the lower-priority requests it may
-    preempt."""
+    priority left free (`saturation.priority_headroom`), the in-flight counts that say whether
+    its tenant was under its fair share, and the lower-ranked requests it may preempt."""
 
-    __slots__ = ("verdict", "queued_ms", "saturated_seq", "headroom", "preemptible")
+    __slots__ = ("verdict", "queued_ms", "saturated_seq", "headroom", "fair_share", "preemptible")
 
     def __init__(
-        self, verdict: str, queued_ms: float = 0.0, saturated_seq: int = 0, headroom: int = 0, preemptible: int = 0
+        self,
+        verdict: str,
+        queued_ms: float = 0.0,
+        saturated_seq: int = 0,
+        headroom: int = 0,
+        fair_share: FairShare | None = None,
+        preemptible: int = 0,
     ) -> None:
         self.verdict = verdict
         self.queued_ms = queued_ms
         self.saturated_seq = saturated_seq
         self.headroom = headroom
+        self.fair_share = fair_share
+        """None when no other tenant of its priority had a request in flight."""
         self.preemptible = preemptible
-        """The requests of lower priorities in flight on the pool's priority-scheduled nodes when
-        it was admitted, which held it no place (the nodes preempt them for it)."""
+        """The requests of lower ranks in flight on the pool's priority-scheduled nodes when it
+        was admitted, which held it no place (the nodes preempt them for it)."""
 
     @property
     def refused(self) -> bool:
@@ -80,19 +98,20 @@ ADMITTED_AT_ONCE = QueueOutcome(ADMITTED)
 
 
 class _Waiter:
-    __slots__ = ("model", "tenant", "fairness_id", "priority", "released", "preemptible")
+    __slots__ = ("model", "tenant", "fairness_id", "priority", "rank", "released", "preemptible")
 
-    def __init__(self, model: str, tenant: str, fairness_id: str, priority: int) -> None:
+    def __init__(self, model: str, tenant: str, fairness_id: str, priority: int, rank: int) -> None:
         self.model = model
         self.tenant = tenant
         self.fairness_id = fairness_id
         self.priority = priority
+        self.rank = rank
         self.released = trio.Event()
         self.preemptible = 0
 
 
 class _Band:
-    """The requests of one priority for one model: tenants in turn, each tenant's fairness ids in
+    """The requests of one rank for one model: tenants in turn, each tenant's fairness ids in
     turn, each fairness id's requests in order. A dict keeps the turn: whoever was just served
     goes to its end."""
 
@@ -128,7 +147,7 @@ class _Band:
 
 
 class _Line:
-    """One model's waiting requests, by priority."""
+    """One model's waiting requests, by rank."""
 
     __slots__ = ("bands", "count")
 
@@ -137,28 +156,28 @@ class _Line:
         self.count = 0
 
     def push(self, waiter: _Waiter) -> None:
-        band = self.bands.get(waiter.priority)
+        band = self.bands.get(waiter.rank)
         if band is None:
-            band = self.bands[waiter.priority] = _Band()
+            band = self.bands[waiter.rank] = _Band()
         band.push(waiter)
         self.count += 1
 
     def pop(self) -> _Waiter:
-        priority = max(self.bands)
-        band = self.bands[priority]
+        top = max(self.bands)
+        band = self.bands[top]
         waiter = band.pop()
-        self._counted_out(priority, band)
+        self._counted_out(top, band)
         return waiter
 
     def remove(self, waiter: _Waiter) -> None:
-        band = self.bands[waiter.priority]
+        band = self.bands[waiter.rank]
         band.remove(waiter)
-        self._counted_out(waiter.priority, band)
+        self._counted_out(waiter.rank, band)
 
-    def _counted_out(self, priority: int, band: _Band) -> None:
+    def _counted_out(self, band_rank: int, band: _Band) -> None:
         self.count -= 1
         if not band.tenants:
-            del self.bands[priority]
+            del self.bands[band_rank]
 
 
 class AdmissionQueue:
@@ -185,8 +204,10 @@ class AdmissionQueue:
         """Each node's last scrape this queue saw, and this process's in-flight count to the
         node when it first saw it (`saturation.free_places`); emptied when the config changes."""
         self._scrapes_config: object = None
-        self._by_priority: dict[str, dict[int, int]] = {}
-        """This process's attempts in flight, by node and by their request's priority."""
+        self._by_rank: dict[str, dict[int, int]] = {}
+        """This process's attempts in flight, by node and by their request's rank."""
+        self._by_tenant: dict[int, dict[str, int]] = {}
+        """This process's attempts in flight, by their request's priority and tenant."""
 
     async def admit(
         self, view: SnapshotView, model: str, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
@@ -195,18 +216,20 @@ class AdmissionQueue:
         after waiting, or refuse it. A cancellation (the client gone) leaves the queue."""
         line = self._lines.get(model)
         headroom = priority_headroom(view.config.config, priority)
-        if line is None or max(line.bands) < priority:
-            places, preemptible = self._places(model, view, priority)
+        share = self._fair_share(tenant, priority)
+        request_rank = rank(priority, share is not None and under_fair_share(share))
+        if line is None or max(line.bands) < request_rank:
+            places, preemptible = self._places(model, view, request_rank)
             if places > 0:
-                if headroom or preemptible:
-                    return QueueOutcome(ADMITTED, headroom=headroom, preemptible=preemptible)
+                if headroom or share or preemptible:
+                    return QueueOutcome(ADMITTED, 0.0, 0, headroom, share, preemptible)
                 return ADMITTED_AT_ONCE
         saturated_seq = view.snapshot.seq
         admission = view.config.admission
         if self.waiting >= admission.queue_size or self._tenants.get(tenant, 0) >= admission.tenant_queue_size:
             self._metrics.admission_refused(tenant, priority, QUEUE_FULL)
-            return QueueOutcome(QUEUE_FULL, saturated_seq=saturated_seq, headroom=headroom)
-        waiter = _Waiter(model, tenant, fairness_id, priority)
+            return QueueOutcome(QUEUE_FULL, 0.0, saturated_seq, headroom, share)
+        waiter = _Waiter(model, tenant, fairness_id, priority, request_rank)
         if line is None:
             line = self._lines[model] = _Line()
         line.push(waiter)
@@ -229,10 +252,10 @@ class AdmissionQueue:
         self._metrics.admission_waited(tenant, priority, waited)
         if waiter.released.is_set():
             self._pending[model] -= 1
-            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq, headroom, waiter.preemptible)
+            return QueueOutcome(QUEUED, 1000 * waited, saturated_seq, headroom, share, waiter.preemptible)
         self._leave(waiter)
         self._metrics.admission_refused(tenant, priority, QUEUE_DEADLINE)
-        return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq, headroom)
+        return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq, headroom, share)
 
     def note_scrape(self, ip: str) -> None:
         """An attempt on node `ip` is ending: if the node's scrape is new here, note this
@@ -242,21 +265,13 @@ class AdmissionQueue:
         if node is not None:
             self._note_scrapes(self._views.current(), [node])
 
-    def attempt_started(self, ip: str, priority: int) -> None:
-        counts = self._by_priority.get(ip)
-        if counts is None:
-            counts = self._by_priority[ip] = {}
-        counts[priority] = counts.get(priority, 0) + 1
+    def attempt_started(self, ip: str, ticket: Ticket) -> None:
+        _count(self._by_rank, ip, ticket.rank, 1)
+        _count(self._by_tenant, ticket.priority, ticket.tenant.name, 1)
 
-    def attempt_ended(self, ip: str, priority: int) -> None:
-        counts = self._by_priority[ip]
-        left = counts[priority] - 1
-        if left:
-            counts[priority] = left
-        else:
-            del counts[priority]
-            if not counts:
-                del self._by_priority[ip]
+    def attempt_ended(self, ip: str, ticket: Ticket) -> None:
+        _count(self._by_rank, ip, ticket.rank, -1)
+        _count(self._by_tenant, ticket.priority, ticket.tenant.name, -1)
 
     def freed(self) -> None:
         """An attempt ended, so a node may have a place again: release whom it lets in."""
@@ -288,8 +303,8 @@ class AdmissionQueue:
 
     def _release(self, model: str) -> None:
         """Release the waiting requests for `model`, next first, while its pool has room for the
-        next one's priority (the line gives the highest first: once the next one finds no room,
-        no one after it, of its priority or lower, would)."""
+        next one's rank (the line gives the highest first: once the next one finds no room, no
+        one after it, of its rank or lower, would)."""
         line = self._lines.get(model)
         if line is None:
             return
@@ -306,11 +321,11 @@ class AdmissionQueue:
         if not line.count:
             del self._lines[model]
 
-    def _places(self, model: str, view: SnapshotView, priority: int) -> tuple[float, int]:
-        """The requests of `priority` that `model`'s pool takes now, less those released for it
+    def _places(self, model: str, view: SnapshotView, request_rank: int) -> tuple[float, int]:
+        """The requests of rank `request_rank` that `model`'s pool takes now, less those released for it
         that have not begun (inf when nothing holds them back: the queue is off, a reload took it
         away, or no node to pick, routing answers the request at once); and the requests of lower
-        priorities in flight on its priority-scheduled nodes, which hold them no place."""
+        ranks in flight on its priority-scheduled nodes, which hold them no place."""
         admission = view.config.admission
         if not admission.queue:
             return math.inf, 0
@@ -318,30 +333,38 @@ class AdmissionQueue:
         if not pool:
             return math.inf, 0
         self._note_scrapes(view, pool)
-        preemptible = self._preemptible(view, pool, priority)
+        preemptible = self._preemptible(view, pool, request_rank)
         places = free_places(
             pool,
             admission,
             view.config.max_in_flight,
             self._in_flight,
             self._in_flight_at_scrape,
-            priority_headroom(view.config.config, priority),
+            priority_headroom(view.config.config, request_rank // 2),
             preemptible,
         )
         return places - self._pending.get(model, 0), sum(preemptible.values())
 
-    def _preemptible(self, view: SnapshotView, pool: list[NodeState], priority: int) -> dict[str, int]:
+    def _preemptible(self, view: SnapshotView, pool: list[NodeState], request_rank: int) -> dict[str, int]:
         """For each priority-scheduled node of `pool`: this process's attempts in flight there of
-        a lower priority than `priority`."""
+        a lower rank than `request_rank`."""
         preemptible = {}
         scheduled = view.config.priority_scheduled
         for node in pool:
-            counts = self._by_priority.get(node.ip)
+            counts = self._by_rank.get(node.ip)
             if counts and node.ip in scheduled:
-                lower = sum(count for their_priority, count in counts.items() if their_priority < priority)
+                lower = sum(count for their_rank, count in counts.items() if their_rank < request_rank)
                 if lower:
                     preemptible[node.ip] = lower
         return preemptible
+
+    def _fair_share(self, tenant: str, priority: int) -> FairShare | None:
+        """The counts by which `tenant` holds less than its fair share of the requests of
+        `priority` in flight or not; None when no other tenant has one in flight."""
+        tenants = self._by_tenant.get(priority)
+        if not tenants or (len(tenants) == 1 and tenant in tenants):
+            return None
+        return FairShare(tenants.get(tenant, 0), sum(tenants.values()), len(tenants) + (tenant not in tenants))
 
     def _note_scrapes(self, view: SnapshotView, pool: list[NodeState]) -> None:
         """Note this process's in-flight count to each node of `pool` whose scrape is new here."""
@@ -364,3 +387,17 @@ class AdmissionQueue:
                 self.freed()
         finally:
             self._watching = False
+
+
+def _count(counts: dict, key: object, inner: object, change: int) -> None:
+    """Add `change` to `counts[key][inner]`, leaving out what falls to zero."""
+    counted = counts.get(key)
+    if counted is None:
+        counted = counts[key] = {}
+    left = counted.get(inner, 0) + change
+    if left:
+        counted[inner] = left
+    else:
+        del counted[inner]
+        if not counted:
+            del counts[key]

@@ -128,7 +128,7 @@ class Ledger:
         self.attempt_started = time.perf_counter()
         self._books.metrics.node_attempt_started(ip)
         self._books.balancer.attempt_started(ip)
-        self._books.queue.attempt_started(ip, self.ticket.priority)
+        self._books.queue.attempt_started(ip, self.ticket)
 
     def committed(self, ip: str) -> None:
         """The node's answer is flowing to the client: the node answers (the attempt ends later)."""
@@ -168,7 +168,7 @@ class Ledger:
         if queue.waiting:
             queue.note_scrape(ip)  # with the count the node's scrape may still show
         books.balancer.attempt_ended(ip)
-        queue.attempt_ended(ip, self.ticket.priority)
+        queue.attempt_ended(ip, self.ticket)
         if queue.waiting:
             queue.freed()
         if self.leg:

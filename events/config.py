@@ -190,7 +190,8 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     requests in flight to it (`AdmissionConfig`); None = no such bound. Needs the queue on."""
     scheduling: str = "fcfs"
     """One of SCHEDULING, as the node's vLLM `--scheduling-policy`: "priority" = the gateway sends
-    each request's admission priority in the body's `priority` member (negated: vLLM handles lower
+    each request's rank (`saturation.rank`: its admission priority, and ahead within it for a
+    tenant under its fair share) in the body's `priority` member, negated (vLLM handles lower
     values first), so the node admits and preempts by it."""
 
 

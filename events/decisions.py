@@ -88,6 +88,18 @@ class Verdict(StrEnum):
     """Refused (`refused_by` names the limit, with its state)."""
 
 
+class FairShare(msgspec.Struct, frozen=True):
+    """The in-flight counts, at its admission, by which a request's tenant held less than its fair
+    share of its priority's requests or not (`saturation.under_fair_share`)."""
+
+    tenant: int
+    """Its tenant's requests of its priority in flight (this process)."""
+    priority: int
+    """All requests of its priority in flight."""
+    tenants: int
+    """The tenants those are of, its own included."""
+
+
 class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """Who a request was for and what admission made of it."""
 
@@ -121,6 +133,10 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """The in-flight places per node its priority left free for the top priority (`[admission]
     priority_headroom`, below the highest configured tenant priority): a node with a
     `max_in_flight` was full for it that many places early; 0: the full `max_in_flight`."""
+    fair_share: FairShare | None = None
+    """Whether its tenant held less than its fair share of the requests of its priority in flight,
+    and so went ahead of the others of its priority (`saturation.rank`): the counts then. None
+    without the queue, or when no other tenant of its priority had a request in flight."""
     preemptible: int = 0
     """The requests of lower priorities this process had in flight on the pool's nodes with
     priority scheduling when it was admitted: they held it no place, as those nodes preempt them

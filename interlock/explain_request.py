@@ -17,7 +17,7 @@ import msgspec
 from controlplane.logs import format_timestamp
 from controlplane.replay import ReplayResult, audit
 from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
-from controlplane.saturation import scraped_reason
+from controlplane.saturation import scraped_reason, under_fair_share
 from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.admission_queue import QUEUE_DEADLINE, QUEUE_FULL
 from dataplane.errors import model_not_found
@@ -160,9 +160,16 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
         verdict += f", pool saturated at seq {admission.saturated_seq}"
     if admission.headroom:
         verdict += f", {admission.headroom} in-flight places per node left to higher priorities (priority_headroom)"
+    share = admission.fair_share
+    if share is not None:
+        standing = "under its fair share, ahead of" if under_fair_share(share) else "not under its fair share, with"
+        verdict += (
+            f", {standing} its priority's others (its tenant had {share.tenant} of the {share.priority} requests"
+            f" of its priority in flight, of {share.tenants} tenants)"
+        )
     if admission.preemptible:
         verdict += (
-            f", {admission.preemptible} lower-priority request{'s' if admission.preemptible != 1 else ''} in flight"
+            f", {admission.preemptible} lower-ranked request{'s' if admission.preemptible != 1 else ''} in flight"
             " on priority-scheduled nodes held it no place"
             " (they are preempted for it)"
         )

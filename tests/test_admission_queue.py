@@ -23,11 +23,12 @@ from prometheus_client import CollectorRegistry
 
 from controlplane.routing import pick_pool
 from controlplane.runtime import open_control_plane
-from controlplane.saturation import free_places, priority_headroom
+from controlplane.saturation import free_places, priority_headroom, rank, under_fair_share
 from dataplane.admission_queue import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotViews
 from events.config import AdmissionConfig, Config, TenantConfig
+from events.decisions import FairShare
 from events.state import NodeLoad, NodeState
 from fixtures.node import SimulatedNode, serve_nodes
 
@@ -492,3 +493,14 @@ def test_on_a_priority_scheduled_node_lower_priority_requests_hold_no_place():
     assert free_places([loaded("p")], admission, {"p": 2}, {"p": 5}, {}, preemptible={"p": 3}) == 0
     # Nodes the lower ones wait on count too: six waiting, of which four could be preempted.
     assert free_places([loaded("p", waiting=6)], admission, {}, {"p": 4}, {"p": 4}, preemptible={"p": 4}) == 3
+
+
+def test_a_tenant_goes_ahead_of_its_priority_while_it_holds_less_than_its_fair_share():
+    # With one more request, fewer than the average of the tenants with requests in flight.
+    assert under_fair_share(FairShare(tenant=0, priority=2, tenants=2))
+    assert under_fair_share(FairShare(tenant=3, priority=10, tenants=2))
+    assert not under_fair_share(FairShare(tenant=0, priority=1, tenants=2))  # then one each
+    assert not under_fair_share(FairShare(tenant=5, priority=10, tenants=2))
+    assert not under_fair_share(FairShare(tenant=4, priority=4, tenants=1))  # alone
+    # Its rank: twice its priority, one more ahead of it; the next priority stays above.
+    assert [rank(0, False), rank(0, True), rank(1, False), rank(-1, True)] == [0, 1, 2, -1]

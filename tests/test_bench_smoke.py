@@ -245,6 +245,7 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
         "admission, B above A",
         "admission, B above A, headroom 1",
         "admission, B above A, headroom 2",
+        "admission, equal priorities, node priority scheduling",
         "admission, B above A, node priority scheduling",
     ]
     assert runs["idle"]["B"]["completed"] == runs["idle"]["B"]["requests"] > 0

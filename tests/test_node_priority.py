@@ -1,7 +1,8 @@
 """Admission priority on the node (issue 22): a node run with vLLM's `--scheduling-policy
-priority` (`[[nodes]] scheduling = "priority"`) gets each request's admission priority in the
-body's `priority` member, negated (vLLM handles lower values first), and its scheduler admits
-and preempts by it. Through the real gateway and simulated nodes."""
+priority` (`[[nodes]] scheduling = "priority"`) gets each request's rank (twice its admission
+priority, one more when its tenant is under its fair share) in the body's `priority` member,
+negated (vLLM handles lower values first), and its scheduler admits and preempts by it. Through
+the real gateway and simulated nodes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import httpx
 import trio
 
 from dataplane.admission_queue import ADMITTED
+from events.decisions import FairShare
 from fixtures.node import NodeSpec, SimulatedNode
 
 from harness import (
@@ -31,6 +33,8 @@ from test_admission_queue import explain_request, record_of
 
 LOW = {"name": "low", "api_keys": ["key-low"], "priority": 0}
 HIGH = {"name": "high", "api_keys": ["key-high"], "priority": 10}
+PEER = {"name": "peer", "api_keys": ["key-peer"], "priority": 0}
+"""Of LOW's priority."""
 LOW_QUEUE_LENGTH = 'interlock_admission_queue_length{priority="0",tenant="low"}'
 HELD = {"tpot": 0.5, "tokens": 1000, "max_running": 1}
 """One place in the batch, and streams that last as long as a test holds them."""
@@ -76,16 +80,16 @@ def last_body(node: SimulatedNode) -> dict:
     return json.loads(completions_to(node)[-1].body)
 
 
-async def test_a_priority_node_gets_the_negated_tenant_priority_and_a_client_may_lower_it_but_not_raise_it(tmp_path):
+async def test_a_priority_node_gets_the_negated_rank_and_a_client_may_lower_it_but_not_raise_it(tmp_path):
     async with priority_node_gateway(tmp_path) as (node, gateway):
         sent = chat(max_tokens=2, temperature=0.5)
         cases = [
-            ("key-high", {}, -10),  # the tenant's priority, negated
+            ("key-high", {}, -20),  # the rank, twice the tenant's priority, negated
             ("key-low", {}, 0),
-            ("key-high", {"priority": -50}, -10),  # ahead of the tenant's: clamped
+            ("key-high", {"priority": -50}, -20),  # ahead of the tenant's: clamped
             ("key-high", {"priority": 7}, 7),  # behind it: the client's own
             ("key-low", {"priority": -1}, 0),
-            ("key-high", {"priority": "soon"}, -10),  # not an integer: the tenant's
+            ("key-high", {"priority": "soon"}, -20),  # not an integer: the tenant's
         ]
         for key, own, expected in cases:
             response = await post(gateway, key, sent | own)
@@ -164,7 +168,36 @@ async def test_a_saturated_priority_node_takes_a_higher_priority_request_at_once
         record = await record_of(decisions, "high")
     assert record.admission.verdict == ADMITTED and record.admission.preemptible == 1
     explained = explain_request(events, decisions, "high")
-    why = "admitted at once, 1 lower-priority request in flight on priority-scheduled nodes held it no place"
+    why = "admitted at once, 1 lower-ranked request in flight on priority-scheduled nodes held it no place"
+    assert why in explained
+
+
+async def test_a_tenant_under_its_fair_share_goes_ahead_of_its_priority_and_preempts_one_over_it(tmp_path):
+    # LOW holds both places its max_in_flight gives it on the node (one running, one waiting in
+    # the node). PEER, of the same priority, has nothing in flight: its request goes ahead of
+    # LOW's, at once, and the node preempts LOW's running stream for it.
+    decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
+    config = {"decision_log": str(decisions), "event_log": str(events)}
+    extra = admission_toml(max_queue_seconds=30) + tenants_toml(PEER)
+    async with priority_node_gateway(tmp_path, {"max_in_flight": 2}, extra, config, **HELD) as (node, gateway):
+        async with running_stream(gateway, "key-low"), trio.open_nursery() as nursery:
+            nursery.start_soon(post, gateway, "key-low", chat(max_tokens=1000), "low-waiting")
+            with trio.fail_after(10):
+                while len(completions_to(node)) < 2:
+                    await trio.sleep(0.01)
+            with trio.fail_after(10):  # behind LOW's, it would wait for the held stream's end
+                peer = await post(gateway, "key-peer", chat(max_tokens=1), "peer")
+            assert peer.status_code == 200
+            assert last_body(node)["priority"] == -1  # ahead of priority 0's others (0)
+            nursery.cancel_scope.cancel()
+        record = await record_of(decisions, "peer")
+    assert record.admission.fair_share == FairShare(tenant=0, priority=2, tenants=2)
+    assert (record.admission.verdict, record.admission.preemptible) == (ADMITTED, 2)
+    explained = explain_request(events, decisions, "peer")
+    why = (
+        "under its fair share, ahead of its priority's others (its tenant had 0 of the 2 requests of its priority"
+        " in flight, of 2 tenants), 2 lower-ranked requests in flight on priority-scheduled nodes held it no place"
+    )
     assert why in explained
 
 
@@ -181,5 +214,5 @@ async def test_the_prefill_leg_of_a_disaggregated_request_carries_the_priority_t
         await gateway.discovered()
         response = await post(gateway, "key-high", chat(max_tokens=2))
         assert response.status_code == 200, response.text
-    assert last_body(prefill)["priority"] == -10
-    assert last_body(decode)["priority"] == -10
+    assert last_body(prefill)["priority"] == -20
+    assert last_body(decode)["priority"] == -20
