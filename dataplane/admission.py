@@ -47,8 +47,8 @@ class Ticket:
 
     __slots__ = (
         "tenant", "priority", "fairness_id", "verdict", "refused_by", "refused_state", "queued_ms",
-        "saturated_seq", "headroom", "fair_share", "rank", "preemptible", "taken", "admitted", "tokens_reserved", "tokens_used", "tap",
-        "headers", "_quota", "_metrics", "_prioritized",
+        "saturated_seq", "headroom", "fair_share", "rank", "preemptible", "taken", "admitted", "tokens_reserved",
+        "tokens_used", "tap", "headers", "_quota", "_metrics", "_prioritized",
     )  # fmt: skip
 
     def __init__(self, tenant: TenantView, priority: int, fairness_id: str, quota: Quota, metrics: RequestMetrics):
