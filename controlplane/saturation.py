@@ -43,10 +43,10 @@ def scraped_reason(node: NodeState, admission: AdmissionConfig) -> str:
 
 
 def under_fair_share(share: FairShare) -> bool:
-    """Whether a tenant with `share.tenant` of the `share.priority` requests of its priority in
-    flight, of `share.tenants` tenants, would hold fewer than their average with one more: then its
-    request goes ahead of the others of its priority. A tenant alone never does."""
-    return (share.tenant + 1) * share.tenants < share.priority + 1
+    """Whether a tenant with `share.tenant_in_flight` of the `share.priority_in_flight` requests of
+    its priority in flight, of `share.tenants` tenants, would hold fewer than their average with
+    one more: then its request goes ahead of the others of its priority. A tenant alone never does."""
+    return (share.tenant_in_flight + 1) * share.tenants < share.priority_in_flight + 1
 
 
 def rank(priority: int, ahead: bool) -> int:

@@ -89,12 +89,12 @@ class Verdict(StrEnum):
 
 
 class FairShare(msgspec.Struct, frozen=True):
-    """The in-flight counts, at its admission, by which a request's tenant held less than its fair
-    share of its priority's requests or not (`saturation.under_fair_share`)."""
+    """This process's in-flight counts, as a request arrived at the queue, by which its tenant
+    held less than its fair share of its priority's requests or not (`saturation.under_fair_share`)."""
 
-    tenant: int
-    """Its tenant's requests of its priority in flight (this process)."""
-    priority: int
+    tenant_in_flight: int
+    """Its tenant's requests of its priority in flight."""
+    priority_in_flight: int
     """All requests of its priority in flight."""
     tenants: int
     """The tenants those are of, its own included."""
@@ -138,9 +138,9 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     and so went ahead of the others of its priority (`saturation.rank`): the counts then. None
     without the queue, or when no other tenant of its priority had a request in flight."""
     preemptible: int = 0
-    """The requests of lower priorities this process had in flight on the pool's nodes with
-    priority scheduling when it was admitted: they held it no place, as those nodes preempt them
-    for it (`controlplane.saturation`)."""
+    """The requests of lower ranks (`saturation.rank`) this process had in flight on the pool's
+    nodes with priority scheduling when it was admitted: they held it no place, as those nodes
+    preempt them for it (`controlplane.saturation`)."""
 
 
 class Decision(msgspec.Struct, frozen=True):

@@ -164,14 +164,14 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
     if share is not None:
         standing = "under its fair share, ahead of" if under_fair_share(share) else "not under its fair share, with"
         verdict += (
-            f", {standing} its priority's others (its tenant had {share.tenant} of the {share.priority} requests"
+            f", {standing} its priority's others (its tenant had {share.tenant_in_flight} of the"
+            f" {share.priority_in_flight} requests"
             f" of its priority in flight, of {share.tenants} tenants)"
         )
     if admission.preemptible:
         verdict += (
             f", {admission.preemptible} lower-ranked request{'s' if admission.preemptible != 1 else ''} in flight"
-            " on priority-scheduled nodes held it no place"
-            " (they are preempted for it)"
+            " on priority-scheduled nodes held it no place (they are preempted for it)"
         )
     rows = [["tenant", tenant], ["priority", str(admission.priority)], ["admission", verdict]]
     if admission.tokens_reserved:

@@ -497,10 +497,10 @@ def test_on_a_priority_scheduled_node_lower_priority_requests_hold_no_place():
 
 def test_a_tenant_goes_ahead_of_its_priority_while_it_holds_less_than_its_fair_share():
     # With one more request, fewer than the average of the tenants with requests in flight.
-    assert under_fair_share(FairShare(tenant=0, priority=2, tenants=2))
-    assert under_fair_share(FairShare(tenant=3, priority=10, tenants=2))
-    assert not under_fair_share(FairShare(tenant=0, priority=1, tenants=2))  # then one each
-    assert not under_fair_share(FairShare(tenant=5, priority=10, tenants=2))
-    assert not under_fair_share(FairShare(tenant=4, priority=4, tenants=1))  # alone
+    assert under_fair_share(FairShare(tenant_in_flight=0, priority_in_flight=2, tenants=2))
+    assert under_fair_share(FairShare(tenant_in_flight=3, priority_in_flight=10, tenants=2))
+    assert not under_fair_share(FairShare(tenant_in_flight=0, priority_in_flight=1, tenants=2))  # then one each
+    assert not under_fair_share(FairShare(tenant_in_flight=5, priority_in_flight=10, tenants=2))
+    assert not under_fair_share(FairShare(tenant_in_flight=4, priority_in_flight=4, tenants=1))  # alone
     # Its rank: twice its priority, one more ahead of it; the next priority stays above.
     assert [rank(0, False), rank(0, True), rank(1, False), rank(-1, True)] == [0, 1, 2, -1]

@@ -191,7 +191,7 @@ async def test_a_tenant_under_its_fair_share_goes_ahead_of_its_priority_and_pree
             assert last_body(node)["priority"] == -1  # ahead of priority 0's others (0)
             nursery.cancel_scope.cancel()
         record = await record_of(decisions, "peer")
-    assert record.admission.fair_share == FairShare(tenant=0, priority=2, tenants=2)
+    assert record.admission.fair_share == FairShare(tenant_in_flight=0, priority_in_flight=2, tenants=2)
     assert (record.admission.verdict, record.admission.preemptible) == (ADMITTED, 2)
     explained = explain_request(events, decisions, "peer")
     why = (
