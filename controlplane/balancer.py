@@ -42,13 +42,14 @@ class Balancer:
         prefix: str,
         load_bound: float,
         adapter: str = "",
+        max_in_flight: Mapping[str, int] = {},
     ) -> Choice:
         """The data plane's pick from `pool` (not empty), with every candidate's score (`scored`,
-        any policy but round robin, or a LoRA `adapter`'s affinity; round robin unscored is
-        plinth's pick and nothing more)."""
+        any policy but round robin, a LoRA `adapter`'s affinity, or nodes with a `max_in_flight`;
+        round robin unscored is plinth's pick and nothing more)."""
         rotation = self.rotation
         self.rotation += 1
-        if policy == ROUND_ROBIN and not scored and not adapter:
+        if policy == ROUND_ROBIN and not scored and not adapter and not max_in_flight:
             return Choice(pool[rotation % len(pool)], (), None)
         return self.choose(
             pool,
@@ -59,6 +60,7 @@ class Balancer:
             prefix=prefix,
             load_bound=load_bound,
             adapter=adapter,
+            max_in_flight=max_in_flight,
         )
 
     def choose(
@@ -73,9 +75,10 @@ class Balancer:
         load_bound: float,
         remembered: str | None = None,
         adapter: str = "",
+        max_in_flight: Mapping[str, int] = {},
     ) -> Choice:
         """`policy`'s choice from `pool` (not empty), scored, with a LoRA `adapter`'s affinity
-        when given. Prefix affinity starts from the node the prefix last went to (`remembered`
+        when given, passing over nodes at their `max_in_flight` while another has room. Prefix affinity starts from the node the prefix last went to (`remembered`
         when given: a recorded pick's), and remembers the one it chose."""
         affine = policy == PREFIX_AFFINITY and bool(prefix)
         if remembered is None:
@@ -90,6 +93,7 @@ class Balancer:
             load_bound=load_bound,
             remembered=remembered,
             adapter=adapter,
+            max_in_flight=max_in_flight,
         )
         if affine:
             self.prefixes.remember(prefix, choice.node.ip)

@@ -35,6 +35,12 @@ A request for a LoRA adapter (`routing.Route.adapter`) has affinity under every 
 candidates are ranked by what their scrape says of the adapter (`lora_standing`: running it,
 having it, or running as many adapters as they may while others wait), and the policy chooses
 among those of the best standing; the others follow in the record, passed over.
+
+Under every policy, a candidate to which the routing process has its `[[nodes]] max_in_flight`
+requests in flight is passed over while another has room (AT_MAX_IN_FLIGHT): the admission queue
+lets a request through when some node of the pool has room, and it must go there, not wait in a
+full node's own queue. The in-flight counts are in the record's candidates, so a replay passes
+over the same ones.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY = POLICIES
 NOT_DRAWN = "not drawn"
 OVER_LOAD_BOUND = "load bound"
 LORA_AVOIDED = "lora affinity"
+AT_MAX_IN_FLIGHT = "max_in_flight"
 """Notes on candidates passed over other than by their score."""
 
 LORA_RUNNING, LORA_LOADED, LORA_FULL = "running", "loaded", "full"
@@ -109,12 +116,25 @@ def choose(
     load_bound: float = DEFAULT_LOAD_BOUND,
     remembered: str = "",
     adapter: str = "",
+    max_in_flight: Mapping[str, int] = {},
 ) -> Choice:
     """The node `policy` picks from `pool` (non-empty, in routing's order), with every
     candidate's score; an unknown policy name is round robin (a config names only known ones).
     `remembered` is the node the prefix last went to (prefix affinity's only). A request for a
     LoRA `adapter` is picked among the candidates of the best standing (`lora_standing`), the
-    others listed after them, passed over (LORA_AVOIDED), each with its standing."""
+    others listed after them, passed over (LORA_AVOIDED), each with its standing. Before that,
+    the candidates with `in_flight` at their `max_in_flight` are passed over (AT_MAX_IN_FLIGHT)
+    while another has room."""
+    if max_in_flight:
+        full = {ip for ip, limit in max_in_flight.items() if in_flight.get(ip, 0) >= limit}
+        with_room = [node for node in pool if node.ip not in full]
+        if len(with_room) < len(pool) and with_room:
+            full_nodes = [node for node in pool if node.ip in full]
+            inputs = dict(
+                rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix, load_bound=load_bound,
+                remembered=remembered, adapter=adapter,
+            )  # fmt: skip
+            return _in_tiers(policy, [with_room, full_nodes], AT_MAX_IN_FLIGHT, inputs)
     if adapter:
         return _with_lora_affinity(
             policy, pool, adapter, rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix,
@@ -147,14 +167,19 @@ def _with_lora_affinity(policy: Policy, pool: Sequence[NodeState], adapter: str,
     other standing follow, as the policy orders them, noted LORA_AVOIDED."""
     standings = {node.ip: lora_standing(node, adapter) for node in pool}
     tiers = [[node for node in pool if standings[node.ip] == standing] for standing in LORA_STANDINGS]
+    choice = _in_tiers(policy, tiers, LORA_AVOIDED, inputs)
+    candidates = tuple(msgspec.structs.replace(c, lora=standings[c.node]) for c in choice.candidates)
+    return choice._replace(candidates=candidates)
+
+
+def _in_tiers(policy: Policy, tiers: list[list[NodeState]], note: str, inputs: dict) -> Choice:
+    """The policy's choice (with `inputs`) in the first tier that has candidates; those of the
+    later tiers follow, as the policy orders each, passed over with `note`."""
     choices = [choose(policy, tier, **inputs) for tier in tiers if tier]
     best = choices[0]
-    candidates = [msgspec.structs.replace(c, lora=standings[c.node]) for c in best.candidates]
+    candidates = list(best.candidates)
     for passed_over in choices[1:]:
-        candidates += [
-            msgspec.structs.replace(c, lora=standings[c.node], note=c.note or LORA_AVOIDED)
-            for c in passed_over.candidates
-        ]
+        candidates += [msgspec.structs.replace(c, note=c.note or note) for c in passed_over.candidates]
     return best._replace(candidates=tuple(candidates))
 
 

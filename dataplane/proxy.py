@@ -360,6 +360,7 @@ class Proxy:
             prefix=ledger.prefix,
             load_bound=config.load_bound,
             adapter=ledger.route.adapter,
+            max_in_flight=config.max_in_flight,
         )
         ledger.picked(choice, rotation)
         return choice.node

@@ -61,7 +61,7 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     """The node's time between tokens, when known: what prefix affinity's load bound weighs with."""
     note: str = ""
     """Why the candidate was passed over other than by its score (`controlplane.policies`'
-    NOT_DRAWN, OVER_LOAD_BOUND, LORA_AVOIDED)."""
+    NOT_DRAWN, OVER_LOAD_BOUND, LORA_AVOIDED, AT_MAX_IN_FLIGHT)."""
     lora: str = ""
     """A request for a LoRA adapter: what the node's scrape said of it (`controlplane.policies`'
     LORA_RUNNING, LORA_LOADED, LORA_FULL); "" for a base model."""

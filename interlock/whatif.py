@@ -195,6 +195,7 @@ def what_if(
                     prefix=made.prefix,
                     load_bound=_load_bound(state),
                     adapter=leg.adapter,
+                    max_in_flight=_max_in_flight(state),
                 )  # remembered: the what-if world's memory
             node = choice.node.ip
             if each is not None:
@@ -260,7 +261,8 @@ def recorded_choice(
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
     picker, under `policy` (None: the one the record names) and with the inputs the record holds
     (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered
-    node), with a LoRA `adapter`'s affinity (`Route.adapter`)."""
+    node), with a LoRA `adapter`'s affinity (`Route.adapter`), passing over the nodes at their
+    `max_in_flight`."""
     return balancer.choose(
         pool,
         policy or decision.policy,
@@ -271,11 +273,18 @@ def recorded_choice(
         load_bound=_load_bound(state),
         remembered=decision.remembered,
         adapter=adapter,
+        max_in_flight=_max_in_flight(state),
     )
 
 
 def _load_bound(state: ClusterState) -> float:
     return state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND
+
+
+def _max_in_flight(state: ClusterState) -> dict[str, int]:
+    """The nodes' `max_in_flight` in the config of `state` (a pick passes over those at it)."""
+    nodes = state.config.nodes if state.config else ()
+    return {node.ip: node.max_in_flight for node in nodes if node.max_in_flight is not None}
 
 
 class Leg(NamedTuple):

@@ -21,6 +21,7 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
+from controlplane.policies import AT_MAX_IN_FLIGHT
 from controlplane.routing import pick_pool
 from controlplane.runtime import open_control_plane
 from controlplane.saturation import free_places, priority_headroom, rank, under_fair_share
@@ -46,6 +47,7 @@ from harness import (
     tenants_toml,
     write_config,
 )
+from test_verify import verify
 
 QUEUE_LENGTH = 'interlock_admission_queue_length{priority="0",tenant="default"}'
 HELD = {"tpot": 0.5, "tokens": 1000}
@@ -330,6 +332,33 @@ async def test_with_priority_headroom_a_lower_priority_queues_while_a_place_is_k
     explained = explain_request(events, decisions, "low-waiting")
     assert "1 in-flight places per node left to higher priorities (priority_headroom)" in explained
     assert "by max_in_flight 2 less priority_headroom 1" in explained
+
+
+async def test_a_request_goes_to_the_node_with_room_not_to_a_full_one_and_verify_makes_the_same_pick(tmp_path):
+    # Two nodes of one place each. The first request holds its node; the second goes to the
+    # other and ends. Round robin's turn is then the full node again, but the third request goes
+    # to the node with room (without that it would wait behind the held stream, in the node).
+    decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
+    async with nodes_and_gateway(
+        tmp_path,
+        node_specs(2, max_running=1, **HELD),
+        node_settings={"n1": {"max_in_flight": 1}, "n2": {"max_in_flight": 1}},
+        extra=admission_toml(max_queue_seconds=30),
+        decision_log=str(decisions),
+        event_log=str(events),
+    ) as (nodes, gateway):
+        await gateway.discovered()
+        async with holding_the_node(gateway):
+            [held] = [node for node in nodes if completions_to(node)]
+            [free] = [node for node in nodes if node is not held]
+            assert (await post_chat(gateway, "second")).headers["x-interlock-node"] == free.name
+            with trio.fail_after(10):
+                third = await post_chat(gateway, "third")
+            assert third.status_code == 200 and third.headers["x-interlock-node"] == free.name
+            record = await record_of(decisions, "third")
+    assert [(c.node, c.note) for c in record.candidates] == [(free.host, ""), (held.host, AT_MAX_IN_FLIGHT)]
+    verified = verify(events, decisions)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 async def test_a_tenants_max_queue_seconds_is_its_deadline_and_the_refusal_gives_back_what_its_limits_took(tmp_path):

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 
 from controlplane.policies import (
+    AT_MAX_IN_FLIGHT,
     LEAST_LOAD,
     NOT_DRAWN,
     OVER_LOAD_BOUND,
@@ -175,3 +176,21 @@ def test_every_policy_scores_every_candidate_once_and_picks_the_first(policy):
     choice = choose(policy, nodes, rotation=5, in_flight={IPS[0]: 1}, request_id="abc", prefix="p")
     assert sorted(c.node for c in choice.candidates) == list(IPS)
     assert choice.node.ip == choice.candidates[0].node
+
+
+@pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])
+def test_every_policy_passes_over_a_node_at_its_max_in_flight_while_another_has_room(policy):
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    in_flight = {IPS[0]: 2, IPS[1]: 1}
+    for rotation in range(6):
+        choice = choose(
+            policy, nodes, rotation=rotation, in_flight=in_flight, request_id=str(rotation), prefix="p",
+            max_in_flight={IPS[0]: 2, IPS[1]: 1},
+        )  # fmt: skip
+        assert choice.node.ip == IPS[2]  # the only one with room (no bound)
+        assert {c.node for c in choice.candidates if c.note == AT_MAX_IN_FLIGHT} == set(IPS[:2])
+    # When every node is full, the policy chooses among them all, as without the bound.
+    full = {IPS[0]: 2, IPS[1]: 1, IPS[2]: 0}
+    assert choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p", max_in_flight=full) == (
+        choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p")
+    )
