@@ -78,8 +78,9 @@ class Balancer:
         max_in_flight: Mapping[str, int] = {},
     ) -> Choice:
         """`policy`'s choice from `pool` (not empty), scored, with a LoRA `adapter`'s affinity
-        when given, passing over nodes at their `max_in_flight` while another has room. Prefix affinity starts from the node the prefix last went to (`remembered`
-        when given: a recorded pick's), and remembers the one it chose."""
+        when given, passing over nodes at their `max_in_flight` while another has room. Prefix
+        affinity starts from the node the prefix last went to (`remembered` when given: a
+        recorded pick's), and remembers the one it chose."""
         affine = policy == PREFIX_AFFINITY and bool(prefix)
         if remembered is None:
             remembered = self.prefixes.node_of(prefix) if affine else ""
