@@ -222,13 +222,13 @@ class AdmissionQueue:
             places, preemptible = self._places(model, view, request_rank)
             if places > 0:
                 if headroom or share or preemptible:
-                    return QueueOutcome(ADMITTED, 0.0, 0, headroom, share, preemptible)
+                    return QueueOutcome(ADMITTED, headroom=headroom, fair_share=share, preemptible=preemptible)
                 return ADMITTED_AT_ONCE
         saturated_seq = view.snapshot.seq
         admission = view.config.admission
         if self.waiting >= admission.queue_size or self._tenants.get(tenant, 0) >= admission.tenant_queue_size:
             self._metrics.admission_refused(tenant, priority, QUEUE_FULL)
-            return QueueOutcome(QUEUE_FULL, 0.0, saturated_seq, headroom, share)
+            return QueueOutcome(QUEUE_FULL, saturated_seq=saturated_seq, headroom=headroom, fair_share=share)
         waiter = _Waiter(model, tenant, fairness_id, priority, request_rank)
         if line is None:
             line = self._lines[model] = _Line()
