@@ -18,6 +18,11 @@ it only through `AsyncioThread`:
 - closing it cancels every task left on the loop, waits for them, and joins the thread, so
   nothing of NATS outlives the block.
 
+Every callable that crosses into trio (`to_trio`'s, `on_error`, a delivery's hand-over) runs
+guarded: what it raises is counted (`failures`, and the owner's `count_failure`, a metric) and
+logged (to the owner's log, or to stderr when that write fails too), never let into trio's run
+loop, where it would be a `TrioInternalError` that cancels every task, the data plane's included.
+
 Why a thread: the asyncio side (the client's reader, pinger, reconnect loop) never competes with
 the gateway's trio tasks for a turn of one scheduler, a stuck asyncio call cannot stall the data
 plane, and each side keeps its own library's semantics (trio's cancel scopes, asyncio's tasks)
@@ -28,10 +33,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import threading
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import trio
 
@@ -53,11 +60,28 @@ class DeliveryOverflowed(Exception):
     lost; the receiver reads again from its last message (a stream by sequence)."""
 
 
+class FailureLog(Protocol):
+    def error(self, msg: str, **fields: object) -> None: ...
+
+
 class AsyncioThread:
     """An asyncio loop in a thread of its own, driven from trio (see the module docstring)."""
 
-    def __init__(self, on_error: Callable[[BaseException], None], name: str = "interlock-asyncio") -> None:
+    def __init__(
+        self,
+        on_error: Callable[[BaseException], None],
+        name: str = "interlock-asyncio",
+        *,
+        log: FailureLog | None = None,
+        count_failure: Callable[[], None] = lambda: None,
+    ) -> None:
+        """`on_error` gets a submitted call's failure; `log` and `count_failure` a guarded
+        callable's (see the module docstring)."""
         self._on_error = on_error
+        self._log = log
+        self._count_failure = count_failure
+        self.failures = 0
+        """Callables handed to trio that raised."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name=name, daemon=True)
         self._token = trio.lowlevel.current_trio_token()
@@ -96,7 +120,7 @@ class AsyncioThread:
         try:
             self._start(fn(*args, **kwargs), report)
         except BridgeClosed as error:
-            self._on_error(error)
+            self._guarded(self._on_error, error)
 
     def to_trio(self, fn: Callable[..., None]) -> Callable[..., None]:
         """A function that any thread may call to have `fn(*args)` run on the trio thread soon
@@ -128,7 +152,29 @@ class AsyncioThread:
 
     def _wake(self, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(trio.RunFinishedError):
-            self._token.run_sync_soon(fn, *args)
+            self._token.run_sync_soon(self._guarded, fn, *args)
+
+    def _guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` on the trio thread; what it raises is counted and logged, never raised."""
+        try:
+            fn(*args)
+        except Exception as error:
+            self._failed(fn, error)
+
+    def _failed(self, fn: Callable[..., None], error: Exception) -> None:
+        """Count a guarded callable's failure and log it: to the owner's log, or to stderr when
+        there is none or writing to it fails as well (the failure may have been that write)."""
+        self.failures += 1
+        with contextlib.suppress(Exception):
+            self._count_failure()
+        callback = getattr(fn, "__qualname__", repr(fn))
+        with contextlib.suppress(Exception):
+            if self._log is not None:
+                self._log.error("fleet: a callback from the NATS thread failed", callback=callback, error=repr(error))
+                return
+        with contextlib.suppress(Exception):
+            print(f"interlock: fleet: a callback from the NATS thread failed: {callback}", file=sys.stderr)
+            traceback.print_exception(error, file=sys.stderr)
 
     async def aclose(self) -> None:
         """Cancel every task on the loop, wait for them, stop the loop and join its thread."""
@@ -201,9 +247,14 @@ async def _cancel_other_tasks() -> None:
 
 
 @asynccontextmanager
-async def open_asyncio_thread(on_error: Callable[[BaseException], None]) -> AsyncIterator[AsyncioThread]:
+async def open_asyncio_thread(
+    on_error: Callable[[BaseException], None],
+    *,
+    log: FailureLog | None = None,
+    count_failure: Callable[[], None] = lambda: None,
+) -> AsyncIterator[AsyncioThread]:
     """An AsyncioThread for the block; closed (no task, no thread left) when the block ends."""
-    bridge = AsyncioThread(on_error)
+    bridge = AsyncioThread(on_error, log=log, count_failure=count_failure)
     bridge._thread.start()
     try:
         yield bridge

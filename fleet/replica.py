@@ -126,6 +126,11 @@ class FleetMetrics:
             "whole buffer behind (it then read the stream again from its last whole message: nothing is lost)",
             registry=registry,
         )
+        self.bridge_failures = prometheus_client.Counter(
+            "interlock_fleet_bridge_failures_total",
+            "Callbacks handed from the NATS client's thread to trio that raised (each logged; the gateway serves on)",
+            registry=registry,
+        )
         self.appends_refused = prometheus_client.Counter(
             "interlock_fleet_appends_refused_total",
             "Appends refused because another leader had appended (this replica then stepped down)",
@@ -210,7 +215,10 @@ class FleetControlPlane(ControlPlane):
             self._snapshot, _ = reduce(INITIAL_STATE, own)  # seq 0: routes on its own config until the fleet's
             self.upstream_keys.take_up(self._own_config)
             self.log.configure(self._own_config.gateway)
-            async with open_asyncio_thread(self._asyncio_failed) as bridge, ProbeClient() as client:
+            bridge_opened = open_asyncio_thread(
+                self._asyncio_failed, log=self.log, count_failure=self.fleet_metrics.bridge_failures.inc
+            )
+            async with bridge_opened as bridge, ProbeClient() as client:
                 self._link = FleetLink(bridge, self.fleet, self._nats_client_error)
                 try:
                     async with trio.open_nursery() as nursery:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from functools import partial
 
 import nats
 import pytest
@@ -116,3 +117,87 @@ async def test_submit_reports_a_failure_and_never_blocks():
             while not failures:
                 await trio.sleep(0.01)
     assert [str(error) for error in failures] == ["fire and forget"]
+
+
+class RecordedLog:
+    """A log that keeps its error lines (the bridge's `log`)."""
+
+    def __init__(self) -> None:
+        self.errors: list[dict] = []
+
+    def error(self, msg: str, **fields: object) -> None:
+        self.errors.append({"msg": msg, **fields})
+
+
+async def test_a_callback_that_raises_is_counted_and_logged_and_trio_serves_on(tmp_path):
+    """The error callback itself raising (a failed write of its warning), and a `to_trio`
+    callable raising, reach neither trio's run loop nor the other tasks: each is counted and
+    logged, and the bridge and a trio server beside it keep working."""
+
+    def error_callback_that_fails(error: BaseException) -> None:
+        raise OSError(f"cannot write the warning about {error!r}")
+
+    def handler_that_fails(data: bytes) -> None:
+        raise ValueError(f"cannot handle {data!r}")
+
+    async def fail():
+        raise ValueError("fire and forget")
+
+    async def echo(stream: trio.SocketStream) -> None:
+        async with stream:
+            async for data in stream:
+                await stream.send_all(data)
+
+    counted = []
+    log = RecordedLog()
+    async with (
+        nats_servers(tmp_path) as [server],
+        open_asyncio_thread(error_callback_that_fails, log=log, count_failure=lambda: counted.append(1)) as bridge,
+        trio.open_nursery() as nursery,
+    ):
+        listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        handle = bridge.to_trio(handler_that_fails)
+
+        async def on_message(msg):
+            handle(msg.data)
+
+        nc = await connect(bridge, server.url)
+        await bridge.call(nc.subscribe, "greetings", cb=on_message)
+        await bridge.call(nc.publish, "greetings", b"hello")
+        bridge.submit(fail)
+        with trio.fail_after(10):
+            while bridge.failures < 2:
+                await trio.sleep(0.01)
+        assert len(counted) == 2
+        assert sorted(line["callback"] for line in log.errors) == [
+            "test_a_callback_that_raises_is_counted_and_logged_and_trio_serves_on.<locals>.error_callback_that_fails",
+            "test_a_callback_that_raises_is_counted_and_logged_and_trio_serves_on.<locals>.handler_that_fails",
+        ]
+        assert {line["msg"] for line in log.errors} == {"fleet: a callback from the NATS thread failed"}
+
+        client = await trio.open_tcp_stream("127.0.0.1", port)  # the task beside the bridge serves on
+        async with client:
+            await client.send_all(b"still here")
+            assert await client.receive_some() == b"still here"
+        assert (await bridge.call(nc.request, "$JS.API.INFO", b"", timeout=5)).data  # so does the bridge
+        await bridge.call(nc.close)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_callback_failure_the_log_cannot_take_goes_to_stderr(capfd):
+    class BrokenLog:
+        def error(self, msg: str, **fields: object) -> None:
+            raise BrokenPipeError("the log's reader is gone")
+
+    def handler_that_fails() -> None:
+        raise ValueError("cannot handle it")
+
+    async with open_asyncio_thread(unexpected, log=BrokenLog()) as bridge:
+        bridge.to_trio(handler_that_fails)()
+        with trio.fail_after(10):
+            while not bridge.failures:
+                await trio.sleep(0.01)
+        assert await bridge.call(asyncio.sleep, 0, result=7) == 7
+    err = capfd.readouterr().err
+    assert "a callback from the NATS thread failed" in err and "ValueError: cannot handle it" in err
