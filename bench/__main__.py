@@ -71,7 +71,7 @@ from bench.report import (
 from bench.servers import PROJECT_ROOT, Server, nginx_path, start_floor, start_interlock, start_nginx, start_upstream
 from bench.upstream import MODEL, STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
-from controlplane.replay import replay
+from controlplane.effects.replay import replay
 
 SECTIONS = ("requests", "sse", "paced", "replay", "control-plane")
 PACED_CONCURRENCY = (8, 16, 32, 64, 128, 256)

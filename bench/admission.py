@@ -25,7 +25,7 @@ cut. Each run has a fresh `interlock serve` (load scraped every LOAD_SCRAPE):
   the node (its tenant's priority; within one priority, ahead when its tenant holds less than its
   fair share of the requests in flight, as B does), whose scheduler runs B's first and preempts
   one of A's for it when the batch is full; the gateway lets B's requests through to a node full
-  of A's (`controlplane.saturation`).
+  of A's (`controlplane.rules.saturation`).
 
 Per run and tenant: TTFT p50/p99 at the client (of the streams that began), completed streams,
 the gateway's refusals (429 `rate_limit_exceeded`, 503 `queue_timeout`), other failures (a node
@@ -63,7 +63,7 @@ import trio
 from bench.processes import Processes
 from bench.report import busy_note, load_average, machine_details, utc_now, write_results
 from bench.servers import SimulatedNodeProcess, start_gateway, start_simulated_nodes
-from controlplane.probes import ProbeError, parse_vllm_load
+from controlplane.effects.probes import ProbeError, parse_vllm_load
 
 MODEL = "admission-model"
 TTFT, TPOT, TOKENS = 0.05, 0.04, 24

@@ -18,7 +18,7 @@ from pathlib import Path
 import trio
 from prometheus_client import CollectorRegistry
 
-from controlplane.config import load_config
+from controlplane.infrastructure.config import load_config
 from dataplane.admission import Admission
 from dataplane.exchange import Exchange
 from dataplane.metrics import RequestMetrics

@@ -4,7 +4,7 @@
 
 Two child processes: the simulated nodes (`fixtures.node`, each on its own loopback address
 127.0.1.1, 127.0.1.2, …, 127.0.2.1, …, since a node's IP is its identity), and the control plane
-alone (`controlplane.runtime.open_control_plane`: probes, reducer, event log on; no data plane)
+alone (`controlplane.effects.control_plane.open_control_plane`: probes, reducer, event log on; no data plane)
 with `health_interval = "1s"`. Once every node is healthy and its models listed, the control
 plane measures its own CPU time (all threads) over `--seconds`, and the events it applied:
 each node should bring three a second (health, GPU scrape, model listing); fewer means the
@@ -31,8 +31,8 @@ import trio
 
 from bench.processes import CorePlan, Processes, cpu_seconds, peak_rss_bytes, plan_cores, read_json_line
 from bench.upstream import MODEL
-from controlplane.logs import JsonLog
-from controlplane.runtime import open_control_plane
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.effects.control_plane import open_control_plane
 from events.state import Health
 from fixtures.node import NodeSpec, serve_nodes
 

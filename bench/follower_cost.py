@@ -3,7 +3,7 @@
     python -m bench.follower_cost [--nodes 1000] [--rounds 20] [--runs 5]
 
 A worker (`interlock serve --workers N`) receives every numbered event as a JSON line and applies
-it with `controlplane.follower.Follower` (the same `reduce` as the leader). The events are the
+it with `controlplane.effects.follower.Follower` (the same `reduce` as the leader). The events are the
 rounds a live leader records (`bench.replay_speed.ClusterSimulation`: a model listing, a health
 probe and a GPU scrape per node, with occasional incidents), numbered and encoded as the leader
 sends them; the follower starts from the leader's RunStarted and decodes and applies the rest.
@@ -20,7 +20,7 @@ import time
 import msgspec
 
 from bench.replay_speed import ClusterSimulation, cluster_config
-from controlplane.follower import Follower
+from controlplane.effects.follower import Follower
 from events.log import decode_event, encode_event
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import bench.control_plane_load
 from bench.processes import Processes, plan_cores
-from controlplane.probes import parse_vllm_load
+from controlplane.effects.probes import parse_vllm_load
 
 _BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0]
 _BUCKETS += [40.0, 80.0, 160.0, 640.0, 2560.0, "+Inf"]

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.runtime import segment_head
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.effects.control_plane import segment_head
 from events.config import Config, ModelEntry, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event
 from events.state import ClusterState, GpuSample

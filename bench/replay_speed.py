@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.replay import replay
+from controlplane.effects.replay import replay
 from events.config import DEFAULT_EVENT_LOG_MAX_BYTES, Config, ModelEntry, ModelsConfig, NodeConfig
 from events.log import encode_event
 from events.types import (

@@ -46,8 +46,8 @@ import trio
 from bench.processes import Processes
 from bench.report import busy_note, load_average, machine_details, utc_now, write_results
 from bench.servers import SimulatedNodeProcess, start_gateway, start_simulated_nodes
-from controlplane.policies import LEAST_LOAD, POLICIES, PREFIX_AFFINITY, ROUND_ROBIN
-from controlplane.probes import ProbeError, parse_vllm_load
+from controlplane.rules.policies import LEAST_LOAD, POLICIES, PREFIX_AFFINITY, ROUND_ROBIN
+from controlplane.effects.probes import ProbeError, parse_vllm_load
 from events.decisions import read_decisions
 from interlock.whatif import what_if
 

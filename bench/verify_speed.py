@@ -23,9 +23,9 @@ from pathlib import Path
 import msgspec
 
 from bench.replay_speed import STANDALONE_MODEL, generate_log
-from controlplane.balancer import Balancer
-from controlplane.replay import replay_steps
-from controlplane.routing import Route, pick_pool
+from controlplane.rules.balancer import Balancer
+from controlplane.effects.replay import replay_steps
+from controlplane.rules.routing import Route, pick_pool
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
 from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion, read_decisions_with_gaps
 from interlock.verify import verify

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from controlplane.logs import JsonLog
+from controlplane.infrastructure.logs import JsonLog
 from events.types import UpstreamFailed
 from fixtures.node import NodeSpec, serve_nodes
 from interlock.serve import Listening, serve

@@ -19,8 +19,8 @@ import math
 
 import msgspec
 
-from controlplane.gocompat import format_go_seconds
-from controlplane.saturation import rank, under_fair_share
+from controlplane.infrastructure.gocompat import format_go_seconds
+from controlplane.rules.saturation import rank, under_fair_share
 from dataplane.admission_queue import QUEUED, QueueOutcome
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.errors import Reply

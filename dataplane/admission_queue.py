@@ -1,5 +1,5 @@
 """The admission queue: while every node that could serve a model is saturated
-(`controlplane.saturation`), its requests wait here, in the gateway, where they can be ordered,
+(`controlplane.rules.saturation`), its requests wait here, in the gateway, where they can be ordered,
 bounded and cancelled, rather than in a node's own queue.
 
 One queue per process (workers each have theirs, as they have their in-flight counts), one line
@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from controlplane.routing import pick_pool
-from controlplane.saturation import free_places, priority_headroom, rank, under_fair_share
+from controlplane.rules.routing import pick_pool
+from controlplane.rules.saturation import free_places, priority_headroom, rank, under_fair_share
 from dataplane.control import ControlPlaneView
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotView, SnapshotViews

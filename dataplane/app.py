@@ -16,7 +16,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
-from controlplane.logs import clipped
+from controlplane.infrastructure.logs import clipped
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
 from dataplane.endpoints import ROUTED_PATHS

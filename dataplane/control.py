@@ -2,7 +2,7 @@
 
 The request path reads the current snapshot, stamps observations with the control plane's
 clock, and reports what it observed; `/ready` asks whether that snapshot is current.
-`controlplane.runtime.ControlPlane` is one such source; a process that follows another's event
+`controlplane.effects.control_plane.ControlPlane` is one such source; a process that follows another's event
 stream can be another.
 """
 

@@ -12,8 +12,8 @@ from typing import Protocol
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.journals import open_configured_log
-from controlplane.logs import JsonLog
+from controlplane.infrastructure.journals import open_configured_log
+from controlplane.infrastructure.logs import JsonLog
 from events.config import GatewayConfig
 from events.decisions import Decision
 from journal.writer import LogAppender, SegmentedFile

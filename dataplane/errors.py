@@ -16,7 +16,7 @@ from typing import Protocol
 
 import msgspec
 
-from controlplane import routing
+from controlplane.rules import routing
 from dataplane.headers import Headers
 from events.types import MAX_MODEL_NAME_LENGTH
 
@@ -101,7 +101,7 @@ def model_not_found(model: str) -> ApiError:
 
 def adapter_loading(model: str) -> ApiError:
     """A request for a LoRA adapter no node serves yet while the gateway loads it onto one
-    (`controlplane.adapters`): a 503 the SDKs retry, after its Retry-After."""
+    (`controlplane.rules.adapters`): a 503 the SDKs retry, after its Retry-After."""
     return ApiError(503, f"LoRA adapter `{model}` is being loaded onto a node", "adapter_loading")
 
 

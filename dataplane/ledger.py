@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
-from controlplane.balancer import Balancer
-from controlplane.logs import JsonLog
-from controlplane.policies import Choice
-from controlplane.routing import DECODE, PREFILL, Route
+from controlplane.rules.balancer import Balancer
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.rules.policies import Choice
+from controlplane.rules.routing import DECODE, PREFILL, Route
 from dataplane.admission import Ticket
 from dataplane.admission_queue import AdmissionQueue
 from dataplane.control import ControlPlaneView
@@ -80,7 +80,7 @@ class Ledger:
         self.route = route
         self.policy = policy
         self.prefix = prefix
-        """The prompt prefix's hash (`controlplane.prefix`), when the policy or the decision log needs it."""
+        """The prompt prefix's hash (`controlplane.rules.prefix`), when the policy or the decision log needs it."""
         self.metric_model = exchange.view.metric_model(exchange.model)
         self.attempts: list[AttemptRecord] = []
         self.passed: list[Exclusion] = []

@@ -29,12 +29,12 @@ from collections.abc import Awaitable, Callable
 import msgspec
 import trio
 
-from controlplane.balancer import Balancer
-from controlplane.logs import JsonLog, Throttle, clipped
-from controlplane.policies import PREFIX_AFFINITY
-from controlplane.prefix import prompt_prefix
-from controlplane.routing import PREFILL, pick_pool
-from controlplane.saturation import priority_headroom
+from controlplane.rules.balancer import Balancer
+from controlplane.infrastructure.logs import JsonLog, Throttle, clipped
+from controlplane.rules.policies import PREFIX_AFFINITY
+from controlplane.rules.prefix import prompt_prefix
+from controlplane.rules.routing import PREFILL, pick_pool
+from controlplane.rules.saturation import priority_headroom
 from dataplane.admission import Admission, Ticket, UsageTap
 from dataplane.admission_queue import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
 from dataplane.control import ControlPlaneView

@@ -10,9 +10,9 @@ import ssl
 
 import msgspec
 
-from controlplane.adapters import is_loading
-from controlplane.metrics import OTHER_MODELS, labelled_list, metric_models
-from controlplane.routing import Route, pick_pool
+from controlplane.rules.adapters import is_loading
+from controlplane.effects.metrics import OTHER_MODELS, labelled_list, metric_models
+from controlplane.rules.routing import Route, pick_pool
 from dataplane.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
 from dataplane.headers import node_header
@@ -149,7 +149,7 @@ class SnapshotView:
 
     def metric_model(self, model: str) -> str:
         """`model` as the metrics' `model` label: itself when it has a label of its own
-        (`controlplane.metrics.metric_models`), else OTHER_MODELS."""
+        (`controlplane.effects.metrics.metric_models`), else OTHER_MODELS."""
         return model if model in self.metric_models else OTHER_MODELS
 
     @functools.cached_property

@@ -2,7 +2,7 @@
 
 The schema is vocabulary: `RunStarted` and `ConfigReloaded` carry a `Config`, so a recorded log
 decodes straight into typed configs. Reading and validating a TOML file is
-`controlplane.config.load_config`; durations are float seconds here (Go duration strings in
+`controlplane.infrastructure.config.load_config`; durations are float seconds here (Go duration strings in
 the file).
 """
 
@@ -311,7 +311,7 @@ class AdmissionConfig(Struct, frozen=True, kw_only=True):
     priority_headroom: int = 0
     """In-flight places per node kept free for the highest configured tenant priority: a request
     of a lower priority counts a node with a `max_in_flight` as saturated this many places early
-    (`controlplane.saturation.priority_headroom`), so a higher one finds a place at once rather
+    (`controlplane.rules.saturation.priority_headroom`), so a higher one finds a place at once rather
     than after the next request ends. 0: every priority may fill `max_in_flight`."""
 
 

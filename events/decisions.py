@@ -60,10 +60,10 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     seconds_per_token: float | None = None
     """The node's time between tokens, when known: what prefix affinity's load bound weighs with."""
     note: str = ""
-    """Why the candidate was passed over other than by its score (`controlplane.policies`'
+    """Why the candidate was passed over other than by its score (`controlplane.rules.policies`'
     NOT_DRAWN, OVER_LOAD_BOUND, LORA_AVOIDED, AT_MAX_IN_FLIGHT)."""
     lora: str = ""
-    """A request for a LoRA adapter: what the node's scrape said of it (`controlplane.policies`'
+    """A request for a LoRA adapter: what the node's scrape said of it (`controlplane.rules.policies`'
     LORA_RUNNING, LORA_LOADED, LORA_FULL); "" for a base model."""
 
 
@@ -127,7 +127,7 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     """The tokens the node reported (`usage`: prompt plus completion), when it reported them."""
     saturated_seq: int = 0
     """The seq of the snapshot on which every node of its pool was saturated when it reached the
-    queue (`controlplane.saturation`; 0: it was not, or the queue is off); `explain` derives the
+    queue (`controlplane.rules.saturation`; 0: it was not, or the queue is off); `explain` derives the
     nodes' saturation again from the state at that seq."""
     headroom: int = 0
     """The in-flight places per node its priority left free for the top priority (`[admission]
@@ -140,7 +140,7 @@ class Admission(msgspec.Struct, frozen=True, omit_defaults=True):
     preemptible: int = 0
     """The requests of lower ranks (`saturation.rank`) this process had in flight on the pool's
     nodes with priority scheduling when it was admitted: they held it no place, as those nodes
-    preempt them for it (`controlplane.saturation`)."""
+    preempt them for it (`controlplane.rules.saturation`)."""
 
 
 class Decision(msgspec.Struct, frozen=True):

@@ -1,9 +1,9 @@
 """The control plane's state as data: per-node health and model discovery (plinth §2.1, §8.1).
 
-Every type here is frozen; the reducer (`controlplane.reducer`) derives a new state from the old
+Every type here is frozen; the reducer (`controlplane.rules.reducer`) derives a new state from the old
 one and an event, and readers (the data plane, replay, explain) can hold any state as long as
 they like. The rules that move a node from one state to the next live in the control plane
-(`controlplane.health`, `controlplane.discovery`); here are only the states and the questions
+(`controlplane.rules.health`, `controlplane.rules.discovery`); here are only the states and the questions
 routing asks of them.
 """
 

@@ -22,7 +22,7 @@ from collections import deque
 import prometheus_client
 import trio
 
-from controlplane.logs import JsonLog
+from controlplane.infrastructure.logs import JsonLog
 from fleet.jetstream import NATS_ERRORS, OPERATION_SECONDS, FleetLink
 
 BATCH_SECONDS = 0.1

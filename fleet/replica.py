@@ -48,9 +48,9 @@ import nats.js.errors
 import prometheus_client
 import trio
 
-from controlplane.probes import ProbeClient
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.runtime import ControlPlane, Prober, load_config_logging_unknown_keys
+from controlplane.effects.probes import ProbeClient
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.effects.control_plane import ControlPlane, Prober, load_config_logging_unknown_keys
 from events.config import Config, FleetConfig
 from events.log import decode_event, decode_events, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted

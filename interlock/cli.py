@@ -37,11 +37,11 @@ from pathlib import Path
 
 import msgspec
 
-from controlplane.config import ConfigError, Overrides, UnknownKey, load_config, load_tenants
-from controlplane.gocompat import parse_go_duration, parse_listen_address
-from controlplane.logs import format_timestamp
-from controlplane.reducer import RESTART_KEYS
-from controlplane.replay import ReplayResult, audit, explain, node_ips, replay
+from controlplane.infrastructure.config import ConfigError, Overrides, UnknownKey, load_config, load_tenants
+from controlplane.infrastructure.gocompat import parse_go_duration, parse_listen_address
+from controlplane.infrastructure.logs import format_timestamp
+from controlplane.rules.reducer import RESTART_KEYS
+from controlplane.effects.replay import ReplayResult, audit, explain, node_ips, replay
 from events.config import (
     DEFAULT_FLEET_NAME,
     DEFAULT_LISTEN,

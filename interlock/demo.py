@@ -23,8 +23,8 @@ import httpx
 import prometheus_client
 import trio
 
-from controlplane.config import ConfigError, Overrides, load_config
-from controlplane.logs import JsonLog
+from controlplane.infrastructure.config import ConfigError, Overrides, load_config
+from controlplane.infrastructure.logs import JsonLog
 from events.config import GatewayConfig
 from events.state import Discovery
 from fixtures.node import serve_nodes, specs_from_config

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from controlplane.gocompat import format_go_seconds
+from controlplane.infrastructure.gocompat import format_go_seconds
 from events.config import Config, GatewayConfig
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import msgspec
 
-from controlplane.logs import format_timestamp
-from controlplane.replay import ReplayResult, audit
-from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
-from controlplane.saturation import scraped_reason, under_fair_share
-from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
+from controlplane.infrastructure.logs import format_timestamp
+from controlplane.effects.replay import ReplayResult, audit
+from controlplane.rules.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
+from controlplane.rules.saturation import scraped_reason, under_fair_share
+from controlplane.rules.transitions import HEALTH, MODELS, OFFLINE, Transition
 from dataplane.admission_queue import QUEUE_DEADLINE, QUEUE_FULL
 from dataplane.errors import model_not_found
 from events.decisions import Admission, AttemptOutcome, AttemptRecord, CandidateScore, Decision, Verdict
@@ -60,7 +60,7 @@ def trace_exclusions(decision: Decision, result: ReplayResult) -> list[Cause]:
 
 def adapter_loads(decision: Decision, result: ReplayResult) -> list[Transition]:
     """The transitions of the gateway's loads of the request's model onto nodes, when it is a
-    configured LoRA adapter (`controlplane.adapters`): why a node has it, or lacks it."""
+    configured LoRA adapter (`controlplane.rules.adapters`): why a node has it, or lacks it."""
     return [
         transition
         for transition in audit(result.transitions, kinds=[MODELS])
@@ -183,7 +183,7 @@ def _admission_rows(admission: Admission | None) -> list[list[str]]:
 def render_saturation(decision: Decision, result: ReplayResult) -> str:
     """Why the request's pool was saturated: each node a pick would have chosen from, in the
     state at the record's `saturated_seq` (`result`: the event log replayed up to it), with
-    `controlplane.saturation`'s reason. This process's in-flight counts are not in the log: a
+    `controlplane.rules.saturation`'s reason. This process's in-flight counts are not in the log: a
     node saturated only by its `max_in_flight` shows that bound (less the places the request's
     priority left free, `Admission.headroom`)."""
     state = result.state

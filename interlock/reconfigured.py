@@ -1,7 +1,7 @@
 """A recorded run replayed under another config: `whatif --health` and `check-config --against`.
 
 The recorded events are folded twice through the same pure `reduce`: as recorded, and with
-their configs changed (`controlplane.replay.with_config`: a reload of the changed config). The
+their configs changed (`controlplane.effects.replay.with_config`: a reload of the changed config). The
 probe results and their times stay the recorded ones, so a setting that would change when or
 how the nodes are probed cannot be replayed (HEALTH_UNREPLAYABLE). The report gives each node's
 health intervals both ways, the ejections (turns to dead) gained and lost, and, with the
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from controlplane.replay import replay_steps, with_config
+from controlplane.effects.replay import replay_steps, with_config
 from events.config import Config
 from events.decisions import Decision
 from events.state import Health

@@ -1,6 +1,6 @@
 """Terminal rendering and argument parsing for `interlock replay`, `explain` and `audit`.
 
-The results come from `controlplane.replay`; this module turns them into aligned tables or
+The results come from `controlplane.effects.replay`; this module turns them into aligned tables or
 plain data for `--json`, and parses the time and kind arguments.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import msgspec
 
-from controlplane.logs import format_timestamp
-from controlplane.replay import Explanation, ReplayResult
-from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
-from controlplane.transitions import Transition, TransitionKind
+from controlplane.infrastructure.logs import format_timestamp
+from controlplane.effects.replay import Explanation, ReplayResult
+from controlplane.rules.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
+from controlplane.rules.transitions import Transition, TransitionKind
 from events.state import NodeLoad, NodeState
 
 # --- arguments -------------------------------------------------------------------------------

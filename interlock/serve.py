@@ -40,10 +40,10 @@ from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
 import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
-from controlplane.config import NO_OVERRIDES, ConfigError, Overrides
-from controlplane.gocompat import parse_listen_address
-from controlplane.logs import JsonLog
-from controlplane.runtime import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
+from controlplane.infrastructure.config import NO_OVERRIDES, ConfigError, Overrides
+from controlplane.infrastructure.gocompat import parse_listen_address
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.effects.control_plane import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log

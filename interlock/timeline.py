@@ -1,10 +1,10 @@
 """`interlock timeline`: a recorded run as one self-contained HTML page.
 
 A lane per node shows its health and its model discovery over time, as the states
-`controlplane.replay.replay_steps` rebuilds them (nothing is re-derived here); each transition is a
+`controlplane.effects.replay.replay_steps` rebuilds them (nothing is re-derived here); each transition is a
 mark carrying its seq and message; gateway starts, stops and reloads are vertical lines, a reload
 saying what it changed (nodes, models, policy); a lane per model shows when no node would have
-served it (`controlplane.routing.plan_route`'s pick pool empty); a decision log adds the request
+served it (`controlplane.rules.routing.plan_route`'s pick pool empty); a decision log adds the request
 rate and the failed share (5xx, or a response its node cut short) as a strip on top. Inline SVG
 with a little CSS and JS: the page needs no network and opens anywhere.
 """
@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from controlplane.replay import replay_steps
-from controlplane.routing import plan_route
-from controlplane.transitions import HEALTH, MODELS, OFFLINE, Transition
+from controlplane.effects.replay import replay_steps
+from controlplane.rules.routing import plan_route
+from controlplane.rules.transitions import HEALTH, MODELS, OFFLINE, Transition
 from events.config import Config
 from events.decisions import AttemptOutcome, Decision, read_decisions
 from events.state import ClusterState, Discovery, Health, NodeState

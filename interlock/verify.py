@@ -27,9 +27,9 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from controlplane.balancer import Balancer
-from controlplane.replay import replay_steps
-from controlplane.routing import PREFILL, Route, pick_pool
+from controlplane.rules.balancer import Balancer
+from controlplane.effects.replay import replay_steps
+from controlplane.rules.routing import PREFILL, Route, pick_pool
 from events.decisions import CandidateScore, Decision, Exclusion, missing_inputs
 from events.state import ClusterState, NodeState
 from interlock.render import format_table

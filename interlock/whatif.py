@@ -2,9 +2,9 @@
 
 Each decision record names the snapshot it was routed on (its seq). The event log is folded
 through the reducer once, in order, and each request (ordered by seq, then arrival) is routed
-again on the state at its seq: the pool routing gives (`controlplane.routing.pick_pool`, the
+again on the state at its seq: the pool routing gives (`controlplane.rules.routing.pick_pool`, the
 data plane's function: ring, model list, dead or offline at the request's arrival, healthy before
-degraded) and the policy's choice (`controlplane.balancer.Balancer`, the data plane's picker). Only the
+degraded) and the policy's choice (`controlplane.rules.balancer.Balancer`, the data plane's picker). Only the
 first pick is routed again: whether a retry would have happened elsewhere is not in the log. A
 prefill/decode-disaggregated request has a first pick in each leg (`legs_of`), each routed again
 from its leg's candidates by a picker of its own, as the data plane has; only the decode leg's
@@ -45,11 +45,11 @@ from typing import NamedTuple
 
 import msgspec
 
-from controlplane.balancer import Balancer
-from controlplane.policies import Choice
-from controlplane.reducer import INITIAL_STATE
-from controlplane.replay import replay_steps
-from controlplane.routing import DECODE, PREFILL, Route, pick_pool
+from controlplane.rules.balancer import Balancer
+from controlplane.rules.policies import Choice
+from controlplane.rules.reducer import INITIAL_STATE
+from controlplane.effects.replay import replay_steps
+from controlplane.rules.routing import DECODE, PREFILL, Route, pick_pool
 from dataplane.disaggregation import GENERATION_PATHS
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
 from events.decisions import AttemptOutcome, Decision

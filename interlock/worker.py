@@ -1,7 +1,7 @@
 """One worker process of `serve --workers N` (started by the leader, `interlock.workers`).
 
 It serves the API on the listening socket it inherits, routing on the state it follows from the
-leader's events (`controlplane.follower`), and reports its observations and decision records to
+leader's events (`controlplane.effects.follower`), and reports its observations and decision records to
 the leader. It stops when told to (SIGTERM: drain, then exit) or when its leader is gone (the
 leader's socket ends, or breaks as the worker writes to it: drain, then exit, dropping the
 reports from then on). SIGINT and SIGHUP are the leader's to act on: a Ctrl-C
@@ -21,8 +21,8 @@ import msgspec
 import prometheus_client
 import trio
 
-from controlplane.follower import Follower, OutOfStep
-from controlplane.logs import JsonLog
+from controlplane.effects.follower import Follower, OutOfStep
+from controlplane.infrastructure.logs import JsonLog
 from dataplane.quota import LeasedQuota, QuotaGrant
 from events.decisions import Decision
 from events.types import Checkpoint

@@ -37,8 +37,8 @@ import prometheus_client
 import trio
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 
-from controlplane.logs import JsonLog
-from controlplane.runtime import ControlPlane
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.effects.control_plane import ControlPlane
 from dataplane.quota import LeaseAuthority, QuotaAsk, QuotaGrant, QuotaReturn
 from dataplane.tenants import TenantLimits
 from events.decisions import Decision

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 import msgspec
 
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.transitions import Effect, Transition
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.rules.transitions import Effect, Transition
 from events.config import Config, GatewayConfig, ModelEntry, ModelsConfig, NodeConfig
 from events.state import ClusterState
 from events.types import Event, RunStarted

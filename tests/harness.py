@@ -26,8 +26,8 @@ import msgspec
 import pytest
 import trio
 
-from controlplane.logs import JsonLog
-from controlplane.runtime import ControlPlane
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.effects.control_plane import ControlPlane
 from events.decisions import Decision, read_decisions
 from events.state import Discovery, NodeState
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_nodes

@@ -17,8 +17,8 @@ import openai
 import pytest
 import trio
 
-from controlplane.config import ConfigError, load_config
-from controlplane.replay import replay
+from controlplane.infrastructure.config import ConfigError, load_config
+from controlplane.effects.replay import replay
 from events.decisions import read_decisions
 from events.log import read_events
 from fixtures.node import NodeSpec, serve_nodes

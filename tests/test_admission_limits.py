@@ -17,7 +17,7 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.config import ConfigError, load_config
+from controlplane.infrastructure.config import ConfigError, load_config
 from dataplane.admission import UsageTap
 from events.decisions import Verdict
 from fixtures.node import serve_nodes, token_texts

@@ -21,10 +21,10 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from controlplane.policies import AT_MAX_IN_FLIGHT
-from controlplane.routing import pick_pool
-from controlplane.runtime import open_control_plane
-from controlplane.saturation import free_places, priority_headroom, rank, under_fair_share
+from controlplane.rules.policies import AT_MAX_IN_FLIGHT
+from controlplane.rules.routing import pick_pool
+from controlplane.effects.control_plane import open_control_plane
+from controlplane.rules.saturation import free_places, priority_headroom, rank, under_fair_share
 from dataplane.admission_queue import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotViews

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from controlplane.config import ConfigError, load_config
+from controlplane.infrastructure.config import ConfigError, load_config
 from events.decisions import Decision
 from fixtures.node import NodeSpec, read_form
 

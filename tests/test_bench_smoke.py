@@ -18,7 +18,7 @@ from bench.report import evaluate_targets, render, write_results
 from bench.servers import Server, interlock_config, nginx_path, start_nginx, start_upstream
 from bench.upstream import MODEL, STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
-from controlplane.config import load_config
+from controlplane.infrastructure.config import load_config
 from journal.segments import list_segments
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent

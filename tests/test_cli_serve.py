@@ -19,7 +19,7 @@ import msgspec
 import pytest
 import trio
 
-from controlplane.config import ConfigError, Overrides, load_config
+from controlplane.infrastructure.config import ConfigError, Overrides, load_config
 from events.log import read_events
 from fixtures.node import serve_nodes
 

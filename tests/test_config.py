@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.config import ConfigError, Overrides, UnknownKey, load_config
-from controlplane.gocompat import format_go_duration, go_quote, parse_go_duration, parse_listen_address
+from controlplane.infrastructure.config import ConfigError, Overrides, UnknownKey, load_config
+from controlplane.infrastructure.gocompat import format_go_duration, go_quote, parse_go_duration, parse_listen_address
 from events.config import (
     DEFAULT_LOAD_SCRAPE_INTERVAL,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,

@@ -11,9 +11,9 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry
 
-from controlplane.logs import Throttle, clipped
-from controlplane.reducer import OFFLINE_SECONDS
-from controlplane.runtime import open_control_plane
+from controlplane.infrastructure.logs import Throttle, clipped
+from controlplane.rules.reducer import OFFLINE_SECONDS
+from controlplane.effects.control_plane import open_control_plane
 from dataplane.decisions import open_decision_log
 from dataplane.exchange import Exchange
 from dataplane.headers import forward_headers

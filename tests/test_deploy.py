@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.config import load_config
+from controlplane.infrastructure.config import load_config
 
 from harness import required_program
 

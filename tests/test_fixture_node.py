@@ -19,7 +19,7 @@ import openai
 import pytest
 import trio
 
-from controlplane.probes import parse_vllm_load
+from controlplane.effects.probes import parse_vllm_load
 from fixtures.node import (
     OVERSIZED_MODELS_BYTES,
     Behaviour,

@@ -31,7 +31,7 @@ import nats.errors
 import pytest
 import trio
 
-from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.rules.reducer import INITIAL_STATE, reduce
 from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, HealthProbed, RunStarted, UpstreamRecovered

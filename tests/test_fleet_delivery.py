@@ -15,8 +15,8 @@ import nats
 import pytest
 import trio
 
-from controlplane.config import load_config
-from controlplane.runtime import open_control_plane
+from controlplane.infrastructure.config import load_config
+from controlplane.effects.control_plane import open_control_plane
 from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import RunStarted, UpstreamRecovered

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import trio
 
-from controlplane.probes import ProbeClient, ProbeError
+from controlplane.effects.probes import ProbeClient, ProbeError
 from fixtures.node import Behaviour, NodeSpec, RecordedRequest, SimulatedNode, serve_node
 from transport.http11 import (
     MAX_HEAD_BYTES,

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from controlplane.probes import (
+from controlplane.effects.probes import (
     LOAD_METRICS_MISSING,
     MAX_BODY_BYTES,
     ProbeClient,
@@ -24,8 +24,8 @@ from controlplane.probes import (
     parse_vllm_load,
     scrape_load,
 )
-from controlplane.replay import replay
-from controlplane.runtime import open_control_plane
+from controlplane.effects.replay import replay
+from controlplane.effects.control_plane import open_control_plane
 from events.config import NodeConfig
 from events.state import Health
 from events.types import LoadScraped

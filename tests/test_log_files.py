@@ -20,9 +20,9 @@ import pytest
 import trio
 from prometheus_client import CollectorRegistry, Counter
 
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.replay import replay
-from controlplane.runtime import segment_head
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.effects.replay import replay
+from controlplane.effects.control_plane import segment_head
 from events.decisions import read_decisions
 from events.log import decode_event, encode_event, read_events
 from events.types import Checkpoint, HealthProbed, RunStarted, RunStopped

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from controlplane.replay import replay
+from controlplane.effects.replay import replay
 from events.log import decode_event, encode_event
 from events.types import Checkpoint
 from fixtures import scenarios

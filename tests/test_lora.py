@@ -16,11 +16,11 @@ import msgspec
 import pytest
 import trio
 
-from controlplane.adapters import LOAD_RETRY_SECONDS
-from controlplane.policies import LORA_AVOIDED, LORA_FULL, LORA_LOADED, LORA_RUNNING, POLICIES
-from controlplane.probes import parse_lora_labels, parse_model_list
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.transitions import LoadAdapter
+from controlplane.rules.adapters import LOAD_RETRY_SECONDS
+from controlplane.rules.policies import LORA_AVOIDED, LORA_FULL, LORA_LOADED, LORA_RUNNING, POLICIES
+from controlplane.effects.probes import parse_lora_labels, parse_model_list
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.rules.transitions import LoadAdapter
 from events.config import Config, ModelEntry, ModelsConfig, NodeConfig
 from events.decisions import read_decisions_with_gaps
 from events.log import read_events
@@ -231,7 +231,7 @@ def test_a_listing_keeps_each_adapters_parent():
 
 
 async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does():
-    from controlplane.probes import parse_vllm_load
+    from controlplane.effects.probes import parse_vllm_load
     from fixtures.node import serve_nodes
 
     async with serve_nodes([lora_node("n1", 0, {}, max_lora=2)]) as [node], httpx.AsyncClient(trust_env=False) as http:
@@ -265,7 +265,7 @@ async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does(
     ],
 )
 def test_an_adapter_that_cannot_be_loaded_is_refused_naming_its_key(tmp_path, entry, message):
-    from controlplane.config import ConfigError, load_config
+    from controlplane.infrastructure.config import ConfigError, load_config
 
     path = tmp_path / "gateway.toml"
     path.write_text(f'[[nodes]]\nip = "10.0.0.1"\n[[models.available]]\nname = "m"\n[[models.available]]\n{entry}\n')

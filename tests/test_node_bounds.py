@@ -10,8 +10,8 @@ import re
 import msgspec
 import pytest
 
-from controlplane.metrics import MAX_DISCOVERED_MODEL_LABELS, OTHER_MODELS, metric_models
-from controlplane.probes import (
+from controlplane.effects.metrics import MAX_DISCOVERED_MODEL_LABELS, OTHER_MODELS, metric_models
+from controlplane.effects.probes import (
     MAX_GPUS_PER_SCRAPE,
     MAX_LISTED_MODELS,
     MAX_LOAD_LABEL_SETS,

@@ -1,4 +1,4 @@
-"""The routing policies (`controlplane.policies`): what each picks and the scores it records."""
+"""The routing policies (`controlplane.rules.policies`): what each picks and the scores it records."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from controlplane.policies import (
+from controlplane.rules.policies import (
     AT_MAX_IN_FLIGHT,
     LEAST_LOAD,
     NOT_DRAWN,

@@ -17,8 +17,8 @@ import httpx
 import pytest
 import trio
 
-from controlplane.policies import OVER_LOAD_BOUND
-from controlplane.prefix import prompt_prefix
+from controlplane.rules.policies import OVER_LOAD_BOUND
+from controlplane.rules.prefix import prompt_prefix
 from fixtures.node import SimulatedNode
 from interlock.cli import main
 

@@ -6,8 +6,8 @@ import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.health import compute_status
-from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.rules.health import compute_status
+from controlplane.rules.reducer import INITIAL_STATE, reduce
 from events.config import NodeConfig
 from events.state import Discovery, GpuSample
 from events.types import (

@@ -21,7 +21,7 @@ from test_http11 import (
     raw_server,
 )
 
-from controlplane.probes import MAX_BODY_BYTES
+from controlplane.effects.probes import MAX_BODY_BYTES
 from fixtures.node import serve_node
 from transport.http11 import BodyTooLarge, ConnectFailed, HttpClient, HttpError
 from transport.steps import request_steps

@@ -10,8 +10,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from controlplane.follower import Follower
-from controlplane.reducer import INITIAL_STATE
+from controlplane.effects.follower import Follower
+from controlplane.rules.reducer import INITIAL_STATE
 from dataplane.app import NOTHING_ROUTABLE
 from dataplane.views import ConfigView, SnapshotView
 from events.config import ModelEntry, NodeConfig

@@ -8,10 +8,10 @@ import json
 import msgspec
 import pytest
 
-from controlplane.discovery import configured_models_missing, next_discovery
-from controlplane.health import compute_status
-from controlplane.reducer import INITIAL_STATE, OFFLINE_SECONDS, reduce
-from controlplane.transitions import HEALTH, MODELS, NOTHING, Recheck, StartProbing, StopProbing, Transition
+from controlplane.rules.discovery import configured_models_missing, next_discovery
+from controlplane.rules.health import compute_status
+from controlplane.rules.reducer import INITIAL_STATE, OFFLINE_SECONDS, reduce
+from controlplane.rules.transitions import HEALTH, MODELS, NOTHING, Recheck, StartProbing, StopProbing, Transition
 from events.config import ModelEntry, NodeConfig
 from events.state import Discovery, Health, ModelDiscovery, NodeState
 from events.types import (

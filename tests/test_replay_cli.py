@@ -17,8 +17,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from controlplane.replay import audit, replay
-from controlplane.transitions import TransitionKind
+from controlplane.effects.replay import audit, replay
+from controlplane.rules.transitions import TransitionKind
 from events.config import Config, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event, read_events
 from events.types import EVENT_TYPES, Checkpoint, HealthProbed, ProbeCrashed, RunStarted

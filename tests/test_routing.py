@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from controlplane.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NOT_IN_RING, filter_by_model, is_unknown_model, pick_pool, plan_route, ring_pool
+from controlplane.rules.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NOT_IN_RING, filter_by_model, is_unknown_model, pick_pool, plan_route, ring_pool
 from events.config import ModelEntry, NodeConfig
 from events.state import Discovery, Health, ModelDiscovery, NodeState
 from events.types import HealthProbed, ModelsListed, UpstreamFailed

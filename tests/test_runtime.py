@@ -14,11 +14,11 @@ import signal
 import pytest
 import trio
 
-from controlplane.config import ConfigError
-from controlplane.logs import JsonLog
-from controlplane.probes import MAX_BODY_BYTES, MISSING_DATA, ProbeError, parse_gpu_metrics, parse_model_list
-from controlplane.replay import replay
-from controlplane.runtime import ControlPlane, next_tick, open_control_plane
+from controlplane.infrastructure.config import ConfigError
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.effects.probes import MAX_BODY_BYTES, MISSING_DATA, ProbeError, parse_gpu_metrics, parse_model_list
+from controlplane.effects.replay import replay
+from controlplane.effects.control_plane import ControlPlane, next_tick, open_control_plane
 from events.log import list_segments, read_events
 from events.state import Discovery, GpuSample, Health
 from events.types import ModelsListed, RunStarted, RunStopped, UpstreamFailed

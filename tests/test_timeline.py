@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.config import load_config
-from controlplane.replay import replay, replay_steps
-from controlplane.routing import filter_by_model, plan_route, ring_pool, unavailable_reason
+from controlplane.infrastructure.config import load_config
+from controlplane.effects.replay import replay, replay_steps
+from controlplane.rules.routing import filter_by_model, plan_route, ring_pool, unavailable_reason
 from events.decisions import AttemptOutcome, read_decisions
 from events.log import encode_event
 from events.types import Checkpoint

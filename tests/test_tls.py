@@ -15,7 +15,7 @@ import openai
 import pytest
 import trustme
 
-from controlplane.config import ConfigError, load_config
+from controlplane.infrastructure.config import ConfigError, load_config
 from events.state import Discovery
 from fixtures.node import serve_nodes, token_texts
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from controlplane.replay import replay
+from controlplane.effects.replay import replay
 from events.config import DEFAULT_SHUTDOWN_GRACE
 from events.decisions import read_decisions
 from events.types import Checkpoint

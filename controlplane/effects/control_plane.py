@@ -36,14 +36,14 @@ import msgspec
 import prometheus_client
 import trio
 
-from controlplane.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
-from controlplane.journals import open_configured_log
-from controlplane.keyfiles import UpstreamKeys
-from controlplane.logs import JsonLog
-from controlplane.metrics import ControlPlaneMetrics
-from controlplane.probes import ProbeClient, check_node, list_models, load_adapter, scrape_load
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.transitions import Effect, LoadAdapter, Recheck, StartProbing, Step, StopProbing
+from controlplane.infrastructure.config import NO_OVERRIDES, ConfigError, Overrides, UnknownKey, load_config
+from controlplane.infrastructure.journals import open_configured_log
+from controlplane.infrastructure.keyfiles import UpstreamKeys
+from controlplane.infrastructure.logs import JsonLog
+from controlplane.effects.metrics import ControlPlaneMetrics
+from controlplane.effects.probes import ProbeClient, check_node, list_models, load_adapter, scrape_load
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.rules.transitions import Effect, LoadAdapter, Recheck, StartProbing, Step, StopProbing
 from events.config import Config, GatewayConfig, ModelEntry, NodeConfig
 from events.log import encode_event, last_seq
 from events.state import ClusterState
@@ -450,7 +450,7 @@ class Prober:
     round). A second ticker task starts the load scrapes (`_scrape_load_ticks`). The probes are
     exchanges run together by one `Readiness` (one wait for every socket, one timer), whose
     results a third task turns into events. A step's `LoadAdapter` starts the load of a LoRA
-    adapter (`controlplane.adapters`), a task each: they are rare, and may take long.
+    adapter (`controlplane.rules.adapters`), a task each: they are rare, and may take long.
     """
 
     def __init__(self, client: ProbeClient, control_plane: ControlPlane) -> None:

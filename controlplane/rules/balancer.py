@@ -1,5 +1,5 @@
 """Choosing the node for each pick: plinth's round-robin counter (§3), one for every model and
-every retry, and the policies of `controlplane.policies`, fed with the routing process's in-flight
+every retry, and the policies of `controlplane.rules.policies`, fed with the routing process's in-flight
 counts and, for prefix affinity, the node each prefix last went to. The data plane picks with
 `Balancer.select`; `interlock whatif` with `Balancer.choose`, the same code fed with a record's
 inputs or the what-if world's."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from controlplane.policies import PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
+from controlplane.rules.policies import PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
 from events.config import Policy
 from events.state import NodeState
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from controlplane.transitions import LOAD, StepBuilder
+from controlplane.rules.transitions import LOAD, StepBuilder
 from events.config import Config
 from events.state import NodeLoad, NodeState
 from events.types import LoadScraped

@@ -8,8 +8,8 @@ validate in plinth's order, first failure wins. Error messages are plinth's exac
 plinth accepts and the gateway then mishandles: listen addresses, node addresses and ports, a
 model listed twice; and the `[fleet]` table's.
 
-Go's text formats (durations, quoting, host:port) are `controlplane.gocompat`'s, the key files
-`controlplane.keyfiles`'s, and `check-config`'s summary is `interlock.describe`'s.
+Go's text formats (durations, quoting, host:port) are `controlplane.infrastructure.gocompat`'s, the key files
+`controlplane.infrastructure.keyfiles`'s, and `check-config`'s summary is `interlock.describe`'s.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import msgspec
 import msgspec.inspect
 from msgspec.structs import replace
 
-from controlplane.gocompat import format_go_seconds, go_quote, join_host_port, parse_go_duration, parse_listen_address
-from controlplane.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
-from controlplane.tlsfiles import check_server_files, client_context
+from controlplane.infrastructure.gocompat import format_go_seconds, go_quote, join_host_port, parse_go_duration, parse_listen_address
+from controlplane.infrastructure.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
+from controlplane.infrastructure.tlsfiles import check_server_files, client_context
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
@@ -533,7 +533,7 @@ def _check_tls_files(gateway: GatewayConfig, invalid: Callable[[str, str], Confi
 
 def _check_node_tls(invalid: Callable[[str, str], ConfigError], index: int, node: NodeConfig) -> None:
     """A node's scheme, and for https the files its connections are made with, as each process
-    will load them (`controlplane.keyfiles.UpstreamKeys`)."""
+    will load them (`controlplane.infrastructure.keyfiles.UpstreamKeys`)."""
     prefix = f"nodes[{index}]."
     if node.scheme not in ("http", "https"):
         raise invalid(prefix + "scheme", f'scheme must be "http" or "https" (got {go_quote(node.scheme)})')

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgspec
 
-from controlplane.transitions import HEALTH, StepBuilder
+from controlplane.rules.transitions import HEALTH, StepBuilder
 from events.config import Config
 from events.state import Health, NodeState
 from events.types import GpuScraped, HealthProbed, ProbeCrashed

@@ -2,7 +2,7 @@
 
 The data plane, `interlock explain` and `interlock whatif` all decide through these functions
 (`Route`, then `pick_pool`), so an explanation of a recorded moment is the decision the live
-gateway made; a policy (`controlplane.balancer`) then chooses within the pool.
+gateway made; a policy (`controlplane.rules.balancer`) then chooses within the pool.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ no randomness, no logging. Given the same state and the same numbered event it r
 new state and the same `Step` (the transitions to log and the effects to run), byte for byte; so
 folding it over a recorded event log reproduces every state and every transition line of the
 live run. Cluster events (run, reload, stop) are handled here; node events go to the handler of
-the rule they feed: health (`controlplane.health`), model discovery (`controlplane.discovery`),
-load (`controlplane.load`), the loads of LoRA adapters (`controlplane.adapters`), and the data
+the rule they feed: health (`controlplane.rules.health`), model discovery (`controlplane.rules.discovery`),
+load (`controlplane.rules.load`), the loads of LoRA adapters (`controlplane.rules.adapters`), and the data
 plane's offline skip-set (here).
 """
 
@@ -16,11 +16,11 @@ from collections.abc import Callable
 
 import msgspec
 
-from controlplane.adapters import adapter_load_failed, adapter_load_requested, adapter_loaded
-from controlplane.discovery import models_listed
-from controlplane.health import gpu_scraped, health_probed, probe_crashed
-from controlplane.load import load_scraped
-from controlplane.transitions import (
+from controlplane.rules.adapters import adapter_load_failed, adapter_load_requested, adapter_loaded
+from controlplane.rules.discovery import models_listed
+from controlplane.rules.health import gpu_scraped, health_probed, probe_crashed
+from controlplane.rules.load import load_scraped
+from controlplane.rules.transitions import (
     NOTHING,
     OFFLINE,
     RELOAD,

@@ -12,7 +12,7 @@ from enum import StrEnum
 
 import msgspec
 
-from controlplane.logs import LINE_FORMATTERS
+from controlplane.infrastructure.logs import LINE_FORMATTERS
 from events.types import Event
 
 
@@ -65,7 +65,7 @@ class StopProbing(msgspec.Struct, frozen=True, tag="stop_probing"):
 
 
 class LoadAdapter(msgspec.Struct, frozen=True, tag="load_adapter"):
-    """Load this configured LoRA adapter onto this node (`controlplane.adapters`)."""
+    """Load this configured LoRA adapter onto this node (`controlplane.rules.adapters`)."""
 
     node: str
     adapter: str

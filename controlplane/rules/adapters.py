@@ -7,14 +7,14 @@ failed load, one never answered, and one whose adapter the node stopped listing 
 asked again after that back-off, never in a loop. The rule (`adapters_due`) is asked at each
 model listing of the node, with the listing's time, and a due load is an effect of that event
 (`LoadAdapter`): the reducer stays pure, and the prober (the leader's, in a fleet) loads through
-vLLM's runtime API (`controlplane.probes.load_adapter`), never the request path.
+vLLM's runtime API (`controlplane.effects.probes.load_adapter`), never the request path.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from controlplane.transitions import MODELS, StepBuilder
+from controlplane.rules.transitions import MODELS, StepBuilder
 from events.config import Config, ModelEntry
 from events.state import AdapterLoad, AdapterLoadState, Discovery, Health, NodeState
 from events.types import AdapterLoaded, AdapterLoadFailed, AdapterLoadRequested

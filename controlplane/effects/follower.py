@@ -13,8 +13,8 @@ import ssl
 import time
 from collections.abc import Callable
 
-from controlplane.keyfiles import UpstreamKeys
-from controlplane.reducer import INITIAL_STATE, reduce
+from controlplane.infrastructure.keyfiles import UpstreamKeys
+from controlplane.rules.reducer import INITIAL_STATE, reduce
 from events.state import ClusterState
 from events.types import Checkpoint, Event
 

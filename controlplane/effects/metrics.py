@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from controlplane.routing import model_ring
-from controlplane.transitions import HEALTH, MODELS, RELOAD, RUN, Step, StopProbing
+from controlplane.rules.routing import model_ring
+from controlplane.rules.transitions import HEALTH, MODELS, RELOAD, RUN, Step, StopProbing
 from events.state import ClusterState, Discovery, Health, ModelDiscovery, NodeLoad, NodeState
 from events.types import Event, LoadScraped, ModelsListed, ProbeCrashed
 

@@ -1,6 +1,6 @@
 """Routing policies: which node of the pool gets a request, and the scores that say why.
 
-The pool is what routing leaves (`controlplane.routing`: ring, model list, offline, dead, and
+The pool is what routing leaves (`controlplane.rules.routing`: ring, model list, offline, dead, and
 healthy before degraded), minus the nodes a request already tried; a policy only chooses within
 it. Each policy is a pure function of the pool, the load the snapshot holds, the in-flight counts
 of the process that routes, the round-robin rotation, the request id, the prompt prefix and the

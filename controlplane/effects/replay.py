@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
-from controlplane.reducer import INITIAL_STATE, reduce
-from controlplane.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
-from controlplane.transitions import Step, Transition
+from controlplane.rules.reducer import INITIAL_STATE, reduce
+from controlplane.rules.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE, RoutePlan, plan_route
+from controlplane.rules.transitions import Step, Transition
 from events.config import Config
 from events.log import read_events
 from events.state import ClusterState

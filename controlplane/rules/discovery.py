@@ -3,15 +3,15 @@ lines that say so (plinth §8.2-§8.5).
 
 The state machine (`next_discovery`) and its transition log (`models_listed`) live together
 here; the reducer only dispatches the events. A listing is also when a configured LoRA adapter's
-load onto the node may fall due (`controlplane.adapters`).
+load onto the node may fall due (`controlplane.rules.adapters`).
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from controlplane.adapters import adapters_due
-from controlplane.transitions import MODELS, LoadAdapter, StepBuilder
+from controlplane.rules.adapters import adapters_due
+from controlplane.rules.transitions import MODELS, LoadAdapter, StepBuilder
 from events.config import Config
 from events.state import Discovery, ModelDiscovery, NodeState
 from events.types import ModelsListed

@@ -5,7 +5,7 @@ naming the file, never a key; the loader adds the config file and the key.
 The loader reads them all (in its thread) to check them, and keeps the client digests in the
 config. The upstream keys stay in their files, so that no key enters an event: each process
 reads them once per config it takes up (`UpstreamKeys`), off the event loop, never on a request;
-the TLS contexts of https nodes (`controlplane.tlsfiles`) are built at the same moment."""
+the TLS contexts of https nodes (`controlplane.infrastructure.tlsfiles`) are built at the same moment."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import ssl
 
 import trio
 
-from controlplane.tlsfiles import upstream_contexts
+from controlplane.infrastructure.tlsfiles import upstream_contexts
 from events.config import Config
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 
