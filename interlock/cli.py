@@ -39,7 +39,7 @@ import msgspec
 
 from controlplane.infrastructure.config import ConfigError, Overrides, UnknownKey, load_config, load_tenants
 from controlplane.infrastructure.gocompat import parse_go_duration, parse_listen_address
-from controlplane.infrastructure.logs import format_timestamp
+from controlplane.rules.log_lines import format_timestamp
 from controlplane.rules.reducer import RESTART_KEYS
 from controlplane.effects.replay import ReplayResult, audit, explain, node_ips, replay
 from events.config import (

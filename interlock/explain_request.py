@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from controlplane.infrastructure.logs import format_timestamp
+from controlplane.rules.log_lines import format_timestamp
 from controlplane.effects.replay import ReplayResult, audit
 from controlplane.rules.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
 from controlplane.rules.saturation import scraped_reason, under_fair_share

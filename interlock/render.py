@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from controlplane.infrastructure.logs import format_timestamp
+from controlplane.rules.log_lines import format_timestamp
 from controlplane.effects.replay import Explanation, ReplayResult
 from controlplane.rules.routing import NO_HEALTHY_NODE, NO_REACHABLE_NODE
 from controlplane.rules.transitions import Transition, TransitionKind

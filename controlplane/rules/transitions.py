@@ -12,7 +12,7 @@ from enum import StrEnum
 
 import msgspec
 
-from controlplane.infrastructure.logs import LINE_FORMATTERS
+from controlplane.rules.log_lines import LINE_FORMATTERS
 from events.types import Event
 
 
