@@ -39,20 +39,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 import trio
 
 from controlplane.rules.routing import pick_pool
-from controlplane.rules.saturation import free_places, priority_headroom, rank, under_fair_share
+from controlplane.rules.saturation import priority_headroom, rank, under_fair_share
 from dataplane.control import ControlPlaneView
 from dataplane.metrics import RequestMetrics
+from dataplane.occupancy import Occupancy
 from dataplane.views import SnapshotView, SnapshotViews
 from events.decisions import FairShare
-from events.state import NodeState
-
-if TYPE_CHECKING:
-    from dataplane.admission import Ticket
 
 SNAPSHOT_POLL_SECONDS = 0.05
 """How often, while requests wait, the queue looks whether a new snapshot gives a pool room."""
@@ -181,15 +177,15 @@ class _Line:
 
 
 class AdmissionQueue:
-    """The process's queue (see the module's docstring). `in_flight` is the balancer's count of
-    attempts in progress by node, which the ledger keeps."""
+    """The process's queue (see the module's docstring), admitting by the room `occupancy`
+    finds (`Occupancy.free_places`)."""
 
     def __init__(
-        self, control_plane: ControlPlaneView, views: SnapshotViews, in_flight: dict[str, int], metrics: RequestMetrics
+        self, control_plane: ControlPlaneView, views: SnapshotViews, occupancy: Occupancy, metrics: RequestMetrics
     ) -> None:
         self._control_plane = control_plane
         self._views = views
-        self._in_flight = in_flight
+        self._occupancy = occupancy
         self._metrics = metrics
         self._lines: dict[str, _Line] = {}
         self._pending: dict[str, int] = {}
@@ -199,15 +195,6 @@ class AdmissionQueue:
         self.waiting = 0
         """Requests waiting, in all: the ledger's cheap test before `freed`."""
         self._watching = False
-        self._scraped_at: dict[str, float | None] = {}
-        self._in_flight_at_scrape: dict[str, int] = {}
-        """Each node's last scrape this queue saw, and this process's in-flight count to the
-        node when it first saw it (`saturation.free_places`); emptied when the config changes."""
-        self._scrapes_config: object = None
-        self._by_rank: dict[str, dict[int, int]] = {}
-        """This process's attempts in flight, by node and by their request's rank."""
-        self._by_tenant: dict[int, dict[str, int]] = {}
-        """This process's attempts in flight, by their request's priority and tenant."""
 
     async def admit(
         self, view: SnapshotView, model: str, tenant: str, priority: int, fairness_id: str, max_queue_seconds: float
@@ -216,7 +203,7 @@ class AdmissionQueue:
         after waiting, or refuse it. A cancellation (the client gone) leaves the queue."""
         line = self._lines.get(model)
         headroom = priority_headroom(view.config.config, priority)
-        share = self._fair_share(tenant, priority)
+        share = self._occupancy.fair_share(tenant, priority)
         request_rank = rank(priority, share is not None and under_fair_share(share))
         if line is None or max(line.bands) < request_rank:
             places, preemptible = self._places(model, view, request_rank)
@@ -256,22 +243,6 @@ class AdmissionQueue:
         self._leave(waiter)
         self._metrics.admission_refused(tenant, priority, QUEUE_DEADLINE)
         return QueueOutcome(QUEUE_DEADLINE, 1000 * waited, saturated_seq, headroom, share)
-
-    def note_scrape(self, ip: str) -> None:
-        """An attempt on node `ip` is ending: if the node's scrape is new here, note this
-        process's in-flight count to it before the count drops (the place the attempt gives
-        back is then counted against that scrape)."""
-        node = self._control_plane.snapshot.nodes.get(ip)
-        if node is not None:
-            self._note_scrapes(self._views.current(), [node])
-
-    def attempt_started(self, ip: str, ticket: Ticket) -> None:
-        _count(self._by_rank, ip, ticket.rank, 1)
-        _count(self._by_tenant, ticket.priority, ticket.tenant.name, 1)
-
-    def attempt_ended(self, ip: str, ticket: Ticket) -> None:
-        _count(self._by_rank, ip, ticket.rank, -1)
-        _count(self._by_tenant, ticket.priority, ticket.tenant.name, -1)
 
     def freed(self) -> None:
         """An attempt ended, so a node may have a place again: release whom it lets in."""
@@ -332,51 +303,8 @@ class AdmissionQueue:
         pool = pick_pool(view.route(model).candidates, self._control_plane.now())
         if not pool:
             return math.inf, 0
-        self._note_scrapes(view, pool)
-        preemptible = self._preemptible(view, pool, request_rank)
-        places = free_places(
-            pool,
-            admission,
-            view.config.max_in_flight,
-            self._in_flight,
-            self._in_flight_at_scrape,
-            priority_headroom(view.config.config, request_rank // 2),
-            preemptible,
-        )
-        return places - self._pending.get(model, 0), sum(preemptible.values())
-
-    def _preemptible(self, view: SnapshotView, pool: list[NodeState], request_rank: int) -> dict[str, int]:
-        """For each priority-scheduled node of `pool`: this process's attempts in flight there of
-        a lower rank than `request_rank`."""
-        preemptible = {}
-        scheduled = view.config.priority_scheduled
-        for node in pool:
-            counts = self._by_rank.get(node.ip)
-            if counts and node.ip in scheduled:
-                lower = sum(count for their_rank, count in counts.items() if their_rank < request_rank)
-                if lower:
-                    preemptible[node.ip] = lower
-        return preemptible
-
-    def _fair_share(self, tenant: str, priority: int) -> FairShare | None:
-        """The counts by which `tenant` holds less than its fair share of the requests of
-        `priority` in flight or not; None when no other tenant has one in flight."""
-        tenants = self._by_tenant.get(priority)
-        if not tenants or (len(tenants) == 1 and tenant in tenants):
-            return None
-        return FairShare(tenants.get(tenant, 0), sum(tenants.values()), len(tenants) + (tenant not in tenants))
-
-    def _note_scrapes(self, view: SnapshotView, pool: list[NodeState]) -> None:
-        """Note this process's in-flight count to each node of `pool` whose scrape is new here."""
-        if view.config is not self._scrapes_config:
-            self._scrapes_config = view.config
-            self._scraped_at.clear()
-            self._in_flight_at_scrape.clear()
-        for node in pool:
-            scraped_at = node.load.scraped_at
-            if node.ip not in self._scraped_at or self._scraped_at[node.ip] != scraped_at:
-                self._scraped_at[node.ip] = scraped_at
-                self._in_flight_at_scrape[node.ip] = self._in_flight.get(node.ip, 0)
+        places, preemptible = self._occupancy.free_places(view, pool, request_rank)
+        return places - self._pending.get(model, 0), preemptible
 
     async def _watch_snapshots(self) -> None:
         """While requests wait: look at the current snapshot every SNAPSHOT_POLL_SECONDS (a
@@ -388,16 +316,3 @@ class AdmissionQueue:
         finally:
             self._watching = False
 
-
-def _count(counts: dict, key: object, inner: object, change: int) -> None:
-    """Add `change` to `counts[key][inner]`, leaving out what falls to zero."""
-    counted = counts.get(key)
-    if counted is None:
-        counted = counts[key] = {}
-    left = counted.get(inner, 0) + change
-    if left:
-        counted[inner] = left
-    else:
-        del counted[inner]
-        if not counted:
-            del counts[key]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-from controlplane.rules.balancer import Balancer
 from controlplane.infrastructure.logs import JsonLog
 from controlplane.rules.policies import Choice
 from controlplane.rules.routing import DECODE, PREFILL, Route
@@ -23,6 +22,7 @@ from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.exchange import Exchange, Outcome
 from dataplane.metrics import RequestMetrics
+from dataplane.occupancy import Occupancy
 from events.config import Policy
 from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion, LegPick
 from events.types import UpstreamFailed, UpstreamRecovered
@@ -40,21 +40,22 @@ COMPLETED, TRUNCATED, RETRIED, FAILED, CLIENT_GONE = (
 class Books:
     """Where every request's bookkeeping goes, one per process."""
 
-    __slots__ = ("control_plane", "metrics", "log", "balancer", "decisions", "queue")
+    __slots__ = ("control_plane", "metrics", "log", "occupancy", "decisions", "queue")
 
     def __init__(
         self,
         control_plane: ControlPlaneView,
         metrics: RequestMetrics,
         log: JsonLog,
-        balancer: Balancer,
+        occupancy: Occupancy,
         decisions: DecisionRecorder | None,
         queue: AdmissionQueue,
     ) -> None:
         self.control_plane = control_plane
         self.metrics = metrics
         self.log = log
-        self.balancer = balancer
+        self.occupancy = occupancy
+        """The attempts in flight, counted as they begin and end."""
         self.decisions = decisions
         self.queue = queue
         """The admission queue, told when an attempt begins and ends (a node may have room again)."""
@@ -127,8 +128,8 @@ class Ledger:
     def attempt_began(self, ip: str) -> None:
         self.attempt_started = time.perf_counter()
         self._books.metrics.node_attempt_started(ip)
-        self._books.balancer.attempt_started(ip)
-        self._books.queue.attempt_started(ip, self.ticket)
+        ticket = self.ticket
+        self._books.occupancy.attempt_started(ip, ticket.rank, ticket.priority, ticket.tenant.name)
 
     def committed(self, ip: str) -> None:
         """The node's answer is flowing to the client: the node answers (the attempt ends later)."""
@@ -166,9 +167,9 @@ class Ledger:
         metrics.node_attempt_ended(ip)
         queue = books.queue
         if queue.waiting:
-            queue.note_scrape(ip)  # with the count the node's scrape may still show
-        books.balancer.attempt_ended(ip)
-        queue.attempt_ended(ip, self.ticket)
+            books.occupancy.note_scrape(ip)  # with the count the node's scrape may still show
+        ticket = self.ticket
+        books.occupancy.attempt_ended(ip, ticket.rank, ticket.priority, ticket.tenant.name)
         if queue.waiting:
             queue.freed()
         if self.leg:

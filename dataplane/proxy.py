@@ -67,6 +67,7 @@ from dataplane.exchange import Exchange, Outcome
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
 from dataplane.metrics import RequestMetrics
+from dataplane.occupancy import Occupancy
 from dataplane.quota import LocalQuota, Quota
 from dataplane.views import SnapshotViews
 from events.state import NodeState
@@ -131,12 +132,13 @@ class Proxy:
         self._pool = pool
         self._metrics = metrics
         self._log = log
-        self._balancer = Balancer()
-        self._prefill_balancer = Balancer(self._balancer.in_flight)
         self._views = views if views is not None else SnapshotViews(control_plane)
         """The current snapshot's view, for a request that waited in the admission queue."""
-        self._queue = AdmissionQueue(control_plane, self._views, self._balancer.in_flight, metrics)
-        self._books = Books(control_plane, metrics, log, self._balancer, decisions, self._queue)
+        self._occupancy = Occupancy(self._views)
+        self._balancer = Balancer(self._occupancy.in_flight)
+        self._prefill_balancer = Balancer(self._occupancy.in_flight)
+        self._queue = AdmissionQueue(control_plane, self._views, self._occupancy, metrics)
+        self._books = Books(control_plane, metrics, log, self._occupancy, decisions, self._queue)
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
         self._response_header_timeout = response_header_timeout
         self._first_chunk_timeout = first_chunk_timeout
@@ -349,7 +351,8 @@ class Proxy:
         pool = pick_pool(candidates, self._control_plane.now(), tried, ledger.passed_over)
         if not pool:
             return None
-        config = ledger.exchange.view.config
+        view = ledger.exchange.view
+        config = view.config
         balancer = self._prefill_balancer if ledger.leg == PREFILL else self._balancer
         rotation = balancer.rotation
         choice = balancer.select(
@@ -360,7 +363,7 @@ class Proxy:
             prefix=ledger.prefix,
             load_bound=config.load_bound,
             adapter=ledger.route.adapter,
-            max_in_flight=config.max_in_flight,
+            full=self._occupancy.full(view, pool, ledger.ticket.rank),
         )
         ledger.picked(choice, rotation)
         return choice.node

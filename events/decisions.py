@@ -65,6 +65,9 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     lora: str = ""
     """A request for a LoRA adapter: what the node's scrape said of it (`controlplane.rules.policies`'
     LORA_RUNNING, LORA_LOADED, LORA_FULL); "" for a base model."""
+    full: bool = False
+    """The one rule for a node's room (`controlplane.saturation.room`) found no place on the node
+    for the request when it was picked: passed over while another had one (AT_MAX_IN_FLIGHT)."""
 
 
 class LegPick(msgspec.Struct, frozen=True, omit_defaults=True):

@@ -245,7 +245,7 @@ def _candidates_table(candidates: tuple[CandidateScore, ...], heading: str) -> l
             "-" if candidate.seconds_per_token is None else f"{1000 * candidate.seconds_per_token:.1f}",
             *([candidate.lora or "-"] if lora else []),
             _number(candidate.score),
-            candidate.note or "-",
+            candidate.note or ("full" if candidate.full else "-"),
         ]
         for number, candidate in enumerate(candidates)
     ]

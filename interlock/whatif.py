@@ -50,6 +50,7 @@ from controlplane.rules.policies import Choice
 from controlplane.rules.reducer import INITIAL_STATE
 from controlplane.effects.replay import replay_steps
 from controlplane.rules.routing import DECODE, PREFILL, Route, pick_pool
+from controlplane.rules.saturation import room
 from dataplane.disaggregation import GENERATION_PATHS
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
 from events.decisions import AttemptOutcome, Decision
@@ -186,16 +187,18 @@ def what_if(
                 configured = state.config.model_policy(made.model) if policy == CONFIGURED and state.config else None
                 choice = recorded_choice(balancer, made, pool, state, policy=configured, adapter=leg.adapter)
             else:
+                what_if_pool = [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool]
+                what_if_in_flight = in_flight.of_process(process, made.at)
                 choice = balancer.choose(
-                    [_with_what_if_load(node, recorded_in_flight, in_flight, load_changes) for node in pool],
+                    what_if_pool,
                     policy,
                     rotation=made.rotation,
-                    in_flight=in_flight.of_process(process, made.at),
+                    in_flight=what_if_in_flight,
                     request_id=made.request_id,
                     prefix=made.prefix,
                     load_bound=_load_bound(state),
                     adapter=leg.adapter,
-                    max_in_flight=_max_in_flight(state),
+                    full=_full(state, made, what_if_pool, what_if_in_flight),
                 )  # remembered: the what-if world's memory
             node = choice.node.ip
             if each is not None:
@@ -261,8 +264,8 @@ def recorded_choice(
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
     picker, under `policy` (None: the one the record names) and with the inputs the record holds
     (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered
-    node), with a LoRA `adapter`'s affinity (`Route.adapter`), passing over the nodes at their
-    `max_in_flight`."""
+    node), with a LoRA `adapter`'s affinity (`Route.adapter`), passing over the nodes the record
+    says had no room for it (`CandidateScore.full`)."""
     return balancer.choose(
         pool,
         policy or decision.policy,
@@ -273,7 +276,7 @@ def recorded_choice(
         load_bound=_load_bound(state),
         remembered=decision.remembered,
         adapter=adapter,
-        max_in_flight=_max_in_flight(state),
+        full={candidate.node for candidate in decision.candidates if candidate.full},
     )
 
 
@@ -281,10 +284,22 @@ def _load_bound(state: ClusterState) -> float:
     return state.config.routing.load_bound if state.config else DEFAULT_LOAD_BOUND
 
 
-def _max_in_flight(state: ClusterState) -> dict[str, int]:
-    """The nodes' `max_in_flight` in the config of `state` (a pick passes over those at it)."""
-    nodes = state.config.nodes if state.config else ()
-    return {node.ip: node.max_in_flight for node in nodes if node.max_in_flight is not None}
+def _full(state: ClusterState, decision: Decision, pool: list[NodeState], in_flight: dict[str, int]) -> set[str]:
+    """The nodes of `pool` the one rule for a node's room (`saturation.room`) finds without a
+    place for `decision`'s request in the what-if world: its in-flight counts and loads, the
+    places the record says its priority left free (the requests a priority node would have
+    preempted are not in the log)."""
+    config = state.config
+    if config is None:
+        return set()
+    limits = {node.ip: node.max_in_flight for node in config.nodes if node.max_in_flight is not None}
+    scrape = config.admission if config.admission.queue else None
+    if not limits and scrape is None:
+        return set()
+    headroom = decision.admission.headroom if decision.admission else 0
+    return {
+        node.ip for node in pool if room(node, scrape, limits.get(node.ip), in_flight.get(node.ip, 0), None, headroom) < 1
+    }
 
 
 class Leg(NamedTuple):

@@ -27,6 +27,7 @@ from controlplane.effects.control_plane import open_control_plane
 from controlplane.rules.saturation import free_places, priority_headroom, rank, under_fair_share
 from dataplane.admission_queue import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
+from dataplane.occupancy import Occupancy
 from dataplane.views import SnapshotViews
 from events.config import AdmissionConfig, Config, TenantConfig
 from events.decisions import FairShare
@@ -71,9 +72,10 @@ async def full_node_queue(tmp_path: Path) -> AsyncIterator[tuple[AdmissionQueue,
                 while not pick_pool(views.current().route(MODEL).candidates, control_plane.now()):
                     await trio.sleep(0.01)
             ip = nodes[0].host
-            in_flight = {ip: 1}
-            queue = AdmissionQueue(control_plane, views, in_flight, RequestMetrics(CollectorRegistry()))
-            yield queue, views, in_flight, ip
+            occupancy = Occupancy(views)
+            occupancy.in_flight[ip] = 1
+            queue = AdmissionQueue(control_plane, views, occupancy, RequestMetrics(CollectorRegistry()))
+            yield queue, views, occupancy.in_flight, ip
 
 
 async def release_order(tmp_path: Path, arrivals: list[tuple[str, str, int, str]]) -> list[str]:
@@ -357,6 +359,73 @@ async def test_a_request_goes_to_the_node_with_room_not_to_a_full_one_and_verify
             assert third.status_code == 200 and third.headers["x-interlock-node"] == free.name
             record = await record_of(decisions, "third")
     assert [(c.node, c.note) for c in record.candidates] == [(free.host, ""), (held.host, AT_MAX_IN_FLIGHT)]
+    verified = verify(events, decisions)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+@asynccontextmanager
+async def held_stream(gateway: Gateway, request_id: str, key: str) -> AsyncIterator[str]:
+    """A stream of client key `key` in flight through the gateway until the block ends (its
+    client then goes away); yields the name of the node that serves it."""
+    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+        headers = {"Authorization": f"Bearer {key}", "X-Request-Id": request_id}
+        body = chat(stream=True, max_tokens=1000)
+        async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as response:
+            assert response.status_code == 200
+            pieces = response.aiter_raw()
+            await pieces.__anext__()
+            yield response.headers["x-interlock-node"]
+
+
+async def wait_for_nothing_in_flight(gateway: Gateway, nodes: list) -> None:
+    with trio.fail_after(10):
+        for node in nodes:
+            while await gateway.metric(f'interlock_node_requests_in_flight{{node="{node.host}"}}'):
+                await trio.sleep(0.01)
+
+
+async def test_with_priority_headroom_and_round_robin_no_node_holds_more_lower_requests_than_it_keeps_room_for(tmp_path):
+    # Two nodes of max_in_flight 2, one place of each kept for the top priority: each takes one
+    # low request. Short requests between two held low streams move round robin's turn, so that
+    # in one round it points at the node the first stream holds: the second must still go to the
+    # other node (the queue let it through for that node's place), never into the place kept on
+    # the first. A third low request then waits, and a high one goes through at once.
+    decisions, events = tmp_path / "decisions.jsonl", tmp_path / "events.jsonl"
+    async with nodes_and_gateway(
+        tmp_path,
+        node_specs(2, **HELD),
+        node_settings={"n1": {"max_in_flight": 2}, "n2": {"max_in_flight": 2}},
+        extra=admission_toml(max_queue_seconds=30, priority_headroom=1) + tenants_toml(LOW, HIGH),
+        decision_log=str(decisions),
+        event_log=str(events),
+    ) as (nodes, gateway):
+        await gateway.discovered()
+        for shorts in range(3):
+            async with trio.open_nursery() as nursery:
+                async with held_stream(gateway, f"first-{shorts}", "key-low") as first:
+                    for number in range(shorts):
+                        short = await post_chat(gateway, f"short-{shorts}-{number}", "key-low")
+                        assert short.status_code == 200 and short.headers["x-interlock-node"] != first
+                    async with held_stream(gateway, f"second-{shorts}", "key-low") as second:
+                        assert second != first
+                        waiting: list[httpx.Response] = []
+
+                        async def third_low() -> None:
+                            waiting.append(await post_chat(gateway, f"third-{shorts}", "key-low"))
+
+                        nursery.start_soon(third_low)
+                        await wait_for_total_queue_length(gateway, 1)
+                        high = await post_chat(gateway, f"high-{shorts}", "key-high")
+                        assert high.status_code == 200
+                        assert not waiting
+                # Both low streams' clients left: the waiting one went in.
+            [third] = waiting
+            assert third.status_code == 200
+            record = await record_of(decisions, f"second-{shorts}")  # the first node was full for it
+            assert sorted((c.node, c.full) for c in record.candidates) == sorted(
+                (node.host, node.name == first) for node in nodes
+            )
+            await wait_for_nothing_in_flight(gateway, nodes)
     verified = verify(events, decisions)
     assert verified.returncode == 0, verified.stdout + verified.stderr
 

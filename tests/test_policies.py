@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgspec
 import pytest
 
 from controlplane.rules.policies import (
@@ -179,18 +180,19 @@ def test_every_policy_scores_every_candidate_once_and_picks_the_first(policy):
 
 
 @pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])
-def test_every_policy_passes_over_a_node_at_its_max_in_flight_while_another_has_room(policy):
+def test_every_policy_passes_over_a_node_without_room_while_another_has_room(policy):
     nodes = pool((0, 0), (0, 0), (0, 0))
     in_flight = {IPS[0]: 2, IPS[1]: 1}
     for rotation in range(6):
         choice = choose(
             policy, nodes, rotation=rotation, in_flight=in_flight, request_id=str(rotation), prefix="p",
-            max_in_flight={IPS[0]: 2, IPS[1]: 1},
+            full={IPS[0], IPS[1]},
         )  # fmt: skip
-        assert choice.node.ip == IPS[2]  # the only one with room (no bound)
+        assert choice.node.ip == IPS[2]  # the only one with room
         assert {c.node for c in choice.candidates if c.note == AT_MAX_IN_FLIGHT} == set(IPS[:2])
-    # When every node is full, the policy chooses among them all, as without the bound.
-    full = {IPS[0]: 2, IPS[1]: 1, IPS[2]: 0}
-    assert choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p", max_in_flight=full) == (
-        choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p")
-    )
+        assert {c.node for c in choice.candidates if c.full} == set(IPS[:2])
+    # When every node is full, the policy chooses among them all, as without the rule, each marked full.
+    every = choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p", full=set(IPS))
+    unbound = choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p")
+    assert every.node == unbound.node
+    assert every.candidates == tuple(msgspec.structs.replace(c, full=True) for c in unbound.candidates)

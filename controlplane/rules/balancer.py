@@ -6,7 +6,7 @@ inputs or the what-if world's."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from controlplane.rules.policies import PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
 from events.config import Policy
@@ -18,7 +18,7 @@ class Balancer:
 
     The counter starts at 0 and advances on every pick, whatever the policy (round robin, and
     the ties of the others, follow it). `in_flight` counts the attempts this process has in
-    progress to each node; the request's ledger keeps it. `prefixes` remembers where prefix
+    progress to each node (the data plane's `Occupancy` keeps it). `prefixes` remembers where prefix
     affinity sent each prefix last (retries included). The data plane runs in one trio thread,
     so none of them needs a lock.
     """
@@ -27,9 +27,9 @@ class Balancer:
         self.rotation = 0
         """The counter the next pick is made with."""
         self.in_flight: dict[str, int] = {} if in_flight is None else in_flight
-        """Shared with another balancer when given: the prefill leg of disaggregated requests
-        has a balancer of its own (its own counter and prefix memory: a prefix's KV cache is on
-        the prefill node), counting the same attempts."""
+        """The routing process's counts when given (the prefill leg of disaggregated requests
+        has a balancer of its own, with its own counter and prefix memory: a prefix's KV cache is
+        on the prefill node, weighing the same attempts)."""
         self.prefixes = PrefixMemory()
 
     def select(
@@ -42,14 +42,14 @@ class Balancer:
         prefix: str,
         load_bound: float,
         adapter: str = "",
-        max_in_flight: Mapping[str, int] = {},
+        full: Collection[str] = (),
     ) -> Choice:
         """The data plane's pick from `pool` (not empty), with every candidate's score (`scored`,
-        any policy but round robin, a LoRA `adapter`'s affinity, or nodes with a `max_in_flight`;
+        any policy but round robin, a LoRA `adapter`'s affinity, or nodes `full` for the request;
         round robin unscored is plinth's pick and nothing more)."""
         rotation = self.rotation
         self.rotation += 1
-        if policy == ROUND_ROBIN and not scored and not adapter and not max_in_flight:
+        if policy == ROUND_ROBIN and not scored and not adapter and not full:
             return Choice(pool[rotation % len(pool)], (), None)
         return self.choose(
             pool,
@@ -60,7 +60,7 @@ class Balancer:
             prefix=prefix,
             load_bound=load_bound,
             adapter=adapter,
-            max_in_flight=max_in_flight,
+            full=full,
         )
 
     def choose(
@@ -75,10 +75,10 @@ class Balancer:
         load_bound: float,
         remembered: str | None = None,
         adapter: str = "",
-        max_in_flight: Mapping[str, int] = {},
+        full: Collection[str] = (),
     ) -> Choice:
         """`policy`'s choice from `pool` (not empty), scored, with a LoRA `adapter`'s affinity
-        when given, passing over nodes at their `max_in_flight` while another has room. Prefix
+        when given, passing over the nodes `full` for the request while another has room. Prefix
         affinity starts from the node the prefix last went to (`remembered` when given: a
         recorded pick's), and remembers the one it chose."""
         affine = policy == PREFIX_AFFINITY and bool(prefix)
@@ -94,18 +94,8 @@ class Balancer:
             load_bound=load_bound,
             remembered=remembered,
             adapter=adapter,
-            max_in_flight=max_in_flight,
+            full=full,
         )
         if affine:
             self.prefixes.remember(prefix, choice.node.ip)
         return choice
-
-    def attempt_started(self, ip: str) -> None:
-        self.in_flight[ip] = self.in_flight.get(ip, 0) + 1
-
-    def attempt_ended(self, ip: str) -> None:
-        left = self.in_flight[ip] - 1
-        if left:
-            self.in_flight[ip] = left
-        else:
-            del self.in_flight[ip]

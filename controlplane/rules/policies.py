@@ -36,11 +36,13 @@ candidates are ranked by what their scrape says of the adapter (`lora_standing`:
 having it, or running as many adapters as they may while others wait), and the policy chooses
 among those of the best standing; the others follow in the record, passed over.
 
-Under every policy, a candidate to which the routing process has its `[[nodes]] max_in_flight`
-requests in flight is passed over while another has room (AT_MAX_IN_FLIGHT): the admission queue
-lets a request through when some node of the pool has room, and it must go there, not wait in a
-full node's own queue. The in-flight counts are in the record's candidates, so a replay passes
-over the same ones.
+Under every policy, a candidate the one rule for a node's room (`saturation.room`: its
+`max_in_flight` less the places the request's priority leaves free, lower ranks a priority node
+preempts, the scrape's saturation while the gateway queues) finds without a place for the request
+is passed over while another has one (AT_MAX_IN_FLIGHT): the admission queue lets a request through
+by the same rule when some node of the pool has room, and it must go there, not into a full node's
+own queue or a place kept for a higher priority. The record marks those candidates (`full`), so a
+replay passes over the same ones.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import hashlib
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -64,7 +66,8 @@ NOT_DRAWN = "not drawn"
 OVER_LOAD_BOUND = "load bound"
 LORA_AVOIDED = "lora affinity"
 AT_MAX_IN_FLIGHT = "max_in_flight"
-"""Notes on candidates passed over other than by their score."""
+"""Notes on candidates passed over other than by their score (AT_MAX_IN_FLIGHT: the node had no
+room for the request, `saturation.room`; the name is the one records have always carried)."""
 
 LORA_RUNNING, LORA_LOADED, LORA_FULL = "running", "loaded", "full"
 """What a candidate's scrape says of a request's LoRA adapter, best first: the node runs it (a
@@ -116,25 +119,27 @@ def choose(
     load_bound: float = DEFAULT_LOAD_BOUND,
     remembered: str = "",
     adapter: str = "",
-    max_in_flight: Mapping[str, int] = {},
+    full: Collection[str] = (),
 ) -> Choice:
     """The node `policy` picks from `pool` (non-empty, in routing's order), with every
     candidate's score; an unknown policy name is round robin (a config names only known ones).
     `remembered` is the node the prefix last went to (prefix affinity's only). A request for a
     LoRA `adapter` is picked among the candidates of the best standing (`lora_standing`), the
     others listed after them, passed over (LORA_AVOIDED), each with its standing. Before that,
-    the candidates with `in_flight` at their `max_in_flight` are passed over (AT_MAX_IN_FLIGHT)
-    while another has room."""
-    if max_in_flight:
-        full = {ip for ip, limit in max_in_flight.items() if in_flight.get(ip, 0) >= limit}
+    the candidates in `full` (no room for the request, `saturation.room`) are passed over
+    (AT_MAX_IN_FLIGHT) while another has room; every one of them is marked `full`."""
+    if full:
+        inputs = dict(
+            rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix, load_bound=load_bound,
+            remembered=remembered, adapter=adapter,
+        )  # fmt: skip
         with_room = [node for node in pool if node.ip not in full]
         if len(with_room) < len(pool) and with_room:
-            full_nodes = [node for node in pool if node.ip in full]
-            inputs = dict(
-                rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix, load_bound=load_bound,
-                remembered=remembered, adapter=adapter,
-            )  # fmt: skip
-            return _in_tiers(policy, [with_room, full_nodes], AT_MAX_IN_FLIGHT, inputs)
+            choice = _in_tiers(policy, [with_room, [node for node in pool if node.ip in full]], AT_MAX_IN_FLIGHT, inputs)
+        else:
+            choice = choose(policy, pool, **inputs)
+        candidates = tuple(msgspec.structs.replace(c, full=True) if c.node in full else c for c in choice.candidates)
+        return choice._replace(candidates=candidates)
     if adapter:
         return _with_lora_affinity(
             policy, pool, adapter, rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix,

@@ -6,9 +6,11 @@ A node is saturated when its last scrape says so (`[admission] saturation_waitin
 waiting, or `saturation_kv_cache` of its KV cache used), or when this gateway process has its
 `[[nodes]] max_in_flight` requests in flight to it, less `[admission] priority_headroom` for a
 request of a priority below the highest configured tenant's (`priority_headroom`): those places
-are kept free for the higher priorities. A pure function of the snapshot and the
-in-flight counts: the data plane asks it for every request, and `interlock explain` asks the
-scrape's part again of the state at the seq a record names (in-flight counts are not recorded).
+are kept free for the higher priorities. `room` is the one rule for that, a pure function of a
+node's state and the in-flight counts: the admission queue admits by it (`free_places`), every
+policy's pick passes over the nodes it finds without a place (`policies.choose`), and the
+decision record marks those (`CandidateScore.full`) for `verify` and `whatif` to pick again;
+`interlock explain` asks the scrape's part again of the state at the seq a record names.
 
 A node run with vLLM's priority scheduling (`[[nodes]] scheduling = "priority"`) preempts a
 running request for one of a better rank: for a request, the requests of a lower `rank` this
@@ -67,6 +69,44 @@ def priority_headroom(config: Config, priority: int) -> int:
     return headroom if priority < top else 0
 
 
+def room(
+    node: NodeState,
+    scrape: AdmissionConfig | None,
+    limit: int | None,
+    in_flight: int,
+    in_flight_at_scrape: int | None = None,
+    headroom: int = 0,
+    preemptible: int = 0,
+) -> float:
+    """The one rule for a node's room: how many more requests of a given rank `node` takes now
+    (inf: no bound holds them back). The queue admits by it (`free_places`) and every policy's
+    pick passes over the nodes it finds without room (`policies.choose`).
+
+    `limit` is the node's `max_in_flight` (None: none), of which a request below the top
+    priority leaves `headroom` places free (`priority_headroom`); this process has `in_flight`
+    requests there, of which `preemptible` are of a lower rank on a priority-scheduled node: the
+    node preempts them for this one, so they free their places. `scrape` is `[admission]` when
+    the node's scrape counts (the gateway queues: without the queue, a node's own queue is where
+    requests wait), else None.
+
+    A scrape is older than the requests that ended since: each request of this process that
+    ended on the node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the
+    count now) gives back a place the scrape still shows taken, one waiting request or the KV
+    cache of one. Without that, a node whose batch empties would stay saturated, and idle,
+    until its next scrape."""
+    places = math.inf if limit is None else limit - headroom - (in_flight - preemptible)
+    if scrape is not None and scraped_reason(node, scrape):
+        at_scrape = in_flight if in_flight_at_scrape is None else in_flight_at_scrape
+        freed = max(0, at_scrape - in_flight) + preemptible
+        places = min(places, freed)
+        excess_waiting = node.load.waiting - freed - scrape.saturation_waiting
+        if excess_waiting >= 0:
+            places = 0
+        elif node.load.waiting >= scrape.saturation_waiting:
+            places = min(places, -excess_waiting)
+    return max(0, places)
+
+
 def free_places(
     nodes: Iterable[NodeState],
     admission: AdmissionConfig,
@@ -76,32 +116,17 @@ def free_places(
     headroom: int = 0,
     preemptible: Mapping[str, int] = {},
 ) -> float:
-    """How many more requests `nodes` (a model's pick pool) take before every one is saturated:
-    0 when all are; inf when one is not and has no `max_in_flight`. A node with a
-    `max_in_flight` counts as saturated `headroom` places early (`priority_headroom`).
-    `preemptible` counts, for each priority-scheduled node, the requests in flight there of a
-    lower rank than the one asking: the node preempts them for it, so they free their places.
-
-    A scrape is older than the requests that ended since: each request of this process that
-    ended on a node after its scrape (its in-flight count then, `in_flight_at_scrape`, less the
-    count now) gives back a place the scrape still shows taken, one waiting request or the KV
-    cache of one. Without that, a node whose batch empties would stay saturated, and idle,
-    until its next scrape."""
+    """How many more requests `nodes` (a model's pick pool) take before every one is saturated
+    (each node's `room`, its scrape counted): 0 when all are; inf when one is not and has no
+    `max_in_flight`. `preemptible` counts, for each priority-scheduled node, the requests in
+    flight there of a lower rank than the one asking."""
     places = 0.0
     for node in nodes:
-        count = in_flight.get(node.ip, 0)
-        lower = preemptible.get(node.ip, 0)
-        limit = max_in_flight.get(node.ip)
-        room = math.inf if limit is None else limit - headroom - (count - lower)
-        if scraped_reason(node, admission):
-            freed = max(0, in_flight_at_scrape.get(node.ip, count) - count) + lower
-            room = min(room, freed)
-            excess_waiting = node.load.waiting - freed - admission.saturation_waiting
-            if excess_waiting >= 0:
-                room = 0
-            elif node.load.waiting >= admission.saturation_waiting:
-                room = min(room, -excess_waiting)
-        if room == math.inf:
-            return room
-        places += max(0, room)
+        ip = node.ip
+        places += room(
+            node, admission, max_in_flight.get(ip), in_flight.get(ip, 0), in_flight_at_scrape.get(ip), headroom,
+            preemptible.get(ip, 0),
+        )  # fmt: skip
+        if places == math.inf:
+            return places
     return places
