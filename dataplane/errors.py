@@ -71,6 +71,9 @@ NO_MODEL = ApiError(400, "model not specified and no default model is configured
 NO_HEALTHY_NODE = ApiError(503, routing.NO_HEALTHY_NODE, "no_healthy_node")
 NO_REACHABLE_NODE = ApiError(503, routing.NO_REACHABLE_NODE, "no_reachable_node")
 UPSTREAM_ERROR = ApiError(502, "upstream node error", "upstream_error")
+UPSTREAM_TIMEOUT = ApiError(504, "upstream node did not answer in time", "upstream_timeout")
+"""A node passed `first_byte_timeout` or `response_timeout`, and the request is not retried
+(`gateway.retry_unanswered` is off)."""
 PREFILL_WITHOUT_KV_TRANSFER_PARAMS = ApiError(
     502, "prefill answer without kv_transfer_params", "prefill_without_kv_transfer_params"
 )

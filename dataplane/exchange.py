@@ -69,3 +69,8 @@ class Outcome:
         self.status = status
         self.error = error
         self.committed = committed
+
+
+class UpstreamTimeout(Exception):
+    """An attempt's node did not answer by a deadline (`UpstreamTimeouts`): a slow node, not one
+    that is down, so it is not marked offline; retried as an unanswered request is."""

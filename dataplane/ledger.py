@@ -20,7 +20,7 @@ from dataplane.admission_queue import AdmissionQueue
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS
-from dataplane.exchange import Exchange, Outcome
+from dataplane.exchange import Exchange, Outcome, UpstreamTimeout
 from dataplane.metrics import RequestMetrics
 from dataplane.occupancy import Occupancy
 from events.config import Policy
@@ -148,7 +148,8 @@ class Ledger:
             else:
                 log.info("retrying after connection failure", node=ip, error=error)
             metrics.retried(ip)
-            self._mark_offline(ip, error)
+            if not isinstance(outcome.error, UpstreamTimeout):  # a slow node is loaded, not down
+                self._mark_offline(ip, error)
         elif kind == FAILED:
             log.error("node response truncated or connection lost", node=ip, error=error)
             if isinstance(outcome.error, WriteFailed):

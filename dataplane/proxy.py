@@ -13,9 +13,11 @@ reports through the ledger's `attempt_ended` and `request_ended` when it stops.
 What may be retried is decided by whether anything reached the client yet (the commit gate):
 a non-streaming response is buffered until it is complete (or larger than the buffer limit),
 a stream is committed at its first body byte. Before commit, connection-level failures move on
-to the next node; after commit, a failure ends the response early (never a 502, never a
-fabricated `[DONE]`), and visibly: an event stream gets an error event the SDKs raise, and the
-response ends without its terminating chunk (as nginx does), so HTTP clients see it cut short.
+to the next node; a node slower than the model's `first_byte_timeout` or `response_timeout` does
+only under `retry_unanswered` (else a 504), and is not marked offline for it (slowness is load).
+After commit, a failure ends the response early (never a 502, never a fabricated `[DONE]`), and
+visibly: an event stream gets an error event the SDKs raise, and the response ends without its
+terminating chunk (as nginx does), so HTTP clients see it cut short.
 HTTP error statuses from a node are responses: passed through, never retried (completions are
 not idempotent).
 """
@@ -49,6 +51,7 @@ from dataplane.errors import (
     SHUTTING_DOWN,
     STREAM_TERMINATED,
     UPSTREAM_ERROR,
+    UPSTREAM_TIMEOUT,
     ApiError,
     Reply,
     adapter_loading,
@@ -63,7 +66,7 @@ from dataplane.disaggregation import (
     prefill_body,
 )
 from dataplane.endpoints import ROUTED_PATHS
-from dataplane.exchange import Exchange, Outcome
+from dataplane.exchange import Exchange, Outcome, UpstreamTimeout
 from dataplane.headers import client_headers, request_id_header
 from dataplane.ledger import CLIENT_GONE, COMPLETED, FAILED, RETRIED, TRUNCATED, Books, Ledger
 from dataplane.metrics import RequestMetrics
@@ -76,9 +79,6 @@ from transport.http11 import Response as UpstreamResponse
 
 _TARGETS = {path: path.encode() for path in ROUTED_PATHS}
 
-CONNECT_TIMEOUT = 5.0
-RESPONSE_HEADER_TIMEOUT = 60.0
-FIRST_CHUNK_TIMEOUT = 10.0
 IDLE_CONNECTION_SECONDS = 90.0
 UNSERVED_WARNING_INTERVAL = 1.0
 """Seconds between two `no node serves requested model` warnings; those in between are counted."""
@@ -98,18 +98,9 @@ def new_upstream_pool() -> HttpClient:
     return HttpClient(max_idle_per_host=MAX_IDLE_CONNECTIONS_PER_NODE, idle_seconds=IDLE_CONNECTION_SECONDS)
 
 
-class UpstreamTimeout(Exception):
-    """A deadline of the attempt passed: retried on the next node, like a dial error."""
-
-
 class ResponseBodyTimeout(Exception):
     """A non-streaming answer's body did not end by its deadline (`gateway.response_body_timeout`):
     not retried, as a body cut short is not (the node has answered)."""
-
-
-def _is_retryable(error: Exception) -> bool:
-    """plinth's classification: dial errors and timeouts are retried; other failures are not."""
-    return isinstance(error, (ConnectFailed, UpstreamTimeout))
 
 
 class Proxy:
@@ -125,8 +116,6 @@ class Proxy:
         *,
         quota: Quota | None = None,
         views: SnapshotViews | None = None,
-        response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
-        first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
     ) -> None:
         self._control_plane = control_plane
         self._pool = pool
@@ -140,8 +129,6 @@ class Proxy:
         self._queue = AdmissionQueue(control_plane, self._views, self._occupancy, metrics)
         self._books = Books(control_plane, metrics, log, self._occupancy, decisions, self._queue)
         self._unserved_warnings = Throttle(UNSERVED_WARNING_INTERVAL)
-        self._response_header_timeout = response_header_timeout
-        self._first_chunk_timeout = first_chunk_timeout
         self._flowing: set[Relay] = set()
         """The committed bodies still flowing, for `end_streams`."""
         self._admission = Admission(quota or LocalQuota(), metrics)
@@ -256,7 +243,8 @@ class Proxy:
             outcome, reply = ended
             ledger.attempt_ended(node.ip, outcome)
             if outcome.kind == FAILED:
-                return self._error(ledger, UPSTREAM_ERROR)
+                timed_out = isinstance(outcome.error, UpstreamTimeout)
+                return self._error(ledger, UPSTREAM_TIMEOUT if timed_out else UPSTREAM_ERROR)
             if reply is not None:
                 if ledger.ticket.tenant.counts_tokens and isinstance(reply.body, bytes):
                     ledger.ticket.read_usage(reply.body)
@@ -300,14 +288,15 @@ class Proxy:
         """One prefill attempt: its `kv_transfer_params`, or the node's answer for the client
         when it is an error status, or None when the attempt failed (then retried)."""
         config = exchange.view.config
+        timeouts = config.upstream_timeouts.get(exchange.model, config.timeouts)
         upstream: UpstreamResponse | None = None
         ledger.attempt_began(node.ip)
         try:
-            with trio.move_on_after(self._response_header_timeout) as waiting:
+            with trio.move_on_after(timeouts.response) as waiting:
                 try:
                     if node.ip in config.priority_scheduled:
                         body = ledger.ticket.prioritized(body)
-                    upstream = await self._request(exchange, node, body)
+                    upstream = await self._request(exchange, node, body, timeouts.connect)
                     waiting.deadline = trio.current_time() + config.response_body_timeout
                     answer = await upstream.read_body(MAX_PREFILL_ANSWER_BYTES)
                 except Exception as error:
@@ -376,32 +365,39 @@ class Proxy:
         """A committed reply (its relay ends the attempt), or how the attempt ended with the
         client's complete reply when it has one."""
         config = exchange.view.config
+        timeouts = config.upstream_timeouts.get(exchange.model, config.timeouts)
         upstream: UpstreamResponse | None = None
         ledger.attempt_began(node.ip)
         try:
-            with trio.move_on_after(self._response_header_timeout) as waiting:
+            # A stream's deadline is its first byte's, counted from the request as vLLM sends
+            # a stream's head at once; a whole answer's head comes once it is generated.
+            with trio.move_on_after(timeouts.first_byte if exchange.stream else timeouts.response) as waiting:
                 try:
                     body = exchange.body
                     if node.ip in config.priority_scheduled:
                         body = ledger.ticket.prioritized(body)
-                    upstream = await self._request(exchange, node, body)
+                    upstream = await self._request(exchange, node, body, timeouts.connect)
                 except Exception as error:
                     return self._failed(exchange, error)
                 if exchange.stream:
-                    waiting.deadline = math.inf  # a stream's next deadline is its first chunk's
                     return await self._stream(exchange, ledger, node, upstream)
                 # The same scope bounds the body: a second one would cost every request.
                 waiting.deadline = trio.current_time() + config.response_body_timeout
                 return await self._buffer(exchange, ledger, node, upstream, waiting.deadline)
+            if upstream is not None:
+                upstream.close()
+            if exchange.stream:
+                return self._failed(exchange, UpstreamTimeout("timed out waiting for first stream chunk"))
             if upstream is None:
                 return self._failed(exchange, UpstreamTimeout("timeout awaiting response headers"))
-            upstream.close()
             return self._failed(exchange, ResponseBodyTimeout("timeout awaiting response body"))
         except BaseException as error:
             _abandoned(ledger, node, upstream, error)
             raise
 
-    def _request(self, exchange: Exchange, node: NodeState, body: bytes) -> Awaitable[UpstreamResponse]:
+    def _request(
+        self, exchange: Exchange, node: NodeState, body: bytes, connect_timeout: float
+    ) -> Awaitable[UpstreamResponse]:
         """Send the request, with `body`, to `node`: its response once its head has come."""
         config = exchange.view.config
         headers = exchange.headers
@@ -420,34 +416,34 @@ class Proxy:
             target,
             headers,
             body,
-            connect_timeout=CONNECT_TIMEOUT,
+            connect_timeout=connect_timeout,
             tls=config.upstream_tls.get(node.ip),
         )
 
     def _failed(self, exchange: Exchange, error: Exception) -> tuple[Outcome, None]:
-        """A failure before commit: the next node is tried (after any failure, for a stream;
-        after plinth's retryable ones otherwise, and with `retry_unanswered` after a connection
-        that broke before any byte of the response), or the request ends with a 502."""
-        retried = (
-            exchange.stream
-            or _is_retryable(error)
-            or (exchange.view.config.retry_unanswered and isinstance(error, (WriteFailed, LostBeforeResponse)))
-        )
+        """A failure before commit: the next node is tried after a dial error (plinth's), and
+        with `retry_unanswered` after a node that did not answer in time; after any other failure
+        for a stream, and with `retry_unanswered` after a connection that broke before any byte
+        of the response otherwise. Else the request ends (a 504 after a timeout, else a 502)."""
+        if isinstance(error, UpstreamTimeout):
+            retried = exchange.view.config.retry_unanswered
+        else:
+            retried = (
+                exchange.stream
+                or isinstance(error, ConnectFailed)
+                or (exchange.view.config.retry_unanswered and isinstance(error, (WriteFailed, LostBeforeResponse)))
+            )
         return Outcome(RETRIED if retried else FAILED, error=error), None
 
     async def _stream(
         self, exchange: Exchange, ledger: Ledger, node: NodeState, upstream: UpstreamResponse
     ) -> Reply | tuple[Outcome, Reply | None]:
-        """Streaming commit gate: hold the status and headers until the first body byte."""
-        first = b""
+        """Streaming commit gate: hold the status and headers until the first body byte (by the
+        attempt's first-byte deadline, which `_attempt` bounds it with)."""
         try:
-            with trio.move_on_after(self._first_chunk_timeout) as deadline:
-                first = await upstream.next_chunk()
+            first = await upstream.next_chunk()
         except Exception as error:
             return self._failed(exchange, error)
-        if deadline.cancelled_caught:
-            upstream.close()
-            return self._failed(exchange, UpstreamTimeout("timed out waiting for first stream chunk"))
         if not first:
             # An empty body (a bodiless 201, say) is complete: commit it as it is.
             return self._complete(exchange, node, upstream, b"")

@@ -16,7 +16,7 @@ from controlplane.rules.routing import Route, pick_pool
 from dataplane.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
 from dataplane.headers import node_header
-from events.config import Config
+from events.config import Config, UpstreamTimeouts
 from events.state import ClusterState
 from events.types import Checkpoint
 
@@ -52,6 +52,10 @@ class ConfigView:
         self.prefix_bytes = routing.prefix_bytes
         self.load_bound = routing.load_bound
         self.retry_unanswered = gateway.retry_unanswered
+        self.timeouts = UpstreamTimeouts(gateway.connect_timeout, gateway.first_byte_timeout, gateway.response_timeout)
+        """The timeouts of an attempt for a model without its own (`[gateway]`'s)…"""
+        self.upstream_timeouts = {model: config.upstream_timeouts(model) for model in config.served_models()}
+        """…and of each configured model."""
         self.ports = {node.ip: node.vllm_port for node in config.nodes}
         self.tenant_limits = TenantLimits(config)
         self.api_key_digests = self.tenant_limits.key_digests

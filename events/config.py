@@ -22,6 +22,10 @@ DEFAULT_PROBE_TIMEOUT = 5.0
 DEFAULT_REQUEST_BODY_TIMEOUT = 60.0
 DEFAULT_REQUEST_BODY_IDLE_TIMEOUT = 10.0
 DEFAULT_RESPONSE_BODY_TIMEOUT = 60.0
+DEFAULT_CONNECT_TIMEOUT = 5.0
+DEFAULT_FIRST_BYTE_TIMEOUT = 10.0
+DEFAULT_RESPONSE_TIMEOUT = 60.0
+"""plinth's upstream timeouts (its dial, first stream chunk and response header limits)."""
 DEFAULT_SHUTDOWN_GRACE = 10.0
 DEFAULT_EVENT_LOG_MAX_BYTES = 64 * 1024 * 1024
 DEFAULT_DECISION_LOG_MAX_BYTES = 64 * 1024 * 1024
@@ -94,6 +98,17 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     response_body_timeout: float = DEFAULT_RESPONSE_BODY_TIMEOUT
     """Seconds a node may take to send the body of a non-streaming answer, from its head to its
     end (a Go duration string in the file); plinth has no such limit."""
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    """Seconds to open a connection to a node (a Go duration string in the file). A node that
+    cannot be reached in time is marked offline and the request tried on the next one."""
+    first_byte_timeout: float = DEFAULT_FIRST_BYTE_TIMEOUT
+    """Seconds a stream may take from its request to the first byte of its body, the first
+    token's time (a long prompt's prefill); a model's own overrides it."""
+    response_timeout: float = DEFAULT_RESPONSE_TIMEOUT
+    """Seconds a non-streaming request may take to the head of its answer, which vLLM sends once
+    the whole generation is done; a model's own overrides it. Past either, the attempt ends
+    (the node is not marked offline: slowness is load) and is retried on another node only
+    with `retry_unanswered`, else the request gets a 504."""
     shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     """Seconds the drain after SIGTERM lets requests and streams in flight finish (a Go duration
     string in the file); a stream still open then ends with an error event. plinth's 10 s."""
@@ -105,7 +120,8 @@ class GatewayConfig(Struct, frozen=True, kw_only=True):
     """Serve HTTP/2 (cleartext, prior knowledge or `Upgrade: h2c`) on the API listener too."""
     retry_unanswered: bool = False
     """Retry a non-streaming request on another node when its connection broke before any byte
-    of the response arrived (plinth answers 502)."""
+    of the response arrived (plinth answers 502), and any request whose node passed
+    `first_byte_timeout` or `response_timeout` (else a 504)."""
     api_key_hashes: tuple[str, ...] = ()
     """SHA-256 hex digests of the client API keys the API listener accepts; () = no key needed.
     The loader gathers them from the file's `api_keys` (hashed as they are read), its
@@ -221,6 +237,18 @@ class ModelEntry(Struct, frozen=True, kw_only=True):
     """With `parent`: where vLLM loads the adapter from. The gateway loads it (`POST
     /v1/load_lora_adapter`) onto each healthy node that lists `parent` and not the adapter; "" =
     the gateway loads nothing."""
+    connect_timeout: float | None = None
+    first_byte_timeout: float | None = None
+    response_timeout: float | None = None
+    """This model's upstream timeouts (Go durations in the file); None = `[gateway]`'s."""
+
+
+class UpstreamTimeouts(Struct, frozen=True):
+    """The limits on one attempt at a node, in seconds (`GatewayConfig.connect_timeout` and the two after it)."""
+
+    connect: float
+    first_byte: float
+    response: float
 
 
 class ModelsConfig(Struct, frozen=True, kw_only=True):
@@ -351,6 +379,18 @@ class Config(Struct, frozen=True, kw_only=True):
             if model.name == name:
                 return model.policy or self.routing.policy
         return self.routing.policy
+
+    def upstream_timeouts(self, name: str) -> UpstreamTimeouts:
+        """The timeouts of an attempt for model `name`: the first available model named so sets
+        its own, `[gateway]` the others."""
+        gateway = self.gateway
+        timeouts = [gateway.connect_timeout, gateway.first_byte_timeout, gateway.response_timeout]
+        for model in self.models.available:
+            if model.name == name:
+                own = (model.connect_timeout, model.first_byte_timeout, model.response_timeout)
+                timeouts = [default if value is None else value for value, default in zip(own, timeouts)]
+                break
+        return UpstreamTimeouts(*timeouts)
 
     def load_scrape_interval(self) -> float:
         """Seconds between load scrapes of each node; 0 = none (see `RoutingConfig`). Admission

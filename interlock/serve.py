@@ -49,7 +49,7 @@ from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.quota import Quota
-from dataplane.proxy import FIRST_CHUNK_TIMEOUT, RESPONSE_HEADER_TIMEOUT, Proxy, new_upstream_pool
+from dataplane.proxy import Proxy, new_upstream_pool
 from dataplane.views import SnapshotViews
 from events.config import DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from events.decisions import Decision
@@ -88,15 +88,12 @@ async def serve(
     overrides: Overrides = NO_OVERRIDES,
     ready: Callable[[Listening], None] | None = None,
     log: JsonLog | None = None,
-    response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
-    first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
 ) -> int:
     """Run the gateway until SIGTERM or SIGINT; returns the exit code.
 
     `workers` overrides `gateway.workers`, `overrides` the other settings the command line
     gives. `ready` is called once both listeners accept connections and signals are handled;
-    `log` replaces the log on stdout (which follows the config's log settings), and the two
-    timeouts plinth's, for tests. Signals that come before the gateway is serving wait for it;
+    `log` replaces the log on stdout (which follows the config's log settings). Signals that come before the gateway is serving wait for it;
     those left when it returns are re-raised (see `run_serve`).
     """
     if log is None:
@@ -117,13 +114,12 @@ async def serve(
         try:
             registry = CollectorRegistry()
             count = worker_count(workers if workers is not None else config.gateway.workers)
-            timeouts = {"response_header_timeout": response_header_timeout, "first_chunk_timeout": first_chunk_timeout}
             decisions = await trio.to_thread.run_sync(open_decision_log, config.gateway, log, registry)
             kind = FleetControlPlane if config.fleet is not None else ControlPlane
             async with open_control_plane(
                 config_path, kind=kind, config=config, overrides=overrides, version=version, log=log, registry=registry
             ) as control_plane:
-                return await _run(control_plane, signals, sockets, registry, log, ready, count, timeouts, decisions)
+                return await _run(control_plane, signals, sockets, registry, log, ready, count, decisions)
         except LogInUse as error:
             print(f"fatal: {error.strerror}", file=sys.stderr)
             return EXIT_FAILURE
@@ -148,8 +144,6 @@ async def api_application(
     worker: int = 0,
     quota: Quota | None = None,
     registry: CollectorRegistry | None = None,
-    response_header_timeout: float = RESPONSE_HEADER_TIMEOUT,
-    first_chunk_timeout: float = FIRST_CHUNK_TIMEOUT,
 ) -> AsyncIterator[ApiApp]:
     """The API listener's application on a control plane (the gateway's own, or a worker's
     follower), with its connections to the nodes, open until the block ends. `quota`: where
@@ -164,8 +158,6 @@ async def api_application(
             decisions,
             quota=quota,
             views=views,
-            response_header_timeout=response_header_timeout,
-            first_chunk_timeout=first_chunk_timeout,
         )
         yield ApiApp(control_plane, proxy, views, worker)
 
@@ -178,7 +170,6 @@ async def _run(
     log: JsonLog,
     ready: Callable[[Listening], None] | None,
     workers: int,
-    timeouts: dict[str, float],
     decisions: DecisionLog | None,
 ) -> int:
     config = control_plane.snapshot.config
@@ -199,7 +190,7 @@ async def _run(
     async def serve_api(api_socket: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """This process serves the API, or its workers do (then until `stop_listening`)."""
         if workers == 1:
-            async with api_application(control_plane, log, recorder, registry=registry, **timeouts) as app:
+            async with api_application(control_plane, log, recorder, registry=registry) as app:
                 await serve_on_socket(
                     app,
                     api_socket,

@@ -18,7 +18,6 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import httpx
@@ -216,8 +215,8 @@ class _Serving:
         self.returned = trio.Event()
         self.exit_code: int | None = None
 
-    async def run(self, config_path: Path, log: JsonLog, ready, **timeouts: float) -> None:
-        self.exit_code = await serve(str(config_path), version="test", ready=ready, log=log, **timeouts)
+    async def run(self, config_path: Path, log: JsonLog, ready) -> None:
+        self.exit_code = await serve(str(config_path), version="test", ready=ready, log=log)
         self.returned.set()
 
 
@@ -273,9 +272,6 @@ class Gateway:
 async def running_gateway(
     tmp_path: Path,
     nodes: Sequence[SimulatedNode],
-    *,
-    response_header_timeout: float = 60.0,
-    first_chunk_timeout: float = 10.0,
     **config: object,
 ) -> AsyncIterator[Gateway]:
     """Serve a gateway for `nodes` (see `config_text` for the config keywords) until the block
@@ -285,16 +281,7 @@ async def running_gateway(
     listening: list[Listening] = []
     serving = _Serving()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(
-            partial(
-                serving.run,
-                config_path,
-                log,
-                listening.append,
-                response_header_timeout=response_header_timeout,
-                first_chunk_timeout=first_chunk_timeout,
-            )
-        )
+        nursery.start_soon(serving.run, config_path, log, listening.append)
         with trio.fail_after(10):
             while not listening:
                 await trio.sleep(0.005)

@@ -25,6 +25,7 @@ from events.config import (
     ModelsConfig,
     NodeConfig,
     RoutingConfig,
+    UpstreamTimeouts,
 )
 from interlock.describe import describe_config
 
@@ -84,6 +85,11 @@ def gateway_with(line: str) -> str:
         ('request_body_idle_timeout = "-1s"', "request_body_idle_timeout must be greater than zero"),
         ('request_body_idle_timeout = "10"', 'parsing request_body_idle_timeout: time: missing unit in duration "10"'),
         ('response_body_timeout = "0s"', "response_body_timeout must be greater than zero"),
+        ('connect_timeout = "0s"', "connect_timeout must be greater than zero"),
+        ('first_byte_timeout = "-1s"', "first_byte_timeout must be greater than zero"),
+        ('response_timeout = "0s"', "response_timeout must be greater than zero"),
+        ('response_timeout = "5"', 'parsing response_timeout: time: missing unit in duration "5"'),
+        ("response_timeout = 300", 'parsing config: response_timeout must be a duration string such as "1s", "500ms" or "2m" (got 300)'),
         ('shutdown_grace = "-1s"', "shutdown_grace must be non-negative"),
         ('shutdown_grace = "90"', 'parsing shutdown_grace: time: missing unit in duration "90"'),
         ("event_log_retain_bytes = -1", "event_log_retain_bytes must be non-negative (0: no bound)"),
@@ -330,6 +336,7 @@ def test_invalid_utf8(tmp_path: Path) -> None:
 
 
 NODE_2 = '[[nodes]]\nip = "10.0.0.2"\n'
+DURATION_FORM = 'must be a duration string such as "1s", "500ms" or "2m"'
 
 
 @pytest.mark.parametrize(
@@ -337,8 +344,8 @@ NODE_2 = '[[nodes]]\nip = "10.0.0.2"\n'
     [
         (gateway_with('health_fail_threshold = "3"'), "gateway.health_fail_threshold", "Expected `int`, got `str`"),
         (gateway_with("listen = 8000"), "gateway.listen", "Expected `str`, got `int`"),
-        (gateway_with("health_interval = 3"), "gateway.health_interval", "Expected `str`, got `int`"),
-        (gateway_with("probe_timeout = 1.5"), "gateway.probe_timeout", "Expected `str`, got `float`"),
+        (gateway_with("health_interval = 3"), "gateway.health_interval", f"health_interval {DURATION_FORM} (got 3)"),
+        (gateway_with("probe_timeout = 1.5"), "gateway.probe_timeout", f"probe_timeout {DURATION_FORM} (got 1.5)"),
         (gateway_with("max_request_body_bytes = 1.5"), "gateway.max_request_body_bytes", "Expected `int`, got `float`"),
         (gateway_with('retry_unanswered = "yes"'), "gateway.retry_unanswered", "Expected `bool`, got `str`"),
         (ONE_NODE + NODE_2 + 'vllm_port = "8000"\n', "nodes[1].vllm_port", "Expected `int`, got `str`"),
@@ -461,7 +468,7 @@ POLICY_CHOICES = "round_robin, least_load, power_of_two, prefix_affinity"
         ('policy = "Least_Load"', f'policy must be one of {POLICY_CHOICES} (got "Least_Load")'),
         ('load_scrape_interval = "-1s"', "load_scrape_interval must be non-negative (0: never)"),
         ('load_scrape_interval = "2"', 'parsing load_scrape_interval: time: missing unit in duration "2"'),
-        ("load_scrape_interval = 2", "parsing config: Expected `str`, got `int`"),
+        ("load_scrape_interval = 2", f"parsing config: load_scrape_interval {DURATION_FORM} (got 2)"),
         ("prefix_messages = -1", "prefix_messages must be non-negative (0: every message)"),
         ("prefix_bytes = 0", "prefix_bytes must be greater than zero"),
         ("load_bound = 0.99", "load_bound must be a finite number of at least 1 (got 0.99)"),
@@ -473,6 +480,36 @@ POLICY_CHOICES = "round_robin, least_load, power_of_two, prefix_affinity"
 def test_routing_value_errors(tmp_path: Path, line: str, message: str) -> None:
     key = "routing." + line.split(" = ")[0]
     error = load_error(tmp_path, routing_with(line))
+    assert (error.key, error.message) == (key, message)
+
+
+def test_a_model_s_timeouts_are_durations_that_override_the_gateway_s(tmp_path: Path) -> None:
+    text = gateway_with('connect_timeout = "2s"\nfirst_byte_timeout = "30s"') + (
+        '[[models.available]]\nname = "big"\nfirst_byte_timeout = "2m"\nresponse_timeout = "10m"\n'
+        '[[models.available]]\nname = "small"\n'
+    )
+    config = load_text(tmp_path, text)
+    assert config.upstream_timeouts("big") == UpstreamTimeouts(connect=2.0, first_byte=120.0, response=600.0)
+    assert config.upstream_timeouts("small") == UpstreamTimeouts(connect=2.0, first_byte=30.0, response=60.0)
+    assert config.upstream_timeouts("listed-by-a-node") == config.upstream_timeouts("small")
+    assert load_text(tmp_path, ONE_NODE).upstream_timeouts("m") == UpstreamTimeouts(connect=5.0, first_byte=10.0, response=60.0)
+
+
+@pytest.mark.parametrize(
+    ("entry", "key", "message"),
+    [
+        ('first_byte_timeout = "0s"', "models.available[0].first_byte_timeout", "first_byte_timeout must be greater than zero"),
+        ("response_timeout = 90", "models.available[0].response_timeout", f'parsing config: response_timeout {DURATION_FORM} (got 90)'),
+        ('connect_timeout = "soon"', "models.available[0].connect_timeout", 'parsing connect_timeout: time: invalid duration "soon"'),
+        (
+            'target = "big"\nresponse_timeout = "1m"\n[[models.available]]\nname = "big"',
+            "models.available[0].response_timeout",
+            'alias "m" is routed as its target "big": set response_timeout on the target\'s entry',
+        ),
+    ],
+)
+def test_a_model_s_bad_timeout_names_the_entry_and_the_form(tmp_path: Path, entry: str, key: str, message: str) -> None:
+    error = load_error(tmp_path, ONE_NODE + f'[[models.available]]\nname = "m"\n{entry}\n')
     assert (error.key, error.message) == (key, message)
 
 
@@ -715,7 +752,7 @@ def test_example_config_loads() -> None:
     assert all(node.ip.startswith("10.0.0.") for node in config.nodes)
     assert config.models.default == "Qwen/Qwen2.5-7B-Instruct"
     assert config.models.available == (
-        ModelEntry(name="Qwen/Qwen2.5-32B-Instruct-Q4", pipeline_stages=2, ring="ring-a"),
+        ModelEntry(name="Qwen/Qwen2.5-32B-Instruct-Q4", pipeline_stages=2, ring="ring-a", first_byte_timeout=30.0),
         ModelEntry(name="Qwen/Qwen2.5-7B-Instruct", pipeline_stages=1, ring=""),
         ModelEntry(name="chat", target="Qwen/Qwen2.5-7B-Instruct"),
     )

@@ -328,9 +328,9 @@ async def test_a_request_whose_node_is_killed_before_answering_is_retried_only_w
     assert decision.request_id == "r1" and decision.status == response.status_code
 
 
-async def test_a_node_that_never_answers_is_retried_after_the_header_timeout(tmp_path):
+async def test_with_retry_unanswered_a_node_that_never_answers_is_retried_after_the_response_timeout(tmp_path):
     specs = node_specs(2)
-    async with nodes_and_gateway(tmp_path, specs, response_header_timeout=0.3) as (nodes, gateway):
+    async with nodes_and_gateway(tmp_path, specs, response_timeout="1s", retry_unanswered=True) as (nodes, gateway):
         await gateway.discovered()
         nodes[0].behaviour.completion = "hang"
         served_by = set()
@@ -339,8 +339,41 @@ async def test_a_node_that_never_answers_is_retried_after_the_header_timeout(tmp
             assert response.status_code == 200
             served_by.add(response.headers["x-served-by"])
         assert served_by == {"n2"}
-        [retry] = gateway.logged("retrying after connection failure")
-        assert retry["node"] == nodes[0].host and retry["error"] == "timeout awaiting response headers"
+        retries = gateway.logged("retrying after connection failure")
+        assert {(retry["node"], retry["error"]) for retry in retries} == {(nodes[0].host, "timeout awaiting response headers")}
+        # Slow is not down: the node stays online (and so is tried again by the second request).
+        assert len(retries) == 2 and not gateway.node(nodes[0].host).is_offline(gateway.control_plane.now())
+
+
+async def test_a_node_slower_than_the_response_timeout_gets_a_504_tried_once_and_stays_online(tmp_path):
+    # A whole answer's head comes after the generation: 1 s here, more than the 0.3 s allowed.
+    async with nodes_and_gateway(tmp_path, node_specs(2, ttft=1.0), response_timeout="300ms") as (nodes, gateway):
+        await gateway.discovered()
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(), headers={"x-request-id": "slow"})
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "upstream_timeout"
+        assert error_message(response) == "upstream node did not answer in time"
+        assert sum(len(completions_to(node)) for node in nodes) == 1  # retry_unanswered is off
+        now = gateway.control_plane.now()
+        assert not any(gateway.node(node.host).is_offline(now) for node in nodes)
+        assert not gateway.logged("node marked offline")
+
+
+async def test_a_model_s_own_timeouts_override_the_gateway_s(tmp_path):
+    # The node's first token takes 1 s: past the gateway's 0.3 s, within the slow model's minute.
+    specs = node_specs(1, serving=("slow-model", "other-model"), ttft=1.0)
+    models = '[[models.available]]\nname = "slow-model"\nfirst_byte_timeout = "1m"\nresponse_timeout = "1m"\n'
+    timeouts = {"first_byte_timeout": "300ms", "response_timeout": "300ms"}
+    async with nodes_and_gateway(tmp_path, specs, models=(), extra=models, **timeouts) as (nodes, gateway):
+        await gateway.discovered()
+        for stream in (True, False):
+            served = await gateway.http.post(gateway.url + CHAT, json=chat("slow-model", stream=stream))
+            assert served.status_code == 200
+            timed_out = await gateway.http.post(gateway.url + CHAT, json=chat("other-model", stream=stream))
+            assert timed_out.status_code == 504
+        [first_byte, response] = gateway.logged("node response truncated or connection lost")
+        assert first_byte["error"] == "timed out waiting for first stream chunk"
+        assert response["error"] == "timeout awaiting response headers"
 
 
 # --- the buffering commit gate -----------------------------------------------------------------

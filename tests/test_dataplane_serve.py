@@ -79,13 +79,14 @@ async def test_sigterm_drains_a_running_stream_then_stops_the_control_plane_and_
     assert messages.index("shutting down") < messages.index("gateway stopped") == len(messages) - 1
 
 
-async def test_a_request_in_flight_at_sigterm_still_reports_to_the_control_plane(tmp_path):
+async def test_a_request_in_flight_at_sigterm_is_still_retried_and_reported(tmp_path):
     # n1 sends its headers and no first chunk: the request is still waiting on n1 when SIGTERM
-    # comes, and is retried on n2 while the listeners drain. Marking n1 offline then needs a
-    # control plane that has not stopped yet.
+    # comes, and is retried on n2 (`retry_unanswered`) while the listeners drain; its attempt's
+    # end is recorded by a gateway that has not stopped yet.
     specs = node_specs(2, tokens=5, tpot=0.02)
     specs[0].behaviour.completion = "no_first_chunk"
-    async with nodes_and_gateway(tmp_path, specs, first_chunk_timeout=1.0) as (nodes, gateway):
+    timeouts = {"first_byte_timeout": "1s", "retry_unanswered": True}
+    async with nodes_and_gateway(tmp_path, specs, **timeouts) as (nodes, gateway):
         answers = []
 
         async def stream() -> None:
@@ -102,7 +103,7 @@ async def test_a_request_in_flight_at_sigterm_still_reports_to_the_control_plane
     messages = gateway.log.messages()
     assert (
         messages.index("shutting down")
-        < messages.index("node marked offline")
+        < messages.index("retrying after streaming failure before first chunk")
         < messages.index("gateway stopped")
         == len(messages) - 1
     )

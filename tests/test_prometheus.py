@@ -114,7 +114,13 @@ async def test_every_dashboard_query_has_data_per_instance_from_a_real_prometheu
     specs[1].behaviour.completion = "close_mid_stream"  # truncates streams
     specs[3].behaviour.models = "empty"  # excluded by the model filter
     specs[4].behaviour.completion = "hang"  # its requests time out and are retried on another node
-    config = {"health_interval": "0.3s", "response_header_timeout": 0.3, "routing": {"load_scrape_interval": "0.3s"}}
+    config = {
+        "health_interval": "0.3s",
+        "first_byte_timeout": "1s",
+        "response_timeout": "1s",
+        "retry_unanswered": True,
+        "routing": {"load_scrape_interval": "0.3s"},
+    }
     async with nodes_and_gateway(tmp_path, specs, **config) as (nodes, gateway):
         truncating, dying = nodes[1].host, nodes[2].host
         await gateway.discovered()

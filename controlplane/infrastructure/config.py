@@ -165,12 +165,18 @@ _DURATION_KEYS = {
         "request_body_timeout",
         "request_body_idle_timeout",
         "response_body_timeout",
+        "connect_timeout",
+        "first_byte_timeout",
+        "response_timeout",
         "shutdown_grace",
     ),
     "routing": ("load_scrape_interval",),
     "fleet": ("lease", "lease_renewal"),
 }
 """The keys, by table, that hold Go duration strings in the file and float seconds in the schema."""
+_MODEL_DURATION_KEYS = ("connect_timeout", "first_byte_timeout", "response_timeout")
+"""The keys of a `[[models.available]]` entry that do so."""
+_MODEL_ENTRY = re.compile(r"models\.available\[(\d+)\]")
 
 
 def load_config(
@@ -268,17 +274,32 @@ def _split_durations(path: str, document: dict[str, Any]) -> tuple[dict[str, Any
     """Take the duration strings out of their tables, checking that they are strings; returns
     the rest of the document and the texts by dotted key (`gateway.health_interval`)."""
     texts = {}
-    for section, names in _DURATION_KEYS.items():
-        table = document.get(section)
-        if not isinstance(table, dict):
-            continue
+
+    def take(where: str, table: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
         for name in names:
             if name in table:
-                try:
-                    texts[f"{section}.{name}"] = msgspec.convert(table[name], str)
-                except msgspec.ValidationError as exc:
-                    raise ConfigError(path, f"{section}.{name}", f"parsing config: {exc}") from None
-        document = {**document, section: {key: value for key, value in table.items() if key not in names}}
+                value = table[name]
+                if not isinstance(value, str):
+                    raise ConfigError(
+                        path,
+                        f"{where}.{name}",
+                        f'parsing config: {name} must be a duration string such as "1s", "500ms" or "2m" '
+                        f"(got {value!r})",
+                    )
+                texts[f"{where}.{name}"] = value
+        return {key: value for key, value in table.items() if key not in names}
+
+    for section, names in _DURATION_KEYS.items():
+        table = document.get(section)
+        if isinstance(table, dict):
+            document = {**document, section: take(section, table, names)}
+    models = document.get("models")
+    if isinstance(models, dict) and isinstance(models.get("available"), list):
+        entries = [
+            take(f"models.available[{index}]", entry, _MODEL_DURATION_KEYS) if isinstance(entry, dict) else entry
+            for index, entry in enumerate(models["available"])
+        ]
+        document = {**document, "models": {**models, "available": entries}}
     return document, texts
 
 
@@ -325,14 +346,19 @@ def _split_validation_error(exc: msgspec.ValidationError) -> tuple[str, str]:
 def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, str]) -> Config:
     """plinth's loader: empty or zero values take their defaults; duration strings are parsed."""
     durations: dict[str, dict[str, float]] = {section: {} for section in _DURATION_KEYS}
+    model_durations: dict[int, dict[str, float]] = {}
     for key, text in duration_texts.items():
         if text == "":
             continue  # absent or empty: the schema default stands
-        section, name = key.split(".")
+        table, name = key.rsplit(".", 1)
         try:
-            durations[section][name] = parse_go_duration(text) / 1e9
+            seconds = parse_go_duration(text) / 1e9
         except ValueError as exc:
             raise ConfigError(path, key, f"parsing {name}: {exc}") from None
+        if entry := _MODEL_ENTRY.fullmatch(table):
+            model_durations.setdefault(int(entry.group(1)), {})[name] = seconds
+        else:
+            durations[table][name] = seconds
     gateway = config.gateway
     gateway = replace(
         gateway,
@@ -361,7 +387,11 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
         fleet = replace(
             fleet, name=fleet.name or DEFAULT_FLEET_NAME, replica=fleet.replica or socket.gethostname(), **lease
         )
-    return replace(config, gateway=gateway, nodes=nodes, routing=routing, fleet=fleet)
+    available = tuple(
+        replace(model, **model_durations.get(index, {})) for index, model in enumerate(config.models.available)
+    )
+    models = replace(config.models, available=available)
+    return replace(config, gateway=gateway, nodes=nodes, routing=routing, fleet=fleet, models=models)
 
 
 def _validate(path: str, config: Config) -> Config:
@@ -393,7 +423,7 @@ def _validate(path: str, config: Config) -> Config:
         )
     if gateway.probe_timeout <= 0:
         raise invalid("gateway.probe_timeout", "probe_timeout must be greater than zero")
-    for key in ("request_body_timeout", "request_body_idle_timeout", "response_body_timeout"):
+    for key in ("request_body_timeout", "request_body_idle_timeout", "response_body_timeout", *_MODEL_DURATION_KEYS):
         if getattr(gateway, key) <= 0:
             raise invalid(f"gateway.{key}", f"{key} must be greater than zero")
     _check_tls_files(gateway, invalid)
@@ -598,6 +628,10 @@ def _check_addresses_and_models(invalid: Callable[[str, str], ConfigError], conf
 
     first_listed: dict[str, int] = {}
     for index, model in enumerate(config.models.available):
+        for key in _MODEL_DURATION_KEYS:
+            value = getattr(model, key)
+            if value is not None and value <= 0:
+                raise invalid(f"models.available[{index}].{key}", f"{key} must be greater than zero")
         earlier = first_listed.setdefault(model.name, index)
         if earlier != index:
             entries = config.models.available
@@ -624,7 +658,7 @@ def _check_aliases(invalid: Callable[[str, str], ConfigError], config: Config) -
                 f"alias {go_quote(model.name)} targets {go_quote(model.target)}, which is an alias itself "
                 "(an alias must name a served model)",
             )
-        for setting in ("ring", "policy", "pipeline_stages"):
+        for setting in ("ring", "policy", "pipeline_stages", *_MODEL_DURATION_KEYS):
             if getattr(model, setting):
                 raise invalid(
                     f"{key}.{setting}",
