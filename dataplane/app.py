@@ -17,6 +17,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 
 from controlplane.infrastructure.logs import clipped
+from controlplane.rules.routing import rings_listing
 from dataplane.control import ControlPlaneView
 from dataplane.errors import METHOD_NOT_ALLOWED, NOT_FOUND, Reply, error_reply, model_not_found
 from dataplane.endpoints import ROUTED_PATHS
@@ -90,14 +91,17 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return Response(views.current().config.models_body, content_type="application/json")
+        """What is served (`SnapshotView.model_list`)."""
+        body = views.current().model_list(control_plane.now()).body
+        return Response(body, content_type="application/json")
 
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
         """One model of the list (the SDKs' `models.retrieve`); vLLM's 404 for any other id."""
-        body = views.current().config.model_bodies.get(model_id)
+        body = views.current().model_list(control_plane.now()).cards.get(model_id)
         if body is None:
-            return _response(error_reply(model_not_found(clipped(model_id))))
+            rings = rings_listing(views.current().snapshot, model_id)
+            return _response(error_reply(model_not_found(clipped(model_id), rings)))
         return Response(body, content_type="application/json")
 
     async def not_the_completion_path() -> Response:

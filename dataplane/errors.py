@@ -97,9 +97,17 @@ SHUTTING_DOWN = ApiError(503, "stream ended: the gateway is shutting down", "gat
 """Not a response: the error event that ends a stream still open when the shutdown grace ends."""
 
 
-def model_not_found(model: str) -> ApiError:
-    """vLLM's answer for a model it does not serve (an error SDKs do not retry)."""
-    return ApiError(404, f"The model `{model}` does not exist.", "model_not_found", "NotFoundError")
+def model_not_found(model: str, rings: tuple[str, ...] = ()) -> ApiError:
+    """vLLM's answer for a model it does not serve (an error SDKs do not retry); with the `rings`
+    whose nodes list it (`routing.rings_listing`), what routes it there."""
+    message = f"The model `{model}` does not exist."
+    if rings:
+        listed = ", ".join(f"`{ring}`" for ring in rings)
+        message += (
+            f" Only nodes of ring {listed} list it, and a ring's nodes serve only the models"
+            f" [[models.available]] routes to the ring (name = `{model}`, ring = `{rings[0]}`)."
+        )
+    return ApiError(404, message, "model_not_found", "NotFoundError")
 
 
 def adapter_loading(model: str) -> ApiError:

@@ -35,7 +35,7 @@ from controlplane.rules.balancer import Balancer
 from controlplane.infrastructure.logs import JsonLog, Throttle, clipped
 from controlplane.rules.policies import PREFIX_AFFINITY
 from controlplane.rules.prefix import prompt_prefix
-from controlplane.rules.routing import PREFILL, pick_pool
+from controlplane.rules.routing import PREFILL, pick_pool, rings_listing
 from controlplane.rules.saturation import priority_headroom
 from dataplane.admission import Admission, Ticket, UsageTap
 from dataplane.admission_queue import QUEUE_FULL, QUEUED, AdmissionQueue, QueueOutcome
@@ -222,7 +222,10 @@ class Proxy:
                 return self._error(ledger, adapter_loading(exchange.model), RETRY_AFTER)
             if route.ring_pool:
                 self._warn_unserved(exchange)
-            return self._error(ledger, model_not_found(exchange.model) if route.unknown else NO_HEALTHY_NODE)
+            if route.unknown:
+                rings = rings_listing(exchange.view.snapshot, exchange.model)
+                return self._error(ledger, model_not_found(exchange.model, rings))
+            return self._error(ledger, NO_HEALTHY_NODE)
         tried: set[str] = set()
         if ledger.leg:  # a disaggregated generation: first its prefill leg
             prefilled = await self._prefill(exchange, ledger, *route.legs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import ssl
+from typing import Any
 
 import msgspec
 
@@ -17,7 +18,7 @@ from dataplane.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
 from dataplane.headers import node_header
 from events.config import Config, UpstreamTimeouts
-from events.state import ClusterState
+from events.state import ClusterState, NodeState
 from events.types import Checkpoint
 
 
@@ -74,19 +75,22 @@ class ConfigView:
         """The context each https node's connections are made with (a plain node has none)."""
         self.node_headers = {node.ip: node_header(node) for node in config.nodes}
         """The header naming the node that served a request (a node's own header may say anything)."""
-        listed = [
-            {"id": model.name, "object": "model", "created": MODEL_CREATED, "owned_by": "cluster"}
-            for model in config.models.available
-        ]
-        self.models_body = msgspec.json.encode({"object": "list", "data": listed or None})
-        """`GET /v1/models`: the configured models; `data` is null when there are none (plinth)."""
-        self.model_bodies = {model["id"]: msgspec.json.encode(model) for model in listed}
-        """`GET /v1/models/{id}`: each configured model's object, as the list has it."""
 
 
 MODEL_CREATED = 0
-"""A configured model's `created` (OpenAI's schema requires one): 0, as a name in the config has no
+"""A listed model's `created` (OpenAI's schema requires one): 0, as a name in the config has no
 creation time, and a fixed value keeps every replica's and every reload's listing byte for byte alike."""
+
+
+class ModelList:
+    """`GET /v1/models` on one snapshot at one moment: the list's body, and each model's object
+    (`GET /v1/models/{id}`) as the list has it."""
+
+    __slots__ = ("body", "cards")
+
+    def __init__(self, cards: list[dict[str, Any]]) -> None:
+        self.body = msgspec.json.encode({"object": "list", "data": cards})
+        self.cards = {card["id"]: msgspec.json.encode(card) for card in cards}
 
 
 class SnapshotView:
@@ -102,6 +106,8 @@ class SnapshotView:
         self._adapters_loading: dict[str, bool] = {}
         self._routable: tuple[tuple[str, ...], float] | None = None
         """`routable_models`' last answer, and the moment until which it holds."""
+        self._model_list: tuple[ModelList, float] | None = None
+        """`model_list`'s last answer, and the moment until which it holds."""
 
     def route(self, model: str) -> Route:
         route = self._routes.get(model)
@@ -143,6 +149,39 @@ class SnapshotView:
                     holds_until = min(holds_until, node.offline_until)
         self._routable = tuple(routable), holds_until
         return self._routable[0]
+
+    def model_list(self, now: float) -> ModelList:
+        """`GET /v1/models`: the configured models (aliases and adapters included), then every
+        other model a node lists that a request could be routed to at `now` (its first pick's
+        pool is not empty), in node and list order. Each carries vLLM's `root`, `parent` and
+        `max_model_len` as the first of its candidates that gives them lists them (an alias:
+        its target's `root` and `max_model_len`). Kept, as `routable_models` is, until an
+        offline mark among the candidates ends."""
+        cached = self._model_list
+        if cached is not None and now < cached[1]:
+            return cached[0]
+        config = self.snapshot.config
+        entries = config.models.available if config is not None else ()
+        configured = {entry.name: entry for entry in entries}
+        cards = []
+        holds_until = math.inf
+        listed = dict.fromkeys(name for node in self.snapshot.node_list() for name in node.models.names or ())
+        for name in [*configured, *(name for name in listed if name not in configured)]:
+            entry = configured.get(name)
+            routed = entry.target if entry is not None and entry.target else name
+            candidates = self.route(routed).candidates
+            for node in candidates:
+                if node.is_offline(now):
+                    holds_until = min(holds_until, node.offline_until)
+            if entry is None and not pick_pool(candidates, now):
+                continue
+            card: dict[str, Any] = {"id": name, "object": "model", "created": MODEL_CREATED, "owned_by": "cluster"}
+            card.update(_vllm_fields(routed, candidates, with_parent=routed == name))
+            if entry is not None and entry.parent:
+                card["parent"] = entry.parent
+            cards.append(card)
+        self._model_list = ModelList(cards), holds_until
+        return self._model_list[0]
 
     @functools.cached_property
     def _readiness_models(self) -> tuple[str, ...]:
@@ -187,6 +226,23 @@ class SnapshotViews:
                 view.metric_models = previous.metric_models
             self._view = view
         return view
+
+
+def _vllm_fields(model: str, candidates: list[NodeState], *, with_parent: bool) -> dict[str, Any]:
+    """`model`'s `root` and `max_model_len` (and `parent`, `with_parent`) as the first candidate
+    that gives each lists them."""
+    fields: dict[str, Any] = {}
+    for node in candidates:
+        discovery = node.models
+        card = discovery.card(model)
+        if card is not None:
+            if card.root and "root" not in fields:
+                fields["root"] = card.root
+            if card.max_model_len is not None and "max_model_len" not in fields:
+                fields["max_model_len"] = card.max_model_len
+        if with_parent and "parent" not in fields and (parent := discovery.adapters.get(model)):
+            fields["parent"] = parent
+    return fields
 
 
 def _same_lists(before: ClusterState, after: ClusterState) -> bool:

@@ -45,6 +45,16 @@ class Discovery(StrEnum):
     EXPIRED = "expired"
 
 
+class ModelCard(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """What a node's listing says of one model besides its id and parent, as vLLM gives it, for
+    the gateway's own `GET /v1/models`: "" or None where the node gives nothing."""
+
+    id: str
+    root: str = ""
+    """The model the id serves (vLLM's model path; for an adapter, its path)."""
+    max_model_len: int | None = None
+
+
 class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """A node's model discovery record (plinth §8.1). Whether it lists a model is a set lookup:
     a node may list thousands of ids, and routing and the metrics ask of each (`dict=True`
@@ -60,6 +70,8 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     last_error: str = ""
     parents: tuple[tuple[str, str], ...] = ()
     """The LoRA adapters of the last list, each with its base model (vLLM's `parent`)."""
+    cards: tuple[ModelCard, ...] = ()
+    """The entries of the last list that give a `root` or a `max_model_len`, in list order."""
 
     @functools.cached_property
     def listed(self) -> frozenset[str]:
@@ -70,6 +82,14 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     def adapters(self) -> dict[str, str]:
         """The last list's adapters, each with its parent."""
         return dict(self.parents)
+
+    def card(self, model: str) -> ModelCard | None:
+        """vLLM's other fields of `model` in the last list, when it gave any."""
+        return self._cards.get(model)
+
+    @functools.cached_property
+    def _cards(self) -> dict[str, ModelCard]:
+        return {card.id: card for card in self.cards}
 
     def allows(self, model: str) -> bool:
         if self.state == Discovery.UNTRIED:

@@ -13,7 +13,7 @@ from typing import Union
 import msgspec
 
 from events.config import Config
-from events.state import ClusterState, GpuSample, LoraInfo, NodeState, node_mapping
+from events.state import ClusterState, GpuSample, LoraInfo, ModelCard, NodeState, node_mapping
 
 
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
@@ -97,6 +97,8 @@ class ModelsListed(EventBase, frozen=True, tag="model_listing"):
     models: tuple[str, ...] | None = None
     parents: tuple[tuple[str, str], ...] = ()
     """The listed LoRA adapters, each with its base model (the entry's `parent`), in list order."""
+    cards: tuple[ModelCard, ...] = ()
+    """The entries that give vLLM's `root` or `max_model_len`, in list order."""
     error: str = ""
 
 

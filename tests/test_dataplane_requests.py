@@ -196,6 +196,24 @@ async def test_a_model_not_configured_and_listed_by_no_node_gets_vllms_404(tmp_p
     assert [exclusion.reason for exclusion in decision.excluded] == ["missing", "missing"]
 
 
+async def test_a_model_only_ring_nodes_list_gets_a_404_saying_the_config_routes_it_to_the_ring(tmp_path):
+    specs = node_specs(2)
+    specs[1].models = ["ringed"]
+    async with nodes_and_gateway(tmp_path, specs, rings={"n2": "r1"}) as (nodes, gateway):
+        await gateway.discovered()
+        response = await gateway.http.post(gateway.url + CHAT, json=chat("ringed"))
+        retrieved = await gateway.http.get(gateway.url + "/v1/models/ringed")
+        listed = (await gateway.http.get(gateway.url + "/v1/models")).json()["data"]
+    hint = (
+        "The model `ringed` does not exist. Only nodes of ring `r1` list it, and a ring's nodes serve only the"
+        " models [[models.available]] routes to the ring (name = `ringed`, ring = `r1`)."
+    )
+    assert response.status_code == retrieved.status_code == 404
+    assert error_message(response) == error_message(retrieved) == hint
+    assert [card["id"] for card in listed] == [MODEL]
+    assert completions_to(nodes[1]) == []
+
+
 async def test_the_warning_for_an_unserved_model_is_rate_limited_and_counts_what_it_held_back(tmp_path):
     async with nodes_and_gateway(tmp_path, node_specs(1)) as (nodes, gateway):
         await gateway.discovered()

@@ -58,17 +58,47 @@ async def test_health_status_is_ok_only_when_every_node_is_healthy_and_error_whe
         assert (health["status"], health["healthy"]) == ("error", 0)
 
 
-async def test_models_lists_the_configured_models_in_config_order(tmp_path):
-    async with nodes_and_gateway(tmp_path, node_specs(1), models=[("zeta", ""), ("alpha", "")]) as (nodes, gateway):
+async def test_models_lists_the_configured_models_then_those_a_request_could_be_routed_to(tmp_path):
+    specs = node_specs(2, serving=(MODEL, "other"))
+    specs[1].models = [MODEL, "second-only"]
+    async with nodes_and_gateway(tmp_path, specs, models=[("zeta", ""), ("alpha", "")]) as (nodes, gateway):
+        await gateway.discovered()
         response = await gateway.http.get(gateway.url + "/v1/models")
         assert response.headers["content-type"] == "application/json"
-        assert response.content == (
-            b'{"object":"list","data":[{"id":"zeta","object":"model","created":0,"owned_by":"cluster"},'
-            b'{"id":"alpha","object":"model","created":0,"owned_by":"cluster"}]}'
-        )
+        vllm = {"root": MODEL, "max_model_len": 32768}  # vLLM's fields, as the node lists them
+        assert response.json() == {
+            "object": "list",
+            "data": [
+                {"id": "zeta", "object": "model", "created": 0, "owned_by": "cluster"},
+                {"id": "alpha", "object": "model", "created": 0, "owned_by": "cluster"},
+                {"id": MODEL, "object": "model", "created": 0, "owned_by": "cluster"} | vllm,
+                {"id": "other", "object": "model", "created": 0, "owned_by": "cluster", "root": "other", "max_model_len": 32768},
+                {"id": "second-only", "object": "model", "created": 0, "owned_by": "cluster", "root": "second-only", "max_model_len": 32768},
+            ],
+        }
+        retrieved = await gateway.http.get(gateway.url + "/v1/models/second-only")
+        assert retrieved.status_code == 200 and retrieved.json()["id"] == "second-only"
+        # A model whose only node cannot be routed to is no longer served, nor retrievable: the
+        # listing agrees with routing (and a configured model stays listed).
+        nodes[1].behaviour.refuse = True
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat("second-only"))).status_code == 503
+        await gateway.wait_for(lambda: gateway.node(nodes[1].host).is_offline(gateway.control_plane.now()))
+        listed = [card["id"] for card in (await gateway.http.get(gateway.url + "/v1/models")).json()["data"]]
+        assert listed == ["zeta", "alpha", MODEL, "other"]
+        gone = await gateway.http.get(gateway.url + "/v1/models/second-only")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
 
-    async with nodes_and_gateway(tmp_path, node_specs(1), models=[]) as (nodes, gateway):
-        assert (await gateway.http.get(gateway.url + "/v1/models")).content == b'{"object":"list","data":null}'
+
+async def test_models_with_no_configured_models_lists_what_the_nodes_serve_and_data_is_always_a_list(tmp_path):
+    async with nodes_and_gateway(tmp_path, node_specs(1), models=[], health_interval="50ms") as (nodes, gateway):
+        await gateway.discovered()
+        listing = (await gateway.http.get(gateway.url + "/v1/models")).json()
+        assert [card["id"] for card in listing["data"]] == [MODEL]
+        assert (await gateway.http.post(gateway.url + CHAT, json=chat())).status_code == 200
+        assert (await gateway.http.get(gateway.url + f"/v1/models/{MODEL}")).json() == listing["data"][0]
+        nodes[0].behaviour.models = "empty"
+        await gateway.wait_for(lambda: not gateway.node(nodes[0].host).models.names)
+        assert (await gateway.http.get(gateway.url + "/v1/models")).content == b'{"object":"list","data":[]}'
 
 
 async def test_routes_match_method_and_path_exactly(tmp_path):

@@ -24,7 +24,7 @@ from controlplane.rules.transitions import LoadAdapter
 from events.config import Config, ModelEntry, ModelsConfig, NodeConfig
 from events.decisions import read_decisions_with_gaps
 from events.log import read_events
-from events.state import MAX_LORA_ADAPTERS, AdapterLoadState
+from events.state import MAX_LORA_ADAPTERS, AdapterLoadState, ModelCard
 from events.types import (
     MAX_MODEL_NAME_LENGTH,
     AdapterLoaded,
@@ -225,9 +225,13 @@ def test_a_scrape_keeps_a_bounded_number_of_adapter_names_and_counts_the_rest():
     assert (lora.max_lora, len(lora.running), lora.waiting, lora.truncated) == (2, MAX_LORA_ADAPTERS, ("b",), 4)
 
 
-def test_a_listing_keeps_each_adapters_parent():
-    body = b'{"data":[{"id":"m","parent":null},{"id":"sql","parent":"m"},{"id":"x"}]}'
-    assert parse_model_list(body) == (("m", "sql", "x"), (("sql", "m"),))
+def test_a_listing_keeps_each_adapters_parent_and_vllm_s_root_and_max_model_len():
+    body = (
+        b'{"data":[{"id":"m","parent":null,"root":"/models/m","max_model_len":4096},{"id":"sql","parent":"m"},'
+        b'{"id":"x","root":7,"max_model_len":true},{"id":"y","max_model_len":-1,"root":"' + b"r" * 513 + b'"}]}'
+    )
+    # A root or max_model_len not of its form is left out: the gateway only shows them.
+    assert parse_model_list(body) == (("m", "sql", "x", "y"), (("sql", "m"),), (ModelCard("m", "/models/m", 4096),))
 
 
 async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does():
@@ -246,7 +250,7 @@ async def test_the_simulated_node_loads_lists_and_unloads_adapters_as_vllm_does(
         refused = await http.post(node.url + "/v1/load_lora_adapter", json={"lora_name": SQL, "lora_path": "/a"})
     assert loaded.status_code == 200 and loaded.text == f"Success: LoRA adapter '{SQL}' added successfully."
     assert again.status_code == 400 and "has already been loaded" in again.json()["message"]
-    assert listing == ((MODEL, SQL), ((SQL, MODEL),))
+    assert listing[:2] == ((MODEL, SQL), ((SQL, MODEL),))
     assert answer.status_code == 200 and answer.json()["model"] == SQL
     lora = metrics.lora
     assert lora is not None and (lora.max_lora, lora.running, lora.waiting) == (2, (), ())

@@ -25,7 +25,7 @@ import msgspec
 import trio
 
 from events.config import ModelEntry, NodeConfig
-from events.state import MAX_LORA_ADAPTERS, GpuSample, LoraInfo
+from events.state import MAX_LORA_ADAPTERS, GpuSample, LoraInfo, ModelCard
 from events.types import (
     MAX_MODEL_NAME_LENGTH,
     AdapterLoaded,
@@ -506,7 +506,7 @@ def list_models(
         return ModelsListed(at=now(), node=node.ip, error=str(exc))
     except Exception as exc:  # a bug must cost one listing, never the discovery loop
         return ModelsListed(at=now(), node=node.ip, error=f"model listing crashed: {type(exc).__name__}: {exc}")
-    return ModelsListed(at=now(), node=node.ip, models=listing.ids, parents=listing.parents)
+    return ModelsListed(at=now(), node=node.ip, models=listing.ids, parents=listing.parents, cards=listing.cards)
 
 
 MISSING_DATA = "parse model list: missing data field"
@@ -526,6 +526,8 @@ class ModelListing(NamedTuple):
     """Every entry's id, in the node's order."""
     parents: tuple[tuple[str, str], ...]
     """The entries with a `parent` (vLLM's loaded LoRA adapters), each with it."""
+    cards: tuple[ModelCard, ...]
+    """The entries with vLLM's `root` or `max_model_len`, for the gateway's own listing."""
 
 
 def parse_model_list(body: bytes) -> ModelListing:
@@ -537,7 +539,10 @@ def parse_model_list(body: bytes) -> ModelListing:
     with `data: null`) is an error, so an error object on HTTP 200 is never an empty list;
     an item without `id` gives "". Keys match case-insensitively, the last match winning, as
     in Go. Raises ProbeError("parse model list: …"), also for a list of more than
-    MAX_LISTED_MODELS ids or an id longer than MAX_MODEL_NAME_LENGTH characters.
+    MAX_LISTED_MODELS ids or an id longer than MAX_MODEL_NAME_LENGTH characters. An entry's
+    `root` (a string of at most MAX_MODEL_NAME_LENGTH characters) and `max_model_len` (a
+    positive integer) are kept when they have that form, and left out otherwise: the gateway only
+    shows them.
     """
     text = body.decode("utf-8", "replace")
     start = len(text) - len(text.lstrip(_JSON_WHITESPACE))
@@ -558,6 +563,7 @@ def parse_model_list(body: bytes) -> ModelListing:
         raise ProbeError(f"parse model list: {len(data)} models, more than the {MAX_LISTED_MODELS} a node may list")
     ids: list[str] = []
     parents: list[tuple[str, str]] = []
+    cards: list[ModelCard] = []
     for index, item in enumerate(data):
         if item is not None and not isinstance(item, dict):
             raise ProbeError(f"parse model list: data[{index}] is {_json_kind(item)}, not an object")
@@ -578,7 +584,22 @@ def parse_model_list(body: bytes) -> ModelListing:
                     f" {MAX_MODEL_NAME_LENGTH} characters)"
                 )
             parents.append((ids[-1], _without_lone_surrogates(parent)))
-    return ModelListing(tuple(ids), tuple(parents))
+        if item is not None and (card := _card(ids[-1], item)) is not None:
+            cards.append(card)
+    return ModelListing(tuple(ids), tuple(parents), tuple(cards))
+
+
+def _card(model_id: str, item: dict[str, Any]) -> ModelCard | None:
+    """vLLM's `root` and `max_model_len` of a listed entry, those of the right form; None without either."""
+    root = _field(item, "root")
+    if not (isinstance(root, str) and len(root) <= MAX_MODEL_NAME_LENGTH):
+        root = ""
+    length = _field(item, "max_model_len")
+    if not (type(length) is int and 0 < length < 2**63):
+        length = None
+    if not root and length is None:
+        return None
+    return ModelCard(model_id, _without_lone_surrogates(root), length)
 
 
 def _field(document: dict[str, Any], name: str) -> Any:

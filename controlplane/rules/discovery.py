@@ -13,7 +13,7 @@ import msgspec
 from controlplane.rules.adapters import adapters_due
 from controlplane.rules.transitions import MODELS, LoadAdapter, StepBuilder
 from events.config import Config
-from events.state import Discovery, ModelDiscovery, NodeState
+from events.state import Discovery, ModelCard, ModelDiscovery, NodeState
 from events.types import ModelsListed
 
 EMPTIES_BEFORE_KNOWN_EMPTY = 2
@@ -28,12 +28,13 @@ def next_discovery(
     threshold: int,
     now: float,
     parents: tuple[tuple[str, str], ...] = (),
+    cards: tuple[ModelCard, ...] = (),
 ) -> tuple[ModelDiscovery, bool]:
     """plinth's applyResult (§8.2): the next record and whether the model list changed.
 
     `names` is None exactly when the fetch failed with `error`; `threshold` is the number of
     consecutive failures after which the list expires; `parents` are the listed adapters' base
-    models, kept with the list.
+    models and `cards` vLLM's other fields of the entries, kept with the list.
     """
     if names is None:
         fails = before.fails + 1
@@ -45,8 +46,8 @@ def next_discovery(
             state = before.state
         return msgspec.structs.replace(before, state=state, fails=fails, empties=0, last_error=error), False
     if names:
-        changed = before.names != names or before.parents != parents
-        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now, parents=parents), changed
+        changed = before.names != names or before.parents != parents or before.cards != cards
+        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now, parents=parents, cards=cards), changed
     empties = before.empties + 1
     if empties >= EMPTIES_BEFORE_KNOWN_EMPTY:
         changed = bool(before.names)
@@ -57,7 +58,7 @@ def next_discovery(
 def models_listed(node: NodeState, event: ModelsListed, config: Config, out: StepBuilder) -> NodeState:
     before = node.models
     after, list_changed = next_discovery(
-        before, event.models, event.error, config.gateway.health_fail_threshold, event.at, event.parents
+        before, event.models, event.error, config.gateway.health_fail_threshold, event.at, event.parents, event.cards
     )
     if after.state != before.state:
         if after.state == Discovery.KNOWN_EMPTY:

@@ -61,6 +61,12 @@ def is_unknown_model(state: ClusterState, pool: list[NodeState], model: str) -> 
     return not any(node.models.state == Discovery.UNTRIED or model in node.models.listed for node in pool)
 
 
+def rings_listing(state: ClusterState, model: str) -> tuple[str, ...]:
+    """The rings whose nodes list `model`, in node order: where an unknown model could be served
+    if the config routed it there (a model is routed to a ring only when configured so)."""
+    return tuple(dict.fromkeys(node.ring for node in state.nodes.values() if node.ring and model in node.models.listed))
+
+
 def unavailable_reason(node: NodeState, now: float) -> str:
     """Why a pick passes over a node the model filter kept (`dead` or `offline`), else ""."""
     if node.status == Health.DEAD:
