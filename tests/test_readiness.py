@@ -1,5 +1,5 @@
-"""Exchanges run together by one task (transport/readiness.py) and prepared requests as exchanges
-(`request_steps` in transport/steps.py), against real servers: the raw servers of
+"""Step generators run together by one task (transport/readiness.py) and prepared requests as step
+generators (`request_steps` in transport/steps.py), against real servers: the raw servers of
 test_http11.py and the simulated node. A prepared request must read every response as
 `HttpClient.request` + `read_body` do, so most tests compare the two on the same server."""
 
@@ -140,7 +140,7 @@ async def test_an_oversized_chunked_body_from_the_node_is_cut_off_at_the_limit()
         assert len(node.requests) == 2
 
 
-# --- many exchanges in one Readiness -------------------------------------------------------------
+# --- many step generators in one Readiness -------------------------------------------------------
 
 
 async def test_many_requests_run_together_on_kept_connections_and_a_hung_one_holds_up_none():
@@ -217,7 +217,7 @@ async def test_work_handed_to_a_thread_is_sent_back_or_its_exception_thrown_in()
     assert sorted(reported) == [("ok", ("ABC", True), None), ("raises", "thrown in: bad input", None)]
 
 
-async def test_closing_a_readiness_ends_its_exchanges_and_drops_their_connections():
+async def test_closing_a_readiness_ends_its_step_generators_and_drops_their_connections():
     async def hang(connection: ServerConnection) -> None:
         await connection.request()
         await connection.wait_closed_by_client()
@@ -240,7 +240,7 @@ async def test_closing_a_readiness_ends_its_exchanges_and_drops_their_connection
         await closed_by_client(hung, 3)
 
 
-async def test_with_many_exchanges_waiting_the_sockets_are_looked_at_once_per_gathering_time(mock_clock):
+async def test_with_many_step_generators_waiting_the_sockets_are_looked_at_once_per_gathering_time(mock_clock):
     """Sockets that become ready one after another within GATHER_SECONDS are reported together,
     not one wake-up each (the clock stands still until the test moves it)."""
     count = GATHER_FROM + 8

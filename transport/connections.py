@@ -28,7 +28,7 @@ import trio
 
 from transport.errors import ConnectFailed, ConnectionLost, HttpError, LostBeforeResponse, WriteFailed, os_error_text
 from transport.parser import Head, HeadScanner
-from transport.readiness import READ, WRITE, Exchange, Lookup, TimedOut, Wait, drive
+from transport.readiness import READ, WRITE, Lookup, Steps, TimedOut, Wait, drive
 
 RECEIVE_SIZE = 65536
 
@@ -96,7 +96,7 @@ class Pool:
         raise ConnectFailed(f"dial tcp {self.address}: i/o timeout after {timeout:g}s")
 
 
-def connect_steps(pool: Pool, addresses: list | None, deadline: float) -> Exchange:
+def connect_steps(pool: Pool, addresses: list | None, deadline: float) -> Steps:
     """A new connection of `pool`, to the first of the host's addresses that accepts one (the
     host is looked up unless `addresses` are given)."""
     if addresses is None:
@@ -132,7 +132,7 @@ def connect_steps(pool: Pool, addresses: list | None, deadline: float) -> Exchan
     raise ConnectFailed(f"dial tcp {pool.address}: connect: {os_error_text(failure)}")
 
 
-def _handshake_steps(pool: Pool, context: ssl.SSLContext, raw: socket.socket, deadline: float) -> Exchange:
+def _handshake_steps(pool: Pool, context: ssl.SSLContext, raw: socket.socket, deadline: float) -> Steps:
     """The TLS handshake on the connected socket `raw`; a TlsConnection. A failed handshake is a
     ConnectFailed (no request byte was sent) naming what TLS refused."""
     try:
@@ -246,12 +246,12 @@ class Connection:
 
     # …or as steps (`transport.readiness`), until `deadline`.
 
-    def send_steps(self, message: bytes, deadline: float) -> Exchange:
+    def send_steps(self, message: bytes, deadline: float) -> Steps:
         view = memoryview(message)
         while view := view[self.send_now(view) :]:
             yield Wait(self.socket, WRITE, deadline)
 
-    def receive_steps(self, deadline: float, *, wait_first: bool = False) -> Exchange:
+    def receive_steps(self, deadline: float, *, wait_first: bool = False) -> Steps:
         """`receive` as steps."""
         if wait_first:
             yield Wait(self.socket, READ, deadline)
@@ -259,7 +259,7 @@ class Connection:
             yield Wait(self.socket, READ, deadline)
         return data
 
-    def exchange_steps(self, message: bytes, reused: bool, deadline: float) -> Exchange:
+    def exchange_steps(self, message: bytes, reused: bool, deadline: float) -> Steps:
         """`exchange` as steps."""
         yield from self.send_steps(message, deadline)
         scanner = HeadScanner()

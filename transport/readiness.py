@@ -1,23 +1,24 @@
-"""Many non-blocking exchanges driven by one trio task, with one wait for all of their sockets.
+"""Many non-blocking step generators driven by one trio task, with one wait for all of their
+sockets.
 
-An exchange is a generator that does its socket work without blocking and yields a `Wait`
-(this socket, readable or writable, by this deadline) whenever it cannot go on; it is sent the
+A step generator (`Steps`) does its socket work without blocking and yields a `Wait` (this
+socket, readable or writable, by this deadline) whenever it cannot go on; it is sent the
 readiness it waited for, or has `TimedOut` thrown in once the deadline has passed, and returns
 its result. Written so, a thousand probes cost one epoll set, one trio wait per batch of ready
 sockets and one timer, where a trio task per probe costs a task, a cancel scope and a trio wait
 (with its epoll registration) per request.
 
-- `Readiness` runs any number of exchanges together: `start` one (its first step runs at once),
-  and `finished()` waits until some have ended and returns their results (or exceptions). The
-  exchanges make progress only while a task waits in `finished()`.
-- `drive` runs one exchange in the calling task (a one-off request).
+- `Readiness` runs any number of step generators together: `start` one (its first step runs at
+  once), and `finished()` waits until some have ended and returns their results (or
+  exceptions). They make progress only while a task waits in `finished()`.
+- `drive` runs one step generator in the calling task (a one-off request).
 
-An exchange may also yield a `Lookup` (a host name to resolve) or an `InThread` (work too long
-for the event loop, such as parsing a large answer); `Readiness` does either in a task of the
-nursery it was given.
+A step generator may also yield a `Lookup` (a host name to resolve) or an `InThread` (work too
+long for the event loop, such as parsing a large answer); `Readiness` does either in a task of
+the nursery it was given.
 
-With many exchanges waiting (GATHER_FROM or more), `finished()` looks at the sockets at most
-once every GATHER_SECONDS: a thousand probes against nodes that answer one at a time would
+With many step generators waiting (GATHER_FROM or more), `finished()` looks at the sockets at
+most once every GATHER_SECONDS: a thousand probes against nodes that answer one at a time would
 otherwise wake the task for one or two sockets each time, and the wake-ups, not the probes, would
 take most of the CPU. The cost is that a result is seen up to GATHER_SECONDS late, so a probe's
 measured latency can include it, and a deadline can pass by as much before it is acted on.
@@ -40,13 +41,13 @@ _ONESHOT = select.EPOLLONESHOT
 
 GATHER_FROM = 32
 GATHER_SECONDS = 0.002
-"""With at least GATHER_FROM exchanges waiting, the sockets are looked at every GATHER_SECONDS
+"""With at least GATHER_FROM step generators waiting, the sockets are looked at every GATHER_SECONDS
 at most (see the module docstring)."""
 
 
 class Wait(NamedTuple):
-    """What an exchange waits for: `socket` readable (READ) or writable (WRITE), until `deadline`
-    (trio's clock)."""
+    """What a step generator waits for: `socket` readable (READ) or writable (WRITE), until
+    `deadline` (trio's clock)."""
 
     socket: socket.socket
     events: int
@@ -54,7 +55,7 @@ class Wait(NamedTuple):
 
 
 class Lookup(NamedTuple):
-    """What an exchange waits for: the addresses of a host name; it is sent `getaddrinfo`'s
+    """What a step generator waits for: the addresses of a host name; it is sent `getaddrinfo`'s
     list, or has its OSError thrown in."""
 
     host: str
@@ -62,7 +63,7 @@ class Lookup(NamedTuple):
 
 
 class InThread(NamedTuple):
-    """What an exchange waits for: `function(argument)`, run in a worker thread; it is sent the
+    """What a step generator waits for: `function(argument)`, run in a worker thread; it is sent the
     result, or has the exception thrown in."""
 
     function: Callable[[Any], Any]
@@ -70,19 +71,19 @@ class InThread(NamedTuple):
 
 
 class TimedOut(Exception):
-    """Thrown into an exchange whose deadline passed while it waited."""
+    """Thrown into a step generator whose deadline passed while it waited."""
 
 
-Exchange = Generator[Wait | Lookup | InThread, Any, Any]
+Steps = Generator[Wait | Lookup | InThread, Any, Any]
 
 
-async def drive(exchange: Exchange) -> Any:
-    """Run one exchange in the calling task and return its result (or raise its exception)."""
+async def drive(steps: Steps) -> Any:
+    """Run one step generator in the calling task and return its result (or raise its exception)."""
     sent: Any = None
     thrown: BaseException | None = None
     while True:
         try:
-            want = exchange.throw(thrown) if thrown is not None else exchange.send(sent)
+            want = steps.throw(thrown) if thrown is not None else steps.send(sent)
         except StopIteration as done:
             return done.value
         sent, thrown = None, None
@@ -100,7 +101,7 @@ async def drive(exchange: Exchange) -> Any:
 
 
 async def _in_task(want: Lookup | InThread) -> tuple[Any, Exception | None]:
-    """What to send or throw into an exchange that yielded `want`."""
+    """What to send or throw into a step generator that yielded `want`."""
     if isinstance(want, Lookup):
         try:
             return await trio.socket.getaddrinfo(want.host, want.port, type=trio.socket.SOCK_STREAM), None
@@ -113,22 +114,23 @@ async def _in_task(want: Lookup | InThread) -> tuple[Any, Exception | None]:
 
 
 class _Running:
-    """One exchange in a `Readiness`: what it waits for, and whether that wait is still current."""
+    """One step generator in a `Readiness`: what it waits for, and whether that wait is still
+    current."""
 
-    __slots__ = ("key", "exchange", "waiting_on", "deadline")
+    __slots__ = ("key", "steps", "waiting_on", "deadline")
 
-    def __init__(self, key: Hashable, exchange: Exchange) -> None:
+    def __init__(self, key: Hashable, steps: Steps) -> None:
         self.key = key
-        self.exchange = exchange
+        self.steps = steps
         self.waiting_on = -1
         """The file descriptor it waits on, or -1 once it has finished."""
         self.deadline = math.inf
 
 
 class Readiness:
-    """Exchanges run together: every socket they wait on is in one epoll set (armed one-shot),
+    """Step generators run together: every socket they wait on is in one epoll set (armed one-shot),
     and the task that calls `finished()` makes one trio wait on that set, bounded by the earliest
-    deadline. Not thread-safe; one trio run. `close()` ends every exchange still running."""
+    deadline. Not thread-safe; one trio run. `close()` ends every step generator still running."""
 
     def __init__(self, tasks: trio.Nursery) -> None:
         """`tasks` runs the tasks that resolve host names and wait for threads."""
@@ -144,12 +146,12 @@ class Readiness:
         """When `finished()` last looked at which sockets were ready."""
 
     def __len__(self) -> int:
-        """Exchanges started and not finished."""
+        """Step generators started and not finished."""
         return len(self._waiting)
 
-    def start(self, key: Hashable, exchange: Exchange) -> None:
-        """Run `exchange`'s first step now; `finished()` reports its result under `key`."""
-        self._step(_Running(key, exchange), None, None)
+    def start(self, key: Hashable, steps: Steps) -> None:
+        """Run `steps`' first step now; `finished()` reports its result under `key`."""
+        self._step(_Running(key, steps), None, None)
         self._wake_if_finished()
 
     def _wake_if_finished(self) -> None:
@@ -157,7 +159,8 @@ class Readiness:
             self._wait_scope.cancel()  # wake the waiting task: there is something to report
 
     async def finished(self) -> list[tuple[Hashable, Any, BaseException | None]]:
-        """Wait until some exchanges have ended; (key, result, None) or (key, None, exception) each."""
+        """Wait until some step generators have ended; (key, result, None) or (key, None,
+        exception) each."""
         while not self._finished:
             ready = []
             if len(self._waiting) >= GATHER_FROM:
@@ -179,8 +182,8 @@ class Readiness:
         return done
 
     async def _wait(self, deadline: float, *, readable: bool) -> None:
-        """Sleep until `deadline` (or until an exchange's wait needs an earlier one, or an
-        exchange ended in `start`), and, if `readable`, no later than some socket is ready."""
+        """Sleep until `deadline` (or until a step generator's wait needs an earlier one, or an
+        step generator ended in `start`), and, if `readable`, no later than some socket is ready."""
         with trio.CancelScope(deadline=deadline) as self._wait_scope:
             if readable:
                 await trio.lowlevel.wait_readable(self._epoll.fileno())
@@ -189,17 +192,18 @@ class Readiness:
         self._wait_scope = None
 
     def close(self) -> None:
-        """End every exchange still running (their connections close); call it once no task
+        """End every step generator still running (their connections close); call it once no task
         waits in `finished()` any more."""
         for running in [*self._waiting.values(), *self._in_tasks]:
-            running.exchange.close()
+            running.steps.close()
         self._waiting.clear()
         self._in_tasks.clear()
         self._deadlines.clear()
         self._epoll.close()
 
     def _earliest_deadline(self) -> float:
-        """The earliest deadline of an exchange still waiting (dropping those of waits that are over)."""
+        """The earliest deadline of a step generator still waiting (dropping those of waits that
+        are over)."""
         deadlines = self._deadlines
         while deadlines:
             deadline, _, running = deadlines[0]
@@ -220,7 +224,7 @@ class Readiness:
 
     def _step(self, running: _Running, sent: Any, thrown: BaseException | None) -> None:
         try:
-            want = running.exchange.throw(thrown) if thrown is not None else running.exchange.send(sent)
+            want = running.steps.throw(thrown) if thrown is not None else running.steps.send(sent)
         except StopIteration as done:
             self._finished.append((running.key, done.value, None))
             return

@@ -1,6 +1,6 @@
 """The probes' requests as non-blocking steps (`transport.readiness`): a body-less request
-prepared once by `HttpClient.prepare` and sent as often as needed, each time as an exchange
-that a `Readiness` runs among a thousand others in one task."""
+prepared once by `HttpClient.prepare` and sent as often as needed, each time as a step
+generator that a `Readiness` runs among a thousand others in one task."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import NamedTuple
 from transport.connections import Connection, Pool, connect_steps
 from transport.errors import WriteFailed
 from transport.parser import BodyReader, framing
-from transport.readiness import Exchange
+from transport.readiness import Steps
 
 
 class PreparedRequest(NamedTuple):
@@ -22,8 +22,8 @@ class PreparedRequest(NamedTuple):
     addresses: list | None
 
 
-def request_steps(request: PreparedRequest, deadline: float, limit: int | None = None) -> Exchange:
-    """`request` as an exchange for `transport.readiness`: returns (status, whole body), as
+def request_steps(request: PreparedRequest, deadline: float, limit: int | None = None) -> Steps:
+    """`request` as a step generator for `transport.readiness`: returns (status, whole body), as
     `HttpClient.request` and then `read_body(limit)` would, with the same errors, the same single
     retry of a GET or HEAD on a reused connection the server had closed, and the connection back
     in its pool once the body has been read. Every wait ends at `deadline` (TimedOut)."""
@@ -50,7 +50,7 @@ def request_steps(request: PreparedRequest, deadline: float, limit: int | None =
 
 def _response_steps(
     connection: Connection, request: PreparedRequest, reused: bool, deadline: float, limit: int | None
-) -> Exchange:
+) -> Steps:
     """Send the request; (status, whole body) of its response."""
     (version, status, _, headers), rest = yield from connection.exchange_steps(request.message, reused, deadline)
     response_framing = framing(request.method, version, status, headers)

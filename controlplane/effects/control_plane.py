@@ -448,7 +448,7 @@ class Prober:
     every node is started and not awaited (plinth's discoverAll), then a health check for every
     node, and the ticker waits until that round's checks have all ended (plinth's blocking
     round). A second ticker task starts the load scrapes (`_scrape_load_ticks`). The probes are
-    exchanges run together by one `Readiness` (one wait for every socket, one timer), whose
+    step generators run together by one `Readiness` (one wait for every socket, one timer), whose
     results a third task turns into events. A step's `LoadAdapter` starts the load of a LoRA
     adapter (`controlplane.rules.adapters`), a task each: they are rare, and may take long.
     """

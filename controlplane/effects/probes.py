@@ -5,8 +5,8 @@ client (`transport.http11`, keep-alive connections per node and port, each probe
 bytes built once), one deadline covering connect and read, and a hard cap on the body (plinth
 follow-up #39), so a hung or hostile node can cost neither time nor memory beyond its bounds.
 
-The probes are exchanges (`transport.readiness`): generators that never block, so that one task
-runs every probe of a round together (`controlplane.effects.control_plane.Prober`).
+The probes are step generators (`transport.readiness`): generators that never block, so that one
+task runs every probe of a round together (`controlplane.effects.control_plane.Prober`).
 
 The probe functions never raise (cancellation aside): a transport or parse failure is part of
 the event they return, and `check_node` turns any unexpected exception into a ProbeCrashed.
@@ -38,7 +38,7 @@ from events.types import (
 )
 from transport.http11 import BodyTooLarge, HttpClient, HttpError
 from transport.steps import PreparedRequest, request_steps
-from transport.readiness import Exchange, InThread, TimedOut
+from transport.readiness import InThread, Steps, TimedOut
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """Largest response body a probe reads (#39); a larger one is a probe error."""
@@ -116,9 +116,9 @@ class ProbeClient:
         timeout: float,
         authorization: bytes = b"",
         tls: ssl.SSLContext | None = None,
-    ) -> Exchange:
+    ) -> Steps:
         """The status and body of `GET path` on host:port (with that `Authorization` header, if
-        any; over HTTPS with `tls`), as an exchange; raises ProbeError on a transport failure, when connecting and
+        any; over HTTPS with `tls`), as a step generator; raises ProbeError on a transport failure, when connecting and
         reading take longer than `timeout` seconds, or when the body is too big (then the
         connection is dropped unread)."""
         key = (host, port, path, authorization)
@@ -169,7 +169,7 @@ class ProbeClient:
         raise ProbeError(f'Post "{url}": timed out after {timeout:g}s')
 
 
-def parsed(parse: Callable[[bytes], Any], body: bytes) -> Exchange:
+def parsed(parse: Callable[[bytes], Any], body: bytes) -> Steps:
     """`parse(body)`, in a worker thread when the body is over PARSE_ON_LOOP_BYTES."""
     if len(body) > PARSE_ON_LOOP_BYTES:
         return (yield InThread(parse, body))
@@ -186,7 +186,7 @@ def node_url(ip: str, port: int, path: bytes, https: bool = False) -> str:
 
 def check_node(
     client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, tls: ssl.SSLContext | None = None
-) -> Exchange:
+) -> Steps:
     """One health check as plinth runs it: `/health`, then the GPU scrape.
 
     Returns (HealthProbed, GpuScraped), or (ProbeCrashed,) if anything raised unexpectedly:
@@ -202,7 +202,7 @@ def check_node(
 
 def probe_health(
     client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock, tls: ssl.SSLContext | None = None
-) -> Exchange:
+) -> Steps:
     """`GET /health` on the vLLM port (over HTTPS with `tls`): healthy iff it answers 200 (a HealthProbed)."""
     started = trio.current_time()
     try:
@@ -218,7 +218,7 @@ def _since(started: float) -> float:
     return round(trio.current_time() - started, 6)
 
 
-def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Exchange:
+def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Steps:
     """`GET /metrics` on the gpu-exporter port (a GpuScraped); `gpus` is empty when the scrape
     gave no result."""
     try:
@@ -301,7 +301,7 @@ def scrape_load(
     now: Clock,
     authorization: bytes = b"",
     tls: ssl.SSLContext | None = None,
-) -> Exchange:
+) -> Steps:
     """`GET /metrics` on the vLLM port (a LoadScraped): the requests running and waiting, and
     the KV-cache usage, or the error (capped) when the scrape gave no usable answer.
 
@@ -493,7 +493,7 @@ def list_models(
     now: Clock,
     authorization: bytes = b"",
     tls: ssl.SSLContext | None = None,
-) -> Exchange:
+) -> Steps:
     """`GET /v1/models` (a ModelsListed): the ids the node serves, in its order, or None and the
     error (§8.3). `authorization` is the node's upstream key header (vLLM's `--api-key` guards
     `/v1`; its `/health` is open, so the health check sends none)."""
