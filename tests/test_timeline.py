@@ -28,7 +28,8 @@ from events.types import Checkpoint
 from fixtures import scenarios
 from interlock.cli import main
 from interlock.render import parse_time
-from interlock.timeline import reload_changes, time_ticks
+from interlock.timeline import reload_changes
+from interlock.timeline_page import time_ticks
 
 from harness import required_program
 

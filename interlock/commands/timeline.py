@@ -7,7 +7,8 @@ import argparse
 from controlplane.rules.log_lines import format_timestamp
 from interlock.commands.common import EXIT_OK, add_log_arguments, argument_type, bad_input, warner
 from interlock.render import parse_time
-from interlock.timeline import TimelineError, build_timeline, render_html
+from interlock.timeline import TimelineError, build_timeline
+from interlock.timeline_page import render_html
 
 
 def add_timeline(commands: argparse._SubParsersAction) -> None:
