@@ -14,7 +14,8 @@ import httpx
 import pytest
 
 from bench.processes import Processes
-from bench.report import evaluate_targets, render, write_results
+from bench.report import RESULTS_FOLDER, evaluate_targets, render, write_results
+from bench.results_table import README, current_results, prune, render_table, stale_results, write_table
 from bench.servers import Server, interlock_config, nginx_path, start_nginx, start_upstream
 from bench.upstream import MODEL, STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
@@ -153,6 +154,50 @@ def test_results_are_judged_rendered_and_written_as_json(tmp_path):
     assert first != second and first.suffix == ".json"
     assert json.loads(first.read_text()) == json.loads(second.read_text()) == results
 
+
+
+def test_bench_results_holds_the_latest_run_of_each_bench_and_the_table_of_their_figures():
+    command = "python -m bench.results_table --prune"
+    assert stale_results(RESULTS_FOLDER) == [], f"older runs in bench/results/ (git keeps them): {command}"
+    assert (RESULTS_FOLDER / README).read_text() == render_table(RESULTS_FOLDER), f"the table is not current: {command}"
+
+
+def _bench_run(targets: dict[str, str]) -> dict:
+    """A `python -m bench` result measuring these targets (their figure: what was measured)."""
+    return {"rows": {}, "targets": [{"target": name, "verdict": "PASS", "measured": text} for name, text in targets.items()]}
+
+
+def test_a_run_supersedes_its_bench_s_earlier_ones_and_each_target_keeps_its_latest_figure(tmp_path):
+    def result(name: str, content: dict) -> None:
+        (tmp_path / name).write_text(json.dumps(content))
+
+    admission = {"targets": [{"run": "flood", "target": "B's p99 <= 2x idle", "verdict": "MISS", "measured": "3x"}]}
+    result("2026-01-02T03-04-05Z-admission.json", admission)
+    result("2026-01-03T03-04-05Z-admission.json", admission | {"targets": [admission["targets"][0] | {"measured": "1.5x"}]})
+    result("2026-01-02T03-04-05Z.json", _bench_run({"replay": "250,000 events/s", "CPU": "900 us"}))
+    result("2026-01-03T03-04-05Z.json", _bench_run({"CPU": "800 us"}))  # --sections requests
+    side_by_side = tmp_path / "2026-01-04T03-04Z-side-by-side-abc1234"
+    side_by_side.mkdir()
+    (side_by_side / README).write_text("| CPU | base | head |\n|---|---|---|\n| per request | 500 us | 450 us |\n")
+    again = write_results(admission, tmp_path, kind="admission"), write_results(admission, tmp_path, kind="admission")
+
+    current = {kind: [path.name for path, _ in runs] for kind, runs in current_results(tmp_path).items()}
+    assert current == {
+        "admission": [again[1].name],  # the second of one second is the later
+        "bench": ["2026-01-02T03-04-05Z.json", "2026-01-03T03-04-05Z.json"],
+        "side-by-side": [side_by_side.name],
+    }
+    table = render_table(tmp_path)
+    assert "| bench | replay | 250,000 events/s | PASS | [2026-01-02T03-04-05Z.json]" in table
+    assert "| bench | CPU | 800 us | PASS | [2026-01-03T03-04-05Z.json]" in table and "900 us" not in table
+    assert "| side-by-side | per request (CPU) | base: 500 us; head: 450 us |" in table
+
+    deleted = prune(tmp_path)
+    assert sorted(path.name for path in deleted) == sorted(
+        ["2026-01-02T03-04-05Z-admission.json", "2026-01-03T03-04-05Z-admission.json", again[0].name]
+    )
+    assert write_table(tmp_path).read_text() == table  # what was pruned was in no row
+    assert stale_results(tmp_path) == []
 
 def test_the_failover_drill_kills_a_node_under_load_and_counts_the_failures():
     completed = subprocess.run(
