@@ -6,13 +6,15 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test bench clean
 
 $(STAMP): pyproject.toml
+	@echo "Setting up $(VENV): installing Interlock and its test dependencies (about a minute the first time)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# `make demo PORT=8081 METRICS_PORT=9091` when 8080 or 9090 is taken.
 demo: $(STAMP)
-	$(VENV)/bin/interlock demo
+	$(VENV)/bin/interlock demo $(if $(PORT),--port $(PORT)) $(if $(METRICS_PORT),--metrics-port $(METRICS_PORT))
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -1,6 +1,6 @@
 """The `interlock` command line.
 
-    interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr]
+    interlock demo [--config PATH] [--once] [--dir PATH] [--log-to-stderr] [--port N] [--metrics-port N]
     interlock serve [--config PATH] [--listen HOST:PORT | --host HOST] [--port PORT]
                     [--metrics-listen HOST:PORT] [--log-level LEVEL] [--log-format json|text] [--workers N]
                     [--fleet URL[,URL…]] [--require-event-log]

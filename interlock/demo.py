@@ -7,11 +7,13 @@ gateway's `X-Interlock-Node`), then keeps serving until Ctrl-C (or stops at once
 
 Its files go to one directory, whatever the working directory: the gateway's log
 (`gateway.log`, so that the terminal shows the answer, not log lines) and the event and decision
-logs when the config gives them relative paths.
+logs when the config gives them relative paths. When the gateway stops before it serves (its
+port taken, say), the terminal says why: the log's error lines are repeated there.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import sys
@@ -24,6 +26,7 @@ import prometheus_client
 import trio
 
 from controlplane.infrastructure.config import ConfigError, Overrides, load_config
+from controlplane.infrastructure.gocompat import join_host_port, parse_listen_address
 from controlplane.infrastructure.logs import JsonLog
 from events.config import GatewayConfig
 from events.state import Discovery
@@ -42,8 +45,32 @@ def default_directory() -> Path:
     return Path(state) / "interlock" / "demo"
 
 
-def run_demo(config_path: str, version: str, *, once: bool, directory: Path, log_to_stderr: bool) -> int:
-    """The `interlock demo` entry point; returns the exit code."""
+class _DemoLog(JsonLog):
+    """The gateway's log, keeping its last error lines for the terminal."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream=stream)
+        self.errors: collections.deque[str] = collections.deque(maxlen=5)
+
+    def write(self, at: float, level: str, msg: str, fields: dict[str, object] | tuple[tuple[str, str], ...]) -> None:
+        super().write(at, level, msg, fields)
+        if level == "error":
+            error = dict(fields).get("error")
+            self.errors.append(f"{msg}: {error}" if error else msg)
+
+
+def run_demo(
+    config_path: str,
+    version: str,
+    *,
+    once: bool,
+    directory: Path,
+    log_to_stderr: bool,
+    port: int | None = None,
+    metrics_port: int | None = None,
+) -> int:
+    """The `interlock demo` entry point; returns the exit code. `port` and `metrics_port`
+    replace the config's listen ports."""
     try:
         config = load_config(config_path)
     except ConfigError as error:
@@ -57,11 +84,15 @@ def run_demo(config_path: str, version: str, *, once: bool, directory: Path, log
     except OSError as error:
         print(f"demo: cannot write in {directory}: {error}", file=sys.stderr)
         return 1
-    overrides = _files_in(directory, config.gateway)
+    overrides = _files_in(directory, config.gateway, port, metrics_port)
     written = [str(path) for path in (log_path, overrides.event_log, overrides.decision_log) if path]
+    segmented = [Path(path).name for path in (overrides.event_log, overrides.decision_log) if path]
     print(f"demo files: {', '.join(written) or 'none'}")
+    if segmented:
+        segments = Path(segmented[0])
+        print(f"  ({' and '.join(segmented)} written as numbered segments: {segments.stem}.000001{segments.suffix}, …)")
     prometheus_client.disable_created_metrics()
-    log = JsonLog(stream=log_stream)
+    log = _DemoLog(log_stream)
     demo = partial(_demo, config_path, version, once=once, overrides=overrides, log=log, log_path=log_path)
     try:
         return trio.run(demo)
@@ -70,17 +101,26 @@ def run_demo(config_path: str, version: str, *, once: bool, directory: Path, log
             log_stream.close()
 
 
-def _files_in(directory: Path, gateway: GatewayConfig) -> Overrides:
-    """The event and decision logs in `directory` when the config gives them relative paths."""
+def _files_in(directory: Path, gateway: GatewayConfig, port: int | None, metrics_port: int | None) -> Overrides:
+    """The event and decision logs in `directory` when the config gives them relative paths,
+    and the listen ports the command line gives."""
 
     def placed(path: str) -> str | None:
         return str(directory / path) if path and not os.path.isabs(path) else path or None
 
-    return Overrides(event_log=placed(gateway.event_log), decision_log=placed(gateway.decision_log))
+    metrics_listen = None
+    if metrics_port is not None:
+        metrics_listen = join_host_port(parse_listen_address(gateway.metrics_listen)[0], metrics_port)
+    return Overrides(
+        event_log=placed(gateway.event_log),
+        decision_log=placed(gateway.decision_log),
+        port=port,
+        metrics_listen=metrics_listen,
+    )
 
 
 async def _demo(
-    config_path: str, version: str, *, once: bool, overrides: Overrides, log: JsonLog, log_path: Path | None
+    config_path: str, version: str, *, once: bool, overrides: Overrides, log: _DemoLog, log_path: Path | None
 ) -> int:
     try:
         specs = specs_from_config(config_path)
@@ -108,6 +148,7 @@ async def _demo(
                 nursery.start_soon(run_gateway)
                 await ready.wait()
                 if not listening:
+                    _print_why_it_stopped(log, log_path)
                     return exit_code or 1
                 if not await _first_request(listening[0]):
                     exit_code = 1
@@ -145,6 +186,20 @@ async def _first_request(listening: Listening) -> bool:
     print(f"< {answer}")
     print(f"  served by {response.headers.get('x-interlock-node')}, request id {response.headers.get('x-request-id')}")
     return True
+
+
+def _print_why_it_stopped(log: _DemoLog, log_path: Path | None) -> None:
+    """The gateway did not start: its error lines, on the terminal (its log is a file)."""
+    for error in log.errors:
+        print(f"demo: the gateway did not start: {error}", file=sys.stderr)
+    if any("cannot listen on" in error for error in log.errors):
+        print(
+            "demo: another program listens there: `interlock demo --port N --metrics-port M` "
+            "(`make demo PORT=N METRICS_PORT=M`) chooses other ports",
+            file=sys.stderr,
+        )
+    if log_path is not None:
+        print(f"demo: the gateway's log: {log_path}", file=sys.stderr)
 
 
 def _print_what_next(listening: Listening, *, once: bool, log_path: Path | None) -> None:

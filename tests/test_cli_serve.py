@@ -265,6 +265,19 @@ def test_an_override_that_collides_with_the_file_is_refused_by_the_loader(tmp_pa
         load_config(config_path, overrides=Overrides(port=9090))
 
 
+def test_serve_without_a_config_file_says_how_to_give_one(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "INTERLOCK_CONFIG"}
+    result = subprocess.run(
+        [sys.executable, "-m", "interlock.cli", "serve"], capture_output=True, text=True, cwd=tmp_path, timeout=30,
+        env={**env, "PYTHONPATH": str(PROJECT_ROOT)}, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (1, "")
+    assert result.stderr == (
+        "fatal: no config file at config/gateway.toml: give its path with --config PATH or $INTERLOCK_CONFIG "
+        "(config/gateway.toml in a checkout documents every key)\n"
+    )
+
+
 def test_require_event_log_refuses_to_start_without_a_writable_event_log(tmp_path):
     def serve(config_text_: str) -> subprocess.CompletedProcess:
         config_path.write_text(config_text_)

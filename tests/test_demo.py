@@ -1,6 +1,7 @@
 """`interlock demo` end to end: a real subprocess, simulated nodes and the gateway, one request."""
 
 import json
+import os
 import re
 import shlex
 import signal
@@ -46,11 +47,16 @@ def test_demo_answers_first_writes_its_files_in_its_directory_and_stops_cleanly(
         text=True,
         timeout=60,
         cwd=elsewhere,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},  # this checkout's code, wherever it is installed from
         check=False,
     )
     assert (result.returncode, result.stderr) == (0, "")
     out = result.stdout
-    assert out.startswith(f"demo files: {demo_dir}/gateway.log, {demo_dir}/events.jsonl, {demo_dir}/decisions.jsonl\n")
+    assert out.splitlines()[:2] == [
+        f"demo files: {demo_dir}/gateway.log, {demo_dir}/events.jsonl, {demo_dir}/decisions.jsonl",
+        "  (events.jsonl and decisions.jsonl written as numbered segments: events.000001.jsonl, …)",
+    ]
+    assert (demo_dir / "events.000001.jsonl").is_file() and (demo_dir / "decisions.000001.jsonl").is_file()
     assert re.search(r"^< Hello from gpu-node-[12]\.", out, re.MULTILINE), out
     assert re.search(r"served by gpu-node-[12], request id \w+", out)
     # The gateway has stopped: nothing to curl, but the recorded run to explain.
@@ -112,6 +118,26 @@ def test_a_serving_demo_offers_commands_that_work_until_ctrl_c(tmp_path):
         demo.stdout.close()
         demo.stderr.close()
 
+
+
+def test_a_demo_whose_port_is_taken_says_why_on_the_terminal_and_another_port_works(tmp_path):
+    config = demo_config_on_free_ports(tmp_path)
+    api_port = int(re.search(r'listen = "127\.0\.0\.1:(\d+)"', config.read_text()).group(1))
+    command = [sys.executable, "-m", "interlock.cli", "demo", "--config", str(config), "--once", "--dir", str(tmp_path)]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", api_port))
+        taken.listen()
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+        served = subprocess.run(
+            [*command, "--port", str(free_port()), "--metrics-port", str(free_port())],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+    assert refused.returncode == 1
+    assert f"demo: the gateway did not start: server error: cannot listen on 127.0.0.1:{api_port}" in refused.stderr
+    assert "`interlock demo --port N --metrics-port M`" in refused.stderr
+    assert f"demo: the gateway's log: {tmp_path}/gateway.log" in refused.stderr
+    assert (served.returncode, served.stderr) == (0, "")
+    assert re.search(r"^< Hello from gpu-node-[12]\.", served.stdout, re.MULTILINE), served.stdout
 
 
 def test_the_wheel_leaves_the_simulated_nodes_out(tmp_path):

@@ -23,6 +23,10 @@ def add_demo(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--log-to-stderr", action="store_true", help="the gateway's log lines on stderr instead of DIR/gateway.log"
     )
+    parser.add_argument("--port", type=int, metavar="N", help="the gateway's API port (default: the config's, 8080)")
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="N", help="the gateway's metrics port (default: the config's, 9090)"
+    )
     parser.set_defaults(run=run_demo)
 
 
@@ -46,4 +50,6 @@ def run_demo(args: argparse.Namespace) -> int:
         once=args.once,
         directory=args.dir or default_directory(),
         log_to_stderr=args.log_to_stderr,
+        port=args.port,
+        metrics_port=args.metrics_port,
     )

@@ -173,6 +173,13 @@ def run_serve(args: argparse.Namespace) -> int:
         shutdown_grace=args.shutdown_grace,
         fleet_nats=args.fleet,
     )
+    if not os.path.exists(args.config):
+        print(
+            f"fatal: no config file at {args.config}: give its path with --config PATH or ${CONFIG_ENV} "
+            f"(config/gateway.toml in a checkout documents every key)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
     if args.require_event_log and (missing := _missing_event_log(args.config, overrides)):
         print(f"fatal: --require-event-log: {missing}", file=sys.stderr)
         return EXIT_FAILURE
