@@ -334,7 +334,7 @@ class FleetControlPlane(ControlPlane):
             if checkpoint.seq >= self._snapshot.seq:
                 await self._apply_fleet_events([checkpoint])
                 self._applied_message_seq = stored.message_seq
-                self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message=stored.message_seq)
+                self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
         return self._applied_message_seq + 1
 
     async def _apply_fleet_events(self, events: list[Event]) -> None:

@@ -48,9 +48,13 @@ def describe_config(config: Config) -> str:
     lines.append(_describe_admission(config))
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):
         lines.append(f"{what}: {_describe_log(gateway, key)}")
-    if gateway.api_key_hashes:
+    tenant_keys = sum(len(tenant.api_key_hashes) for tenant in config.tenants)
+    if gateway.api_key_hashes or tenant_keys:
         health = "needs one too" if gateway.health_requires_api_key else "stays open"
-        lines.append(f"client API keys: {len(gateway.api_key_hashes)} accepted; /health {health}")
+        accepted = f"{len(gateway.api_key_hashes) + tenant_keys} accepted"
+        if tenant_keys:
+            accepted += f" ({tenant_keys} of them tenants')"
+        lines.append(f"client API keys: {accepted}; a request without one gets 401; /health {health}")
     else:
         lines.append("client API keys: none (every client is served)")
     lines += _describe_tenants(config)

@@ -110,6 +110,9 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     """Requests refused for want of a node, that have a node when routed again."""
     beyond_log: int
     """Records whose seq the event log does not reach (it ends too early, or is another run's)."""
+    unpicked: dict[str, int]
+    """Records with no node picked when recorded (refused, or no node in the pool), by status
+    ("none": the client left), but for the `stopped_503` ones."""
     nodes: dict[str, str]
     """Each node's name (its IP when it has none), by IP."""
     before: dict[str, int]
@@ -161,7 +164,7 @@ def what_if(
     after: Counter[str] = Counter()
     report = WhatIfReport(
         policy=policy, decisions=len(chosen), routed_again=0, changed=0, agreement=None, moved=[], became_503=0,
-        stopped_503=0, beyond_log=0, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0,
+        stopped_503=0, beyond_log=0, unpicked={}, nodes={}, before={}, after={}, prefixed=0, prefix_seen_before=0,
         prefix_seen_after=0, cache_entries=cache_entries, share_delta={},
     )  # fmt: skip
     for decision in chosen:
@@ -175,11 +178,16 @@ def what_if(
             pool = pick_pool(leg.candidates, made.at)
             if not pool:
                 report.became_503 += recorded_node is not None
+                if recorded_node is None:
+                    _count_unpicked(report, made)
                 if each is not None and recorded_node is not None:
                     each(made, None)
                 break
             if recorded_node is None:
-                report.stopped_503 += made.status == 503 and not made.attempts
+                if made.status == 503 and not made.attempts:
+                    report.stopped_503 += 1
+                else:
+                    _count_unpicked(report, made)
                 break
             process = process_of(made)
             balancer = balancers[process, leg.name == PREFILL]
@@ -228,6 +236,11 @@ def what_if(
         report.agreement = 100 * (routed - report.changed) / routed
         report.share_delta = {ip: 100 * (after[ip] - before[ip]) / routed for ip in sorted(report.nodes)}
     return report
+
+
+def _count_unpicked(report: WhatIfReport, made: Decision) -> None:
+    status = "none" if made.status is None else str(made.status)
+    report.unpicked[status] = report.unpicked.get(status, 0) + 1
 
 
 def _lead(choice: Choice, recorded: str) -> float | None:
@@ -484,6 +497,12 @@ def render_report(report: WhatIfReport) -> str:
     ]
     if report.beyond_log:
         lines.append(f"{report.beyond_log} not routed again: the event log does not hold their snapshot")
+    if report.unpicked:
+        statuses = ", ".join(f"{count} answered {status}" for status, count in sorted(report.unpicked.items()))
+        lines.append(
+            f"{sum(report.unpicked.values())} not routed again: no node was picked for them when recorded"
+            f" ({statuses.replace('answered none', 'whose client left')})"
+        )
     lines.append("")
     rows = [
         [report.nodes.get(ip, ip), ip, f"{report.before.get(ip, 0)} ({_share(report.before.get(ip, 0), routed)})",

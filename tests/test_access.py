@@ -83,7 +83,15 @@ def test_inline_keys_are_kept_as_digests_only(tmp_path):
     config = load_config(path, warn=lambda unknown: pytest.fail(str(unknown)))
     assert config.gateway.api_key_hashes == (digest(CLIENT_KEY), digest("inline-hash"), digest("from-file"))
     assert_no_secret(msgspec.json.encode(config).decode(), CLIENT_KEY)
-    assert "client API keys: 3 accepted; /health stays open" in describe_config(config)
+    assert "client API keys: 3 accepted; a request without one gets 401; /health stays open" in describe_config(config)
+
+
+def test_check_config_counts_the_tenants_keys_as_required_client_keys(tmp_path):
+    path = write(tmp_path, "")
+    path.write_text(path.read_text() + f'[[tenants]]\nname = "team-a"\napi_keys = ["{CLIENT_KEY}", "other"]\n')
+    described = describe_config(load_config(path))
+    assert "client API keys: 2 accepted (2 of them tenants'); a request without one gets 401; /health stays open" in described
+    assert "every client is served" not in described
 
 
 @pytest.mark.parametrize(

@@ -1068,6 +1068,13 @@ def test_admission_errors_name_the_key(tmp_path: Path, lines: str, key: str, mes
     assert message in error.message
 
 
+def test_a_queue_smaller_than_the_tenant_queue_default_loads_with_the_tenant_queue_as_large(tmp_path: Path) -> None:
+    config = load_text(tmp_path, ONE_NODE + "[admission]\nqueue_size = 100\n")
+    assert (config.admission.queue_size, config.admission.tenant_queue_size) == (100, 100)
+    larger = load_text(tmp_path, ONE_NODE + "[admission]\nqueue_size = 2000\n")
+    assert (larger.admission.queue_size, larger.admission.tenant_queue_size) == (2000, 256)
+
+
 def test_an_admission_table_with_queue_false_keeps_its_other_keys_without_the_queue(tmp_path: Path) -> None:
     config = load_text(tmp_path, ONE_NODE + "[admission]\nqueue = false\ndefault_max_tokens = 64\n")
     assert config.admission == AdmissionConfig(queue=False, default_max_tokens=64)

@@ -52,6 +52,18 @@ async def test_sdk_responses_are_routed_and_answered(tmp_path):
     assert len(posts(n1, "/v1/responses")) + len(posts(n2, "/v1/responses")) == 1
 
 
+async def test_sdk_streamed_responses_arrive_as_events(tmp_path):
+    async with nodes_and_gateway(tmp_path, two_nodes(), models=MODELS) as (nodes, gateway):
+        await gateway.discovered()
+        async with sdk_client(gateway) as client:
+            stream = await client.responses.create(model=MODEL, input="hi", stream=True)
+            events = [event async for event in stream]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text.startswith("Hello from n") and text == events[-1].response.output_text
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
 async def test_sdk_transcription_goes_as_sent_to_the_node_with_whisper(tmp_path):
     audio = bytes(range(256)) * 40  # not text: every byte must arrive as it was
     async with nodes_and_gateway(tmp_path, two_nodes(), models=MODELS) as ([n1, n2], gateway):

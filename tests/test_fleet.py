@@ -75,9 +75,12 @@ class Replica:
             cwd=PROJECT_ROOT,
         )
 
-    def messages(self) -> list[str]:
+    def lines(self) -> list[dict]:
         lines = self.log_path.read_bytes().splitlines()
-        return [msgspec.json.decode(line).get("msg", "") for line in lines if line.startswith(b"{")]
+        return [msgspec.json.decode(line) for line in lines if line.startswith(b"{")]
+
+    def messages(self) -> list[str]:
+        return [line.get("msg", "") for line in self.lines()]
 
     async def health(self, http: httpx.AsyncClient) -> Health | None:
         try:
@@ -591,7 +594,8 @@ async def test_a_replica_starts_from_a_checkpoint_taken_inside_a_message(tmp_pat
             await link.close()
         async with fleet_of(tmp_path, nodes, servers, count=1) as [replica], httpx.AsyncClient() as http:
             await until(lambda: _seq_passed(http, [replica], 21), "the replica applying its own events after 20")
-            assert "fleet: starting from a checkpoint" in replica.messages()
+            [start] = [line for line in replica.lines() if line.get("msg") == "fleet: starting from a checkpoint"]
+            assert start["message_seq"] == "2" and "message" not in start  # one `msg` a line, no `message`
             assert "fleet: gap in the event stream; resubscribing" not in replica.messages()
         assert_gapless(await fleet_events(servers[0].url))
 

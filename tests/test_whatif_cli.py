@@ -183,3 +183,15 @@ def test_a_request_moved_to_a_faster_node_stays_in_flight_there_for_its_duration
     assert what_if([events], requests).changed == 0  # as recorded
     report = what_if([events], requests, policy="least_load")
     assert (report.changed, report.after) == (2, {fast: 2})
+
+
+def test_whatif_says_what_the_requests_it_did_not_route_again_were(capsys):
+    # The sample run: 41 of its 432 requests got a 503 with no node picked (none in the pool).
+    logs = Path(__file__).resolve().parent.parent / "fixtures" / "logs"
+    command = ["whatif", str(logs / "scenario.jsonl"), "--decisions", str(logs / "scenario-decisions.jsonl")]
+    assert main([*command, "--policy", "least_load"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("432 recorded requests, 391 routed again under least_load")
+    assert lines[3] == "41 not routed again: no node was picked for them when recorded (41 answered 503)"
+    assert main([*command, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["unpicked"] == {"503": 41}

@@ -42,6 +42,7 @@ from events.config import (
     DEFAULT_LISTEN,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
+    DEFAULT_TENANT_QUEUE_SIZE,
     DEFAULT_VLLM_PORT,
     GATEWAY_TENANT,
     LOG_FORMATS,
@@ -193,7 +194,12 @@ def load_config(
     document, duration_texts = _split_durations(path, document)
     admission = document.get("admission")
     if isinstance(admission, dict) and "queue" not in admission:
-        document["admission"] = {**admission, "queue": True}  # the table turns the queue on
+        document["admission"] = admission = {**admission, "queue": True}  # the table turns the queue on
+    if isinstance(admission, dict) and "tenant_queue_size" not in admission:
+        queue_size = admission.get("queue_size")
+        if type(queue_size) is int and 1 <= queue_size < DEFAULT_TENANT_QUEUE_SIZE:
+            # A tenant may wait in no more places than the queue has: the default follows it down.
+            document["admission"] = {**admission, "tenant_queue_size": queue_size}
     try:
         config = msgspec.convert(document, Config)
     except msgspec.ValidationError as exc:
