@@ -1,6 +1,9 @@
 """Writing the decision log: one record (`events.decisions.Decision`) per completion request
-that reached routing. Recording never waits: `DecisionLog` hands records to the appender the
-event log uses too (batched, off the trio thread, bounded; a full backlog drops and counts).
+that reached routing. Each routing process (the gateway serving alone, or each worker) numbers
+its records as it makes them (`NumberedRecords`), so that a record lost or repeated on its way to
+the log shows in `interlock verify`. Recording never waits: `DecisionLog` hands records to the
+appender the event log uses too (batched, off the trio thread, bounded; a full backlog drops and
+counts).
 """
 
 from __future__ import annotations
@@ -23,6 +26,23 @@ class DecisionRecorder(Protocol):
     """Where the request path hands its decision records (never blocking)."""
 
     def record(self, decision: Decision) -> None: ...
+
+
+class NumberedRecords:
+    """The recorder of one routing process (a gateway serving alone, or one worker): each
+    record named after the worker and numbered in the order the process made them
+    (`Decision.number`), before anything on its way to the log can drop or repeat it."""
+
+    __slots__ = ("_recorder", "_worker", "_made")
+
+    def __init__(self, recorder: DecisionRecorder, worker: int) -> None:
+        self._recorder = recorder
+        self._worker = worker
+        self._made = 0
+
+    def record(self, decision: Decision) -> None:
+        self._made += 1
+        self._recorder.record(msgspec.structs.replace(decision, worker=self._worker, number=self._made))
 
 
 DECISION_LOG_BACKLOG = 10_000

@@ -196,6 +196,10 @@ class Decision(msgspec.Struct, frozen=True):
     """A disaggregated request's prefill leg's first pick (`rotation`, `candidates`, `margin`
     and `remembered` are then the decode leg's); None for a request served whole, a prefill leg
     that found no node, and records from before it was recorded."""
+    number: int = 0
+    """Its place among the records of its routing process (replica and worker), from 1, so
+    that `verify` sees a record missing, repeated or out of order; 0 in records from before
+    records were numbered. A process started again counts from 1 again."""
 
     def prefill_leg(self) -> Decision:
         """The record as its prefill leg's: that leg's attempts and first pick in the place of
@@ -246,11 +250,15 @@ class _DecisionWithGaps:
 
 
 def read_decisions_with_gaps(
-    paths: Iterable[str | os.PathLike[str]], warn: Callable[[str], None] | None = None
+    paths: Iterable[str | os.PathLike[str]],
+    warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
 ) -> Iterator[tuple[Decision, tuple[str, ...]]]:
     """The records of decision logs (names or segments, several workers' or replicas' files
-    alike), each with the POLICY_INPUTS its line lacks (`missing_inputs` says which matter)."""
-    for _, record in read_records(paths, _DecisionWithGaps(), warn, "decision log"):  # type: ignore[arg-type]
+    alike), each with the POLICY_INPUTS its line lacks (`missing_inputs` says which matter).
+    Given `skip_invalid` (a damaged log), a bad line is skipped and reported to it."""
+    decoder = _DecisionWithGaps()
+    for _, record in read_records(paths, decoder, warn, "decision log", skip_invalid):  # type: ignore[arg-type]
         yield record
 
 

@@ -46,7 +46,7 @@ from controlplane.infrastructure.logs import JsonLog
 from controlplane.effects.control_plane import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
-from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, open_decision_log
+from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, NumberedRecords, open_decision_log
 from dataplane.metrics import RequestMetrics, metrics_app
 from dataplane.quota import Quota
 from dataplane.proxy import Proxy, new_upstream_pool
@@ -155,7 +155,7 @@ async def api_application(
             upstream_pool,
             RequestMetrics(registry if registry is not None else CollectorRegistry()),
             log,
-            decisions,
+            NumberedRecords(decisions, worker) if decisions is not None else None,
             quota=quota,
             views=views,
         )

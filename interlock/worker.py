@@ -17,7 +17,6 @@ import signal
 import socket
 import sys
 
-import msgspec
 import prometheus_client
 import trio
 
@@ -39,8 +38,7 @@ EXIT_OUT_OF_STEP = 3
 class _Reports:
     """What goes up to the leader: observations and decision records, never blocking a request."""
 
-    def __init__(self, worker: int, log: JsonLog) -> None:
-        self._worker = worker
+    def __init__(self, log: JsonLog) -> None:
         self._log = log
         self._send, self._receive = trio.open_memory_channel[Report](REPORT_BACKLOG)
         self.dropped = 0
@@ -54,8 +52,9 @@ class _Reports:
             pass  # the leader is gone (`send_to` returned): nobody to report to
 
     def record(self, decision: Decision) -> None:
-        """The data plane's decision log, as far as this worker is concerned."""
-        self.report(DecisionMade(msgspec.structs.replace(decision, worker=self._worker)))
+        """The data plane's decision log, as far as this worker is concerned (its records named
+        and numbered by `NumberedRecords`)."""
+        self.report(DecisionMade(decision))
 
     async def send_to(self, leader: trio.SocketStream) -> None:
         """Send the reports as they come; returns when the leader is gone, after which the
@@ -87,7 +86,7 @@ async def _events(leader: trio.SocketStream):
 async def run_worker(index: int, api_socket: socket.socket, leader_socket: socket.socket, log: JsonLog) -> int:
     """Serve until SIGTERM or the leader's end of the socketpair closes; the exit code."""
     leader = trio.SocketStream(trio.socket.from_stdlib_socket(leader_socket))
-    reports = _Reports(index, log)
+    reports = _Reports(log)
     leases = LeasedQuota(reports.report)
     follower = Follower(reports.report)
     events = _events(leader)
