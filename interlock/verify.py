@@ -14,9 +14,20 @@ A record is compared field by field: ring, ring pool, exclusions and their reaso
 node was picked at all, then the candidates (order, scores, notes, the load figures read from the
 state), the margin, the remembered node and the pick. A record that lacks a policy input (written
 before the field existed) has its routing compared and its pick counted as unverified, never
-compared as if complete. Only first picks are made again: a retry's pick is not in the record. A
+compared as if complete. Only first picks are made again: a retry's scores are not in the
+record (where it went is checked against the pool it was made from). A
 disaggregated request has two, its prefill leg's (`Decision.prefill_pick`; its differences are
 named `prefill.…`) and its decode leg's, each made again from its leg's candidates.
+
+Then the rest of the record (`interlock.verify_record`): each leg's attempts (the first went to
+the pick, each later one to a node the record's own rules allowed, and only after a retried
+one), the status, the admission verdict, tenant and priority, and the times. And, in the order
+the log holds them, each routing process's record numbers: a record missing, repeated or out of
+order is named (`RecordNumbers`).
+
+A record is verified when every field was checked; one lacking a policy input, or beyond the
+event log, is not (the report says why); it passes only when every record was verified and none
+differs, and no record is missing or repeated.
 """
 
 from __future__ import annotations
@@ -27,12 +38,22 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from controlplane.rules.balancer import Balancer
 from controlplane.effects.replay import replay_steps
-from controlplane.rules.routing import PREFILL, Route, pick_pool
+from controlplane.rules.balancer import Balancer
+from controlplane.rules.routing import DECODE, PREFILL, Route, pick_pool
 from events.decisions import CandidateScore, Decision, Exclusion, missing_inputs
 from events.state import ClusterState, NodeState
 from interlock.render import format_table
+from interlock.verify_record import (
+    Differ,
+    Numbering,
+    RecordNumbers,
+    compare_admission,
+    compare_attempts,
+    compare_status,
+    compare_times,
+    text,
+)
 from interlock.whatif import Leg, States, first_pick, in_span, legs_of, process_of, recorded_choice
 
 DEFAULT_SHOWN = 20
@@ -52,14 +73,14 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     decisions: int
     """Records in the span considered."""
     verified: int
-    """Records compared in full (routing and pick)."""
+    """Records every field of which was checked (routing, picks, attempts, status, admission, times)."""
     divergent: int
-    """Records with at least one difference."""
+    """Records with at least one difference (verified or not)."""
     differences: int
     divergences: list[Divergence]
     """The first `shown` differences, in the order records were made again."""
     incomplete: int
-    """Records lacking a policy input: routing compared, pick not."""
+    """Records lacking a policy input: not verified (their picks are not made again; the rest is checked)."""
     missing: dict[str, int]
     """Records lacking each input."""
     incomplete_ids: list[str]
@@ -68,10 +89,24 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     beyond_log_ids: list[str]
     processes: dict[str, int]
     """Records per routing process (`replica/worker`)."""
+    numbering: Numbering
+    """Records missing, repeated or out of order, by their numbers (`Decision.number`)."""
+    allow_unverified: bool = False
+    """Records not verified do not fail the run (`--allow-unverified`)."""
+
+    @property
+    def not_verified(self) -> int:
+        return self.incomplete + self.beyond_log
 
     @property
     def passed(self) -> bool:
-        return not self.divergent and not self.beyond_log
+        numbering = self.numbering
+        return (
+            not self.divergent
+            and not numbering.missing
+            and not numbering.repeated
+            and (self.allow_unverified or not self.not_verified)
+        )
 
 
 def verify(
@@ -83,27 +118,32 @@ def verify(
     shown: int = DEFAULT_SHOWN,
     warn: Callable[[str], None] | None = None,
     skip_invalid: Callable[[str], None] | None = None,
+    allow_unverified: bool = False,
 ) -> VerifyReport:
     """Make every record (with the policy inputs its line lacks: `read_decisions_with_gaps`)
-    arriving in [since, until] again on the states of `event_logs`, and compare."""
+    arriving in [since, until] again on the states of `event_logs`, and compare; the numbers
+    of every record read (in the span or not) are followed in the order read."""
     absent_by_record: dict[int, tuple[str, ...]] = {}
     """The inputs each record lacks, by the record's id() (`records` keeps every record alive)."""
     records = []
+    numbers = RecordNumbers(shown)
     for decision, absent in decisions:
         if absent:
             absent_by_record[id(decision)] = absent
+        numbers.add(decision, _process_name(decision))
         records.append(decision)
     chosen = in_span(records, since, until)
     states = States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
     report = VerifyReport(
         decisions=len(chosen), verified=0, divergent=0, differences=0, divergences=[], incomplete=0, missing={},
-        incomplete_ids=[], beyond_log=0, beyond_log_ids=[], processes={},
+        incomplete_ids=[], beyond_log=0, beyond_log_ids=[], processes={}, numbering=numbers.finish(),
+        allow_unverified=allow_unverified,
     )  # fmt: skip
     lacking_inputs = MissingInputs(shown)
     processes: Counter[str] = Counter()
     picker = Balancer()  # given each record's inputs, it keeps nothing between records
     for decision in chosen:
-        process = "{}/{}".format(*process_of(decision))
+        process = _process_name(decision)
         processes[process] += 1
         state = states.at(decision.seq)
         if state is None:
@@ -111,7 +151,7 @@ def verify(
             _name(report.beyond_log_ids, decision.request_id, shown)
             continue
         lacking = missing_inputs(decision, absent_by_record.get(id(decision), ()))
-        differences = _compare(decision, state, picker, lacking=lacking)
+        differences = _compare(decision, state, states.following_at(), picker, lacking=lacking)
         if lacking:
             lacking_inputs.add(decision, lacking)
         else:
@@ -127,6 +167,10 @@ def verify(
     )
     report.processes = dict(sorted(processes.items()))
     return report
+
+
+def _process_name(decision: Decision) -> str:
+    return "{}/{}".format(*process_of(decision))
 
 
 class MissingInputs:
@@ -162,20 +206,26 @@ def _name(names: list[str], request_id: str, shown: int) -> None:
 
 
 Difference = tuple[str, str, str]
-"""(field, recorded, derived)"""
+"""(field, recorded, derived), as the report shows them"""
 
 
 def _compare(
-    decision: Decision, state: ClusterState, picker: Balancer, *, lacking: tuple[str, ...]
+    decision: Decision,
+    state: ClusterState,
+    following: float | None,
+    picker: Balancer,
+    *,
+    lacking: tuple[str, ...],
 ) -> list[Difference]:
     """The differences between `decision` and its routing made again on `state`: the route,
-    then each leg's pick (`whatif.legs_of`), a leg's only when the record holds every input it
-    needs (`lacking` names those it lacks)."""
+    then each leg's pick (`whatif.legs_of`; a leg's only when the record holds every input it
+    needs, `lacking` names those it lacks) and attempts, then the status, the admission and the
+    times (`following`: the time of the event after `state`)."""
     differences: list[Difference] = []
 
     def differ(field: str, recorded: object, derived: object) -> None:
         if recorded != derived:
-            differences.append((field, _text(recorded), _text(derived)))
+            differences.append((field, text(recorded), text(derived)))
 
     route = Route(state, decision.model)
     differ("ring", decision.ring, route.ring)
@@ -188,14 +238,33 @@ def _compare(
 
     legs = [(leg, pick_pool(leg.candidates, decision.at, passed_over=passed_over)) for leg in legs_of(decision, route)]
     differ("excluded", decision.excluded, route.excluded + tuple(passed))
+    excluded = [exclusion.node for exclusion in decision.excluded]
     for leg, pool in legs:
-        _compare_pick(leg, pool, state, picker, _leg_differ(leg.name, differ), complete=not lacking)
+        leg_differ = _leg_differ(leg.name, differ)
+        _compare_pick(leg, pool, state, picker, leg_differ, complete=not lacking)
+        scored = leg.decision.candidates
+        pick = scored[0].node if scored else None
+        compare_attempts(leg.decision.attempts, pick, pool, leg.candidates, excluded, leg_differ)
         if not pool:
             break  # a leg without a node ends the request
+    _compare_leg_count(decision, [leg.name for leg, _ in legs], differ)
+    compare_status(decision, differ)
+    if decision.admission is not None:
+        compare_admission(decision, decision.admission, state.config, differ)
+    compare_times(decision, state, following, differ)
     return differences
 
 
-def _leg_differ(leg: str, differ: Callable[[str, object, object], None]) -> Callable[[str, object, object], None]:
+def _compare_leg_count(decision: Decision, legs: list[str], differ: Differ) -> None:
+    """A leg's attempts recorded where the request had no such leg: prefill attempts of a
+    request served whole, decode attempts of one whose prefill leg did not answer."""
+    if decision.prefill_attempts and PREFILL not in legs:
+        differ("prefill_attempts", decision.prefill_attempts[0].node, "none: the request is served whole")
+    if decision.attempts and legs and legs[0] == PREFILL and DECODE not in legs:
+        differ("attempts", decision.attempts[0].node, "none: its prefill leg did not answer")
+
+
+def _leg_differ(leg: str, differ: Differ) -> Differ:
     """`differ` with the prefill leg's fields named so (`prefill.pick`); the decode leg's are the record's own."""
     if leg != PREFILL:
         return differ
@@ -207,7 +276,7 @@ def _compare_pick(
     pool: list[NodeState],
     state: ClusterState,
     picker: Balancer,
-    differ: Callable[[str, object, object], None],
+    differ: Differ,
     *,
     complete: bool,
 ) -> None:
@@ -215,7 +284,7 @@ def _compare_pick(
     decision = leg.decision
     recorded = first_pick(decision)
     if not pool or recorded is None:  # a 503 for want of a node, recorded or derived
-        differ("pick", recorded, "one of " + _text(tuple(node.ip for node in pool)) if pool else None)
+        differ("pick", recorded, "one of " + text(tuple(node.ip for node in pool)) if pool else None)
         return
     if not complete:
         return
@@ -229,7 +298,7 @@ def _compare_pick(
 def _compare_candidates(
     recorded: tuple[CandidateScore, ...],
     derived: tuple[CandidateScore, ...],
-    differ: Callable[[str, object, object], None],
+    differ: Differ,
 ) -> None:
     nodes = tuple(candidate.node for candidate in recorded)
     derived_nodes = tuple(candidate.node for candidate in derived)
@@ -242,42 +311,75 @@ def _compare_candidates(
                 differ(f"candidates[{index}].{field}", getattr(mine, field), getattr(theirs, field))
 
 
-def _text(value: object) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, tuple):
-        return "[" + ", ".join(_text(item) for item in value) + "]"
-    if isinstance(value, Exclusion):
-        return f"{value.node} {value.reason}"
-    return str(value)
-
-
 # --- text ------------------------------------------------------------------------------------
 
 
 def render_report(report: VerifyReport) -> str:
-    lines = [
-        f"{report.decisions} decision records from {len(report.processes)} routing process"
-        f"{'es' if len(report.processes) != 1 else ''} ({_processes(report.processes)}): "
-        f"{report.verified} verified in full, {report.incomplete} lacking policy inputs, "
-        f"{report.beyond_log} beyond the event log",
-    ]
+    lines = [_headline(report) + f" ({_processes(report.processes)})"]
     if report.beyond_log:
         lines.append(
             f"{report.beyond_log} records not verified: the event log does not hold their snapshot: "
             + _names(report.beyond_log_ids, report.beyond_log)
         )
-    if not report.divergent:
-        made_again = report.decisions - report.beyond_log
-        lines.append(f"every decision made again matches ({made_again} of {report.decisions})")
-        return "\n".join(lines)
-    lines += [
-        f"{report.divergent} records diverge ({report.differences} differences); the first {len(report.divergences)}:",
-        "",
-    ]
-    rows = [[d.request_id, d.process, d.field, d.recorded, d.derived] for d in report.divergences]
-    lines += format_table(["REQUEST ID", "REPLICA/WORKER", "FIELD", "RECORDED", "DERIVED"], rows)
+    lines += _numbering_lines(report.numbering)
+    if report.divergent:
+        shown = len(report.divergences)
+        lines += [f"{report.divergent} records differ ({report.differences} differences); the first {shown}:", ""]
+        rows = [[d.request_id, d.process, d.field, d.recorded, d.derived] for d in report.divergences]
+        lines += format_table(["REQUEST ID", "REPLICA/WORKER", "FIELD", "RECORDED", "DERIVED"], rows)
     return "\n".join(lines)
+
+
+def _headline(report: VerifyReport) -> str:
+    """`N of M verified, K not verified (why), D differ`."""
+    why = [
+        f"{count} {reason}"
+        for count, reason in ((report.incomplete, "lacking policy inputs"), (report.beyond_log, "beyond the event log"))
+        if count
+    ]
+    not_verified = f"{report.not_verified} not verified" + (f" ({', '.join(why)})" if why else "")
+    if report.not_verified and report.allow_unverified:
+        not_verified += ", allowed"
+    return (
+        f"{report.verified} of {report.decisions} verified, {not_verified}, {report.divergent} "
+        f"{'differs' if report.divergent == 1 else 'differ'}"
+    )
+
+
+def _numbering_lines(numbering: Numbering) -> list[str]:
+    """What the records' numbers say: runs missing, records repeated or out of order, and where
+    each process's records begin when not at its first."""
+    lines = []
+    for gap in numbering.gaps:
+        what = f"record {gap.first} of {gap.process} is" if gap.first == gap.last else (
+            f"records {gap.first}-{gap.last} of {gap.process} are"
+        )
+        lines.append(f"{what} missing")
+    if numbering.gap_count > len(numbering.gaps):
+        lines.append(f"{numbering.missing} records missing in all, in {numbering.gap_count} runs")
+    for repeat in numbering.repeats:
+        lines.append(f"record {repeat.number} of {repeat.process} is repeated (request {repeat.request_id})")
+    if numbering.repeated > len(numbering.repeats):
+        lines.append(f"{numbering.repeated} records repeated in all")
+    for late in numbering.reorders:
+        lines.append(f"record {late.number} of {late.process} comes after later ones (request {late.request_id})")
+    if numbering.reordered > len(numbering.reorders):
+        lines.append(f"{numbering.reordered} records out of order in all")
+    for process, number in numbering.starts.items():
+        lines.append(
+            f"the log of {process} starts at its record {number} (the older ones removed by retention, or not given)"
+        )
+    for process, count in numbering.restarts.items():
+        lines.append(f"{process} counts from 1 again {count} time{'s' if count > 1 else ''} (started again)")
+    return lines
+
+
+def unnumbered_warning(numbering: Numbering) -> str:
+    """The warning of `verify` for records without numbers."""
+    return (
+        f"{numbering.unnumbered} of {numbering.read} decision records are not numbered (written before records "
+        "were numbered): a record missing or repeated among them cannot be seen"
+    )
 
 
 def incomplete_warning(count: int, total: int, missing: dict[str, int], ids: list[str]) -> str:

@@ -402,6 +402,11 @@ class States:
             self.state, self._next = upcoming, None
         return self.state if self.state.seq >= seq else None
 
+    def following_at(self) -> float | None:
+        """The time of the event after the state `at` returned last (None: the log ends there)."""
+        upcoming = self._peek()
+        return upcoming.at if upcoming is not None else None
+
     def _peek(self) -> ClusterState | None:
         if self._next is None and not self._ended:
             step = next(self._steps, None)

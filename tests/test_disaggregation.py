@@ -245,4 +245,17 @@ async def test_verify_and_whatif_make_each_legs_pick_again(tmp_path):
     edited.write_text("\n".join(lines) + "\n")
     report = verify([events], read_decisions_with_gaps([edited]))
     assert report.divergent == 1
-    assert {divergence.field for divergence in report.divergences} == {"prefill.candidates", "prefill.pick"}
+    assert {divergence.field for divergence in report.divergences} == {
+        "prefill.candidates", "prefill.pick", "prefill.attempts[0].node"  # not sent to the (edited) pick
+    }  # fmt: skip
+
+    record = msgspec.json.decode(lines[1])
+    record["prefill_attempts"][-1]["node"] = d1.host  # a prefill sent to a decode node
+    lines[1] = msgspec.json.encode(record).decode()
+    edited.write_text("\n".join(lines) + "\n")
+    report = verify([events], read_decisions_with_gaps([edited]))
+    assert report.divergent == 2
+    leg = len(record["prefill_attempts"]) - 1
+    assert (record["request_id"], f"prefill.attempts[{leg}].node") in {
+        (divergence.request_id, divergence.field) for divergence in report.divergences
+    }

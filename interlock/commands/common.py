@@ -76,7 +76,8 @@ def add_skip_invalid(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--skip-invalid",
         action="store_true",
-        help="skip lines of a damaged log that are not valid events (each one reported) instead of stopping",
+        help="skip lines of a damaged log (event or decision log) that are not valid records (each one "
+        "reported) instead of stopping",
     )
 
 
@@ -122,7 +123,7 @@ def complete_decisions(args: argparse.Namespace, warn: Callable[[str], None]) ->
     records whose pick they need lack."""
     records = []
     lacking_inputs = MissingInputs()
-    for decision, absent in read_decisions_with_gaps(args.decisions, warn):
+    for decision, absent in read_decisions_with_gaps(args.decisions, warn, warn if args.skip_invalid else None):
         records.append(decision)
         if lacking := missing_inputs(decision, absent):
             lacking_inputs.add(decision, lacking)
