@@ -1,7 +1,9 @@
 """A recorded run replayed under another config: `whatif --health` and `check-config --against`.
 
 The recorded events are folded twice through the same pure `reduce`: as recorded, and with
-their configs changed (`controlplane.effects.replay.with_config`: a reload of the changed config). The
+their configs changed (`controlplane.effects.replay.with_config`: a reload of the changed config;
+for `check-config --against`, only the keys the new config changes, `ConfigChange`, so a run whose
+policy was switched by reloads keeps each period's policy unless the change is to the policy). The
 probe results and their times stay the recorded ones, so a setting that would change when or
 how the nodes are probed cannot be replayed (HEALTH_UNREPLAYABLE). The report gives each node's
 health intervals both ways, the ejections (turns to dead) gained and lost, and, with the
@@ -117,6 +119,8 @@ class ReconfiguredReport(msgspec.Struct, kw_only=True):
     met_dead: int = 0
     """Requests routed again to a node the recorded run had as dead at their seq."""
     met_dead_shown: list[Request] = []
+    changed_keys: list[str] | None = None
+    """`check-config --against`: the keys the new config changes (`ConfigChange`)."""
 
 
 class _StatusLog:
@@ -228,9 +232,54 @@ def config_dry_run(
     since: float | None = None,
     **options,
 ) -> ReconfiguredReport:
-    """The run with `config` reloaded at `since` (None: from its start), and in force from then on."""
-    rewrite = _rewriter(lambda _: config, since)
-    return reconfigured(event_logs, rewrite, f"config {path}", decisions, since=since, **options)
+    """The run with `config` reloaded at `since` (None: from its start) as a change
+    (`ConfigChange`): the keys in which it differs from the config then in force, in force
+    from then on; every other key (the policy among them) stays as each period recorded it."""
+    change = ConfigChange(config)
+    report = reconfigured(event_logs, _rewriter(change, since), f"config {path}", decisions, since=since, **options)
+    report.changed_keys = change.keys or []
+    return report
+
+
+class ConfigChange:
+    """A new config as a change of the recorded ones: its keys (each table's, `[[nodes]]` and
+    `[[tenants]]` as wholes) that differ from the first config it is applied to (the one in
+    force at the reload), put into every config it is applied to."""
+
+    def __init__(self, new: Config) -> None:
+        self.new = new
+        self.keys: list[str] | None = None
+        """`table.key` (or `table`) of each key changed; None before the first config."""
+
+    def __call__(self, recorded: Config) -> Config:
+        if self.keys is None:
+            self.keys = changed_keys(recorded, self.new)
+        changes: dict[str, object] = {}
+        for key in self.keys:
+            table, _, name = key.partition(".")
+            if not name:
+                changes[table] = getattr(self.new, table)
+                continue
+            current = changes.get(table, getattr(recorded, table))
+            changes[table] = msgspec.structs.replace(current, **{name: getattr(getattr(self.new, table), name)})
+        return msgspec.structs.replace(recorded, **changes)
+
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """The keys in which `new` differs from `old`: `table.key` within a table both have,
+    else the table."""
+    keys = []
+    for table in Config.__struct_fields__:
+        before, after = getattr(old, table), getattr(new, table)
+        if before == after:
+            continue
+        if isinstance(before, msgspec.Struct) and type(before) is type(after):
+            keys += [
+                f"{table}.{name}" for name in before.__struct_fields__ if getattr(before, name) != getattr(after, name)
+            ]
+        else:
+            keys.append(table)
+    return keys
 
 
 def _rewriter(
@@ -243,7 +292,11 @@ def _rewriter(
 
 
 def render_reconfigured(report: ReconfiguredReport) -> str:
-    lines = [f"the recorded run replayed under {report.change} ({NOT_RECORDED_NOTE}; times UTC)", ""]
+    lines = [f"the recorded run replayed under {report.change} ({NOT_RECORDED_NOTE}; times UTC)"]
+    if report.changed_keys is not None:
+        changed = ", ".join(report.changed_keys) or "none"
+        lines.append(f"keys changed: {changed} (the rest, the policy among them unless changed, as recorded)")
+    lines.append("")
     rows = [
         [node.name, node.node, _intervals(node.before), _intervals(node.after)]
         for node in report.nodes

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import trio
+from test_policy_routing import held_requests, seen_busy, served_by, system_prompt
 from test_verify import interlock
-from test_whatif_cli import record_run
+from test_whatif_cli import SCRAPED, record_run
 
 from events.decisions import read_decisions
 from events.state import Health
@@ -123,3 +124,58 @@ def test_a_dry_run_that_removes_a_node_shows_its_requests_moving(tmp_path):
     alone = interlock("check-config", new, "--decisions", run.decisions)
     assert alone.returncode == 2
     assert "arguments --decisions and --since: only with --against" in alone.stderr
+
+
+async def record_a_policy_switch(folder: Path) -> tuple[Path, Path, Path, str]:
+    """Six requests under round robin while the first node runs three requests of other clients,
+    then a reload to least load (which avoids that node) and six more; the event log is cut into
+    segments, each opening with a checkpoint. The config as it was at the start, both logs, and
+    the busy node."""
+    folder.mkdir()
+    events, decisions = folder / "events.jsonl", folder / "decisions.jsonl"
+    config = {
+        "event_log": str(events), "decision_log": str(decisions), "event_log_max_bytes": 2_000,
+        "routing": {"policy": "round_robin", **SCRAPED},
+    }  # fmt: skip
+    async with nodes_and_gateway(folder, node_specs(3), **config) as (nodes, gateway):
+        await gateway.discovered()
+        await gateway.wait_for(lambda: all(node.load.known for node in gateway.nodes()))
+        config_path = folder / "gateway.toml"
+        first = config_path.read_text()
+        async with held_requests(nodes[0], 3):
+            await seen_busy(gateway, nodes[0], 3)
+            for number in range(6):
+                await served_by(gateway, system_prompt("reloads"), f"round-robin-{number}")
+            config_path.write_text(first.replace('policy = "round_robin"', 'policy = "least_load"'))
+            assert await gateway.control_plane.reload()
+            for number in range(6):
+                await served_by(gateway, system_prompt("reloads"), f"least-load-{number}")
+            await gateway.wait_for(lambda: len(decision_records(decisions)) == 12)
+    started = folder / "started.toml"
+    started.write_text(first)
+    return started, events, decisions, nodes[0].host
+
+
+def test_a_dry_run_changes_the_keys_that_changed_and_keeps_each_periods_policy(tmp_path):
+    config, events, decisions, busy = trio.run(record_a_policy_switch, tmp_path / "run")
+    assert len(list_segments(events)) > 1  # checkpoints
+    threshold = tmp_path / "threshold.toml"
+    threshold.write_text(config.read_text().replace("[gateway]", "[gateway]\nhealth_fail_threshold = 7", 1))
+    result = interlock("check-config", threshold, "--against", events, "--decisions", decisions)
+    assert (result.returncode, result.stderr) == (0, ""), result.stdout
+    assert (
+        "keys changed: gateway.health_fail_threshold (the rest, the policy among them unless changed, as recorded)"
+        in result.stdout.splitlines()
+    )
+    assert "agreement 100.0%" in result.stdout  # the reload to least load is kept
+    policy = tmp_path / "policy.toml"
+    policy.write_text(config.read_text().replace('policy = "round_robin"', 'policy = "least_load"'))
+    changed = interlock("check-config", policy, "--against", events, "--decisions", decisions)
+    assert "keys changed: routing.policy (" in changed.stdout, changed.stdout
+    moved = {line.split()[0] for line in changed.stdout.splitlines() if line.startswith("round-robin-")}
+    assert moved  # least load from the start: round robin's picks of the busy node move
+
+    removed = without_node(config, busy, tmp_path)
+    result = interlock("check-config", removed, "--against", events)
+    [row] = [line.split() for line in result.stdout.splitlines() if line.split()[1:2] == [busy]]
+    assert row[-1] == "-", row  # never there, not at a checkpoint either

@@ -96,26 +96,34 @@ def with_config(
 ) -> Iterator[Event]:
     """`events` as if every config in force from `since` on (None: the log's start) had been
     `change`d: the config in force at `since` is reloaded changed (a config_reloaded numbered as
-    the event before it, so the decisions made on that seq see it), each later run_started and
-    config_reloaded carries its config changed, and a checkpoint is followed by the reload of its
-    config changed. The reducer folds them as it folded the recorded ones."""
+    the event before it, so the decisions made on that seq see it), and each later run_started
+    and config_reloaded carries its config changed. A checkpoint that follows the event before
+    it is left out (the changed run's state goes on from its own); one that starts the log, or
+    follows a gap, restores its state without the nodes the changed config lacks, then the
+    changed config is reloaded: a node the change removes stays removed. The reducer folds them
+    as it folded the recorded ones."""
     in_force: ConfigReloaded | None = None
     """The last config of the log, as a reload of it."""
-    previous_seq = 0
+    previous_seq: int | None = None
     started = since is None
     for event in events:
         if not started and event.at >= since:
             started = True
             if in_force is not None:
-                yield _reload(in_force, change, seq=previous_seq, at=since)
+                yield _reload(in_force, change, seq=previous_seq or 0, at=since)
+        follows = previous_seq is not None and event.seq == previous_seq
         previous_seq = event.seq
         if isinstance(event, (RunStarted, ConfigReloaded, Checkpoint)) and event.config is not None:
             in_force = ConfigReloaded(at=event.at, seq=event.seq, config_path=event.config_path, config=event.config)
-            if started and not isinstance(event, Checkpoint):
-                event = msgspec.structs.replace(event, config=change(event.config))
+            if started and isinstance(event, Checkpoint):
+                if follows:
+                    continue
+                reload = _reload(in_force, change, seq=event.seq, at=event.at)
+                kept = {node.ip for node in reload.config.nodes}
+                yield msgspec.structs.replace(event, nodes=tuple(node for node in event.nodes if node.ip in kept))
+                event = reload
             elif started:
-                yield event
-                event = _reload(in_force, change, seq=event.seq, at=event.at)
+                event = msgspec.structs.replace(event, config=change(event.config))
         yield event
 
 
