@@ -274,16 +274,23 @@ def missing_inputs(decision: Decision, absent: tuple[str, ...]) -> tuple[str, ..
     return lacking
 
 
-def read_decisions(path: str | os.PathLike[str], warn: Callable[[str], None] | None = None) -> Iterator[Decision]:
+def read_decisions(
+    path: str | os.PathLike[str],
+    warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
+) -> Iterator[Decision]:
     """The records of a decision log (its name, or one segment), oldest first; the reading rules
-    are `events.jsonl`'s (LogFileError names a bad line)."""
-    for _, decision in read_records([path], _decode_decision, warn, "decision log"):
+    are `events.jsonl`'s (LogFileError names a bad line, unless `skip_invalid` takes it)."""
+    for _, decision in read_records([path], _decode_decision, warn, "decision log", skip_invalid):
         yield decision
 
 
 def find_decisions(
-    path: str | os.PathLike[str], request_id: str, warn: Callable[[str], None] | None = None
+    path: str | os.PathLike[str],
+    request_id: str,
+    warn: Callable[[str], None] | None = None,
+    skip_invalid: Callable[[str], None] | None = None,
 ) -> list[Decision]:
     """Every record of `request_id`, oldest first: clients choose their X-Request-Id, and may
     send one twice."""
-    return [decision for decision in read_decisions(path, warn) if decision.request_id == request_id]
+    return [decision for decision in read_decisions(path, warn, skip_invalid) if decision.request_id == request_id]

@@ -201,6 +201,9 @@ def test_a_bad_line_names_file_and_line(capsys, recorded, tmp_path):
     code, out, err = run_cli(capsys, "explain", "--request-id", "unserved", "--decisions", damaged)
     assert (code, out) == (2, "")
     assert one_error_line(err).startswith(f"interlock explain: error: {damaged}:2: ")
+    code, out, err = run_cli(capsys, "explain", "--request-id", "retried", "--decisions", damaged, "--skip-invalid")
+    assert code == 0 and fields(out)["request"] == "retried"
+    assert one_error_line(err).startswith(f"interlock explain: warning: {damaged}:2: skipping invalid line")
 
 
 def test_a_torn_last_line_is_skipped_with_a_warning(capsys, recorded, tmp_path):

@@ -58,7 +58,8 @@ def _explain_request(args: argparse.Namespace) -> int:
     for given, name in ((args.model, "--model"), (args.until_seq, "--until-seq"), (args.at, "--at")):
         if given is not None:
             return bad_input(args, f"argument {name}: not allowed with --request-id (the record has its model and seq)")
-    records = find_decisions(args.decisions, args.request_id, warn=warner(args))
+    warn = warner(args)
+    records = find_decisions(args.decisions, args.request_id, warn, warn if args.skip_invalid else None)
     if not records:
         return bad_input(args, f"no request with id {args.request_id!r} in the decision log {args.decisions}")
     *earlier, decision = records
