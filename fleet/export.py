@@ -3,48 +3,78 @@
 decision stream as the decision log they read (`DIR/decisions.jsonl`).
 
 Each message of the stream holds a batch of consecutive events as JSON Lines, so the export is
-the messages' lines in order. When retention has removed the stream's first events (the first
-message's first event is not seq 1), the file starts with the newest checkpoint the remaining
-events follow, as a later log segment does.
+the messages' events in order; a message that does not continue them (`continuing_events`) is
+set aside, as every replica sets it aside, and named on stderr. When retention has removed the
+stream's first events (the first message's first event is not seq 1), the file starts with the
+newest checkpoint the remaining events follow, as a later log segment does.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import trio
 
 from events.config import FleetConfig
-from events.log import decode_event
+from events.log import decode_event, decode_events, encode_event
 from fleet.bridge import open_asyncio_thread
-from fleet.jetstream import FleetLink, batch_lines
+from fleet.jetstream import FleetLink, MessageSetAside, continuing_events
 
 
 class ExportError(Exception):
     """The stream cannot be read as a log (nothing in it, or a gap no checkpoint bridges)."""
 
 
-async def export_events(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:
-    """Write the fleet's event stream to `directory/events.jsonl`; the path and the events written."""
+def _name_on_stderr(message_seq: int, reason: str) -> None:
+    print(f"interlock: fleet export: message {message_seq} of the event stream set aside: {reason}", file=sys.stderr)
+
+
+async def export_events(
+    fleet: FleetConfig, directory: Path, set_aside: Callable[[int, str], None] = _name_on_stderr
+) -> tuple[Path, int]:
+    """Write the fleet's event stream to `directory/events.jsonl`; the path and the events
+    written. `set_aside(message_seq, reason)` is told of each message set aside."""
 
     async with _reading(fleet) as link:
         first_message, last_message = await link.message_seqs()
         if last_message == 0:
             raise ExportError(f"the fleet's event stream {link.names.events} is empty")
         messages = await link.read_messages(first_message, last_message)
-        lines = [line for _, data in messages for line in batch_lines(data)]
-        first = decode_event(lines[0]).seq
-        if first > 1:
+        lines: list[bytes] = []
+        expected = _first_seq(messages)
+        if expected > 1:
             stored = await link.newest_checkpoint()
             checkpoint = None if stored is None else decode_event(stored.line)
-            if checkpoint is None or checkpoint.seq < first - 1:
-                raise ExportError(f"the stream starts at event seq {first} and no checkpoint reaches back to it")
-            lines = [stored.line, *(line for line in lines if decode_event(line).seq > checkpoint.seq)]
+            if checkpoint is None or checkpoint.seq < expected - 1:
+                raise ExportError(f"the stream starts at event seq {expected} and no checkpoint reaches back to it")
+            lines.append(stored.line)
+            expected = checkpoint.seq + 1
+        for message_seq, data in messages:
+            try:
+                events = continuing_events(data, expected)
+            except MessageSetAside as aside:
+                set_aside(message_seq, str(aside))
+                continue
+            lines += [encode_event(event) for event in events]
+            expected += len(events)
     path = _write(directory / "events.jsonl", b"".join(lines))
     return path, len(lines)
+
+
+def _first_seq(messages: list[tuple[int, bytes]]) -> int:
+    """The seq of the first event of the first message that decodes (1 when none does)."""
+    for _, data in messages:
+        try:
+            events = decode_events(data)
+        except ValueError:  # msgspec's DecodeError is one
+            continue
+        if events:
+            return events[0].seq
+    return 1
 
 
 async def export_decisions(fleet: FleetConfig, directory: Path) -> tuple[Path, int]:

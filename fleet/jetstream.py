@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import msgspec
 import nats
 import nats.errors
 import nats.js.errors
@@ -33,7 +34,8 @@ import trio
 from nats.js.api import StreamConfig
 
 from events.config import FleetConfig
-from events.log import decode_event
+from events.log import decode_event, decode_events
+from events.types import Event
 from fleet.bridge import AsyncioThread, Delivery, DeliveryOverflowed
 
 OPERATION_SECONDS = 5.0
@@ -82,9 +84,31 @@ class StoredCheckpoint:
     message_seq: int
 
 
-def batch_lines(message: bytes) -> list[bytes]:
-    """The encoded events of one message of the event stream, in order."""
-    return message.splitlines(keepends=True)
+UNDECODABLE = "undecodable"
+OUT_OF_SEQUENCE = "out_of_sequence"
+
+
+class MessageSetAside(Exception):
+    """A message of the event stream whose events do not continue the fleet's: it does not
+    decode (`kind` UNDECODABLE) or its events are not the next ones (OUT_OF_SEQUENCE)."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+
+
+def continuing_events(message: bytes, expected: int) -> list[Event]:
+    """The events of one message of the event stream from seq `expected` on (those before it:
+    redelivered, or in the checkpoint a replica started from), in order; MessageSetAside when
+    the message does not decode, or its events are not `expected`, `expected + 1`, …"""
+    try:
+        events = [event for event in decode_events(message) if event.seq >= expected]
+    except msgspec.DecodeError as error:
+        raise MessageSetAside(UNDECODABLE, f"does not decode: {error}") from None
+    if events and [event.seq for event in events] != list(range(expected, expected + len(events))):
+        got = ",".join(str(event.seq) for event in events[:3]) + (",…" if len(events) > 3 else "")
+        raise MessageSetAside(OUT_OF_SEQUENCE, f"events {got} where event {expected} was next")
+    return events
 
 
 @dataclass(frozen=True)
@@ -257,14 +281,6 @@ class FleetLink:
         """The event stream's first and last message sequences ((0, 0) or (1, 0) when empty)."""
         info = await self._call(self._js.stream_info, self.names.events)
         return info.state.first_seq, info.state.last_seq
-
-    async def last_message(self) -> tuple[int, bytes]:
-        """The event stream's last message as (sequence, data); (0, b"") when it is empty."""
-        try:
-            message = await self._call(self._js.get_last_msg, self.names.events, self.names.subject("events"))
-        except nats.js.errors.NotFoundError:
-            return 0, b""
-        return message.seq, message.data
 
     async def append(self, lines: bytes, expected_last_seq: int) -> int:
         """Append one message (a batch of encoded events) if the stream's last message sequence

@@ -8,7 +8,9 @@ itself. Its tasks (children of `run`):
   (`ControlPlane.apply_numbered`: the same `reduce`, logs, metrics and listeners, so the
   replica's workers follow it as they follow a single-host gateway), starting from the newest
   checkpoint. Messages reach it through a bounded `Delivery`: one it has no room for is dropped
-  and counted, and the follower reads the stream again from its last whole message. Until the
+  and counted, and the follower reads the stream again from its last whole message. A message
+  whose events do not continue the fleet's (`continuing_events`: it does not decode, or is out
+  of sequence, read again a few times first) is set aside, logged and counted. Until the
   first fleet event arrives the replica routes on its own config (the state at seq 0), so the
   data plane never waits on NATS;
 - the watch reads, every `lease_renewal`, the stream's last message sequence and the lease
@@ -22,16 +24,18 @@ itself. Its tasks (children of `run`):
   append is refused or fails (a NATS failure ends the term, never the process), or the lease
   runs out without a renewal (a cancel scope whose deadline is the lease's end, moved on by
   each renewal);
-- while leader, the term reads the stream's last message (its last event seq), catches up to
-  it, appends its config (`RunStarted` on an empty stream, else `ConfigReloaded`: the config in
-  force is the leader's, and this first append fences off a deposed leader), publishes a
-  checkpoint, then probes the nodes and appends the events (the prober's, and the replicas'
-  observations): every event waiting in its queue, up to BATCH_EVENTS or BATCH_BYTES, numbered
-  on from the last event seq, as one message conditional on the stream's last message
-  sequence (one quorum round trip per batch, not per event). While events keep coming it
-  appends at most once every APPEND_INTERVAL, the events of the interval in one message (each
-  message costs every follower a delivery and a wake-up); an event after a quiet interval is
-  appended at once. A checkpoint follows every CHECKPOINT_SECONDS.
+- while leader, the term reads the stream's last message sequence, follows the stream to it,
+  appends its config numbered after the last event applied (`RunStarted` on an empty stream,
+  else `ConfigReloaded`: the config in force is the leader's, and this first append fences off
+  a deposed leader), publishes a checkpoint, then probes the nodes and appends the events (the
+  prober's, and the replicas' observations): every event waiting in its queue, up to
+  BATCH_EVENTS or BATCH_BYTES, numbered on from the last event seq, as one message conditional
+  on the stream's last message sequence (one quorum round trip per batch, not per event);
+  refused while it still holds the lease, it follows the stream past the message another
+  publisher put there and numbers the batch on again. While events keep coming it appends at
+  most once every APPEND_INTERVAL, the events of the interval in one message (each message
+  costs every follower a delivery and a wake-up); an event after a quiet interval is appended
+  at once. A checkpoint follows every CHECKPOINT_SECONDS.
 
 A replica's data-plane observations go to the leader over NATS; the leader numbers them like
 any event.
@@ -39,7 +43,6 @@ any event.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -52,11 +55,19 @@ from controlplane.effects.probes import ProbeClient
 from controlplane.rules.reducer import INITIAL_STATE, reduce
 from controlplane.effects.control_plane import ControlPlane, Prober, load_config_logging_unknown_keys
 from events.config import Config, FleetConfig
-from events.log import decode_event, decode_events, encode_event
+from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 from fleet.bridge import DeliveryOverflowed, open_asyncio_thread
 from fleet.decisions import FleetDecisions
-from fleet.jetstream import NATS_ERRORS, AppendRefused, FleetLink, StoredCheckpoint, batch_lines
+from fleet.jetstream import (
+    NATS_ERRORS,
+    OUT_OF_SEQUENCE,
+    AppendRefused,
+    FleetLink,
+    MessageSetAside,
+    StoredCheckpoint,
+    continuing_events,
+)
 
 CONNECT_RETRY_SECONDS = 1.0
 """The pause between attempts to reach NATS (the replica serves on meanwhile)."""
@@ -71,6 +82,13 @@ reads the stream again from its last whole message."""
 OBSERVATION_BUFFER = 1024
 """Replicas' observations on their way to the leader's queue; beyond that they are dropped
 and counted (`interlock_observations_dropped_total`), as the queue's own overflow is."""
+
+OUT_OF_SEQUENCE_RETRIES = 3
+OUT_OF_SEQUENCE_FIRST_PAUSE = 0.25
+"""A message of the event stream out of sequence is read again (the follower resubscribes,
+from a newer checkpoint if there is one) this many times, after a pause doubling from the
+first, before the follower sets it aside and goes on: never a tight loop, and every replica
+ends where the leader does (it numbers on from the events it applied, not from that message)."""
 
 BEHIND_TOLERATED = 10
 """Messages a replica may be behind the stream's last message and still call itself current
@@ -131,6 +149,14 @@ class FleetMetrics:
             "Callbacks handed from the NATS client's thread to trio that raised (each logged; the gateway serves on)",
             registry=registry,
         )
+        self.messages_set_aside = prometheus_client.Counter(
+            "interlock_fleet_messages_set_aside_total",
+            "Messages on the fleet's subjects this replica set aside (each logged): on the event stream, one that "
+            "does not decode or whose events do not continue the fleet's; a checkpoint or an observation that does "
+            "not decode",
+            ["subject", "reason"],
+            registry=registry,
+        )
         self.appends_refused = prometheus_client.Counter(
             "interlock_fleet_appends_refused_total",
             "Appends refused because another leader had appended (this replica then stepped down)",
@@ -158,7 +184,11 @@ class FleetControlPlane(ControlPlane):
         """The follower's current subscription (cancelled by the watch when it stalls)."""
         self._subscribed_at = 0.0
         self._applied_message_seq = 0
-        """The event stream's last message whose events this replica has applied all of."""
+        """The event stream's last message whose events this replica has applied all of (or set aside)."""
+        self._followed = trio.Event()
+        """Set (and replaced) each time `_applied_message_seq` moves on."""
+        self._out_of_sequence: tuple[int, int, str] | None = None
+        """The message the follower found out of sequence, the times it has read it, and why."""
         self._stream_last_message_seq = 0
         """The stream's last message sequence as the watch last read it."""
         self._behind_since: float | None = None
@@ -190,12 +220,23 @@ class FleetControlPlane(ControlPlane):
             return f"no replica has held the fleet's lease for more than the lease ({lease:g}s)"
         return ""
 
+    def degraded_reason(self) -> str:
+        """Why this replica, ready, may be routing on state behind the fleet's ("" when it is
+        not): it goes on serving, and says so (`X-Interlock-Degraded`)."""
+        if self._out_of_sequence is not None:
+            message, reads, reason = self._out_of_sequence
+            return f"message {message} of the fleet's event stream is out of sequence ({reason}); read {reads} times"
+        return ""
+
     def fleet_headers(self) -> dict[str, str]:
         """This replica, the leader, and, while this replica may be routing on old state, why
-        (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too)."""
+        (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too) or, serving on, why it
+        is degraded (`X-Interlock-Degraded`)."""
         headers = {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
         if stale := self.stale_reason():
             headers["X-Interlock-Stale"] = stale
+        if degraded := self.degraded_reason():
+            headers["X-Interlock-Degraded"] = degraded
         return headers
 
     def observe(self, event: Event) -> None:
@@ -281,8 +322,9 @@ class FleetControlPlane(ControlPlane):
     # --- following --------------------------------------------------------------------------
 
     async def _follow(self) -> None:
-        """Apply the stream in order, for good; resubscribe after a gap, or when the watch
-        finds the subscription stalled."""
+        """Apply the stream in order, for good; resubscribe after a message out of sequence
+        (after a pause, OUT_OF_SEQUENCE_RETRIES times at most), or when the watch finds the
+        subscription stalled."""
         while True:
             await self._link.connected.wait()
             with trio.CancelScope() as self._following:
@@ -291,6 +333,16 @@ class FleetControlPlane(ControlPlane):
                 except NATS_ERRORS as error:
                     self.log.warn("fleet: following the event stream failed; again", error=described(error))
                     await trio.sleep(CONNECT_RETRY_SECONDS)
+                except OutOfSequence as gap:
+                    reads = self._reads_of(gap.message_seq) + 1
+                    self._out_of_sequence = (gap.message_seq, reads, str(gap.aside))
+                    self.log.warn(
+                        "fleet: a message of the event stream is out of sequence; reading it again",
+                        message_seq=gap.message_seq,
+                        reason=str(gap.aside),
+                        reads=reads,
+                    )
+                    await trio.sleep(OUT_OF_SEQUENCE_FIRST_PAUSE * 2 ** (reads - 1))
 
     async def _follow_once(self) -> None:
         start = await self._starting_seq()
@@ -304,17 +356,22 @@ class FleetControlPlane(ControlPlane):
                 except DeliveryOverflowed:
                     self.log.warn(
                         "fleet: the follower fell behind its deliveries; reading the stream again",
-                        message=self._applied_message_seq + 1,
+                        message_seq=self._applied_message_seq + 1,
                     )
                     return
-                expected = self._snapshot.seq + 1
-                # events before `expected`: redelivered, or in the checkpoint started from
-                events = [event for event in decode_events(message.data) if event.seq >= expected]
-                if events and (events[0].seq, events[-1].seq) != (expected, expected + len(events) - 1):
-                    self.log.warn("fleet: gap in the event stream; resubscribing", expected=expected, got=events[0].seq)
-                    return
+                try:
+                    events = continuing_events(message.data, self._snapshot.seq + 1)
+                except MessageSetAside as aside:
+                    if aside.kind == OUT_OF_SEQUENCE and self._reads_of(message.seq) < OUT_OF_SEQUENCE_RETRIES:
+                        raise OutOfSequence(message.seq, aside) from None
+                    self.fleet_metrics.messages_set_aside.labels("events", aside.kind).inc()
+                    self.log.warn(
+                        "fleet: a message of the event stream set aside", message_seq=message.seq, reason=str(aside)
+                    )
+                    self._message_followed(message.seq)
+                    continue
                 await self._apply_fleet_events(events)
-                self._applied_message_seq = message.seq
+                self._message_followed(message.seq)
                 self.fleet_metrics.apply_delay.observe(max(0.0, time.time() - message.appended_at))
         finally:
             delivery.close()
@@ -328,14 +385,34 @@ class FleetControlPlane(ControlPlane):
         first, _ = await self._link.message_seqs()
         if self._applied_message_seq > 0 and first <= self._applied_message_seq + 1:
             return self._applied_message_seq + 1
-        stored = await self._link.newest_checkpoint()
-        if stored is not None:
-            checkpoint = decode_event(stored.line)
-            if checkpoint.seq >= self._snapshot.seq:
-                await self._apply_fleet_events([checkpoint])
-                self._applied_message_seq = stored.message_seq
-                self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
+        try:
+            stored = await self._link.newest_checkpoint()
+            checkpoint = None if stored is None else decode_event(stored.line)
+            if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
+                raise ValueError(f"a {type(checkpoint).__name__}, not a checkpoint")
+        except ValueError as error:  # msgspec's DecodeError is one
+            self.fleet_metrics.messages_set_aside.labels("checkpoints", "undecodable").inc()
+            self.log.warn("fleet: the newest checkpoint set aside", error=str(error))
+            checkpoint = None
+        if checkpoint is not None and checkpoint.seq >= self._snapshot.seq:
+            await self._apply_fleet_events([checkpoint])
+            self._message_followed(stored.message_seq)
+            self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
         return self._applied_message_seq + 1
+
+    def _reads_of(self, message_seq: int) -> int:
+        """The times the follower has found message `message_seq` out of sequence."""
+        if self._out_of_sequence is None or self._out_of_sequence[0] != message_seq:
+            return 0
+        return self._out_of_sequence[1]
+
+    def _message_followed(self, message_seq: int) -> None:
+        """The follower has applied, or set aside, every message through `message_seq`."""
+        self._applied_message_seq = message_seq
+        if self._out_of_sequence is not None and self._out_of_sequence[0] <= message_seq:
+            self._out_of_sequence = None
+        self._followed.set()
+        self._followed = trio.Event()
 
     async def _apply_fleet_events(self, events: list[Event]) -> None:
         """Apply consecutive events of the stream, the keys of a config one puts in force read
@@ -390,6 +467,14 @@ class FleetControlPlane(ControlPlane):
     async def _applied_through(self, seq: int) -> None:
         while self._snapshot.seq < seq:
             await self._applied.wait()
+
+    async def _stream_end(self) -> StreamEnd:
+        """The stream's end once this replica has followed it there: its last message, and the
+        last event this replica applied (a message set aside numbers nothing)."""
+        _, message_seq = await self._link.message_seqs()
+        while self._applied_message_seq < message_seq:
+            await self._followed.wait()
+        return StreamEnd(message_seq, self._snapshot.seq)
 
     # --- leading ----------------------------------------------------------------------------
 
@@ -450,15 +535,13 @@ class FleetControlPlane(ControlPlane):
 
     async def _hold_office(self, client: ProbeClient, term: trio.CancelScope) -> None:
         try:
-            message_seq, data = await self._link.last_message()
-            last = StreamEnd(message_seq, decode_event(batch_lines(data)[-1]).seq if data else 0)
-            await self._applied_through(last.event_seq)
+            last = await self._stream_end()
             config = self._own_config
             if last.event_seq == 0:
                 fence: Event = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=config)
             else:
                 fence = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config)
-            last = await self._append([numbered(fence, last.event_seq + 1)], last)
+            last = await self._append([fence], [numbered(fence, last.event_seq + 1)], last)
             await self._applied_through(last.event_seq)
             await self._link.publish_checkpoint(self._checkpoint())
             async with trio.open_nursery() as nursery:
@@ -479,7 +562,7 @@ class FleetControlPlane(ControlPlane):
     async def _number_observations(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe to the replicas' observations (started once subscribed) and put them in the
         leader's queue, as its own data plane's go (`ControlPlane.observe`: a full queue drops
-        and counts); one that does not decode is dropped."""
+        and counts); one that does not decode is set aside (logged, counted)."""
         dropped = self.metrics.observations_dropped
         observations = self._link.delivery(OBSERVATION_BUFFER, on_drop=dropped.inc, lossy=True)
         subscription = await self._link.receive_observations(observations)
@@ -487,8 +570,13 @@ class FleetControlPlane(ControlPlane):
             task_status.started()
             while True:
                 line = await observations.receive()
-                with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-                    ControlPlane.observe(self, decode_event(line))
+                try:
+                    event = decode_event(line)
+                except msgspec.DecodeError as error:
+                    self.fleet_metrics.messages_set_aside.labels("observations", "undecodable").inc()
+                    self.log.warn("fleet: an observation set aside", reason=f"does not decode: {error}")
+                    continue
+                ControlPlane.observe(self, event)
         finally:
             observations.close()
             with trio.CancelScope(shield=True):
@@ -499,6 +587,7 @@ class FleetControlPlane(ControlPlane):
         append began, those waiting behind it, up to BATCH_EVENTS or BATCH_BYTES, and append
         them as one message; the stream's new end. Whoever waits for
         one of them (a reload) is woken once it is appended."""
+        events: list[Event] = []
         lines: list[bytes] = []
         waiting: list[trio.Event] = []
         size = 0
@@ -507,6 +596,7 @@ class FleetControlPlane(ControlPlane):
         self._last_append_started = trio.current_time()
         while True:
             event, applied = item
+            events.append(event)
             lines.append(numbered(event, last.event_seq + len(lines) + 1))
             size += len(lines[-1])
             if applied is not None:
@@ -517,16 +607,33 @@ class FleetControlPlane(ControlPlane):
                 item = self._queue_out.receive_nowait()
             except trio.WouldBlock:
                 break
-        last = await self._append(lines, last)
+        last = await self._append(events, lines, last)
         for applied in waiting:
             applied.set()
         return last
 
-    async def _append(self, lines: list[bytes], last: StreamEnd) -> StreamEnd:
-        """Append `lines`, events numbered on from `last.event_seq`, as one message fenced on
-        `last.message_seq`; the stream's new end."""
-        message_seq = await self._link.append(b"".join(lines), last.message_seq)
-        return StreamEnd(message_seq, last.event_seq + len(lines))
+    async def _append(self, events: list[Event], lines: list[bytes], last: StreamEnd) -> StreamEnd:
+        """Append `lines` (`events` numbered on from `last.event_seq`) as one message fenced on
+        `last.message_seq`; the stream's new end. Refused while this replica still holds the
+        lease, the append met a message some other publisher put on the stream: the leader
+        follows the stream to its end (where every replica sets that message aside, or applies
+        it if it continues the events), numbers the batch on from there and appends it again.
+        AppendRefused when another replica leads."""
+        while True:
+            try:
+                message_seq = await self._link.append(b"".join(lines), last.message_seq)
+                return StreamEnd(message_seq, last.event_seq + len(lines))
+            except AppendRefused:
+                if await self._link.lease_holder() != self.replica:
+                    raise
+            refused = last
+            last = await self._stream_end()
+            self.log.warn(
+                "fleet: the event stream has a message the leader did not append; numbering on after it",
+                expected_last_message=refused.message_seq,
+                last_message=last.message_seq,
+            )
+            lines = [numbered(event, last.event_seq + index) for index, event in enumerate(events, 1)]
 
     def _checkpoint(self) -> StoredCheckpoint:
         """The state now, with the last message it includes every event of."""
@@ -539,6 +646,15 @@ class FleetControlPlane(ControlPlane):
                 await self._link.publish_checkpoint(self._checkpoint())
             except NATS_ERRORS as error:
                 self.log.warn("fleet: publishing a checkpoint failed", error=described(error))
+
+
+class OutOfSequence(Exception):
+    """The follower met message `message_seq` out of sequence and reads the stream again."""
+
+    def __init__(self, message_seq: int, aside: MessageSetAside) -> None:
+        super().__init__(message_seq, str(aside))
+        self.message_seq = message_seq
+        self.aside = aside
 
 
 def numbered(event: Event, seq: int) -> bytes:

@@ -1,0 +1,166 @@
+"""No message stops the fleet: one nats-server, three replicas (`interlock serve` subprocesses
+with `[fleet]`), simulated nodes, and messages published by an outsider on the fleet's own
+subjects. A message on the event stream that does not decode, or whose event is out of
+sequence, is named in every replica's log, counted and set aside: every replica keeps serving
+and ready, the leader numbers on after it, a replica restarted after it starts again, and the
+export is the log of the fleet's events without it."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import nats
+import trio
+
+from events.config import FleetConfig
+from events.log import decode_event, encode_event
+from events.types import UpstreamRecovered
+from fixtures.node import SimulatedNode, serve_nodes
+from fleet.export import export_events
+from fleet.replica import OUT_OF_SEQUENCE_RETRIES
+from harness import node_specs
+from nats_cluster import NatsServer, nats_servers
+from test_fleet import (
+    Observed,
+    Replica,
+    _seq_passed,
+    agreed,
+    events_in,
+    fleet_events,
+    fleet_of,
+    steady_load,
+    until,
+)
+
+
+async def publish(url: str, subject: str, data: bytes) -> None:
+    """Publish `data` on `subject` as any client of the NATS server may (on a thread)."""
+
+    async def send() -> None:
+        nc = await nats.connect(url)
+        try:
+            await nc.publish(subject, data)
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    await trio.to_thread.run_sync(lambda: asyncio.run(send()))
+
+
+async def set_aside_count(http: httpx.AsyncClient, replica: Replica, subject: str, reason: str) -> float:
+    response = await http.get(f"http://127.0.0.1:{replica.metrics_port}/metrics", timeout=5)
+    prefix = f'interlock_fleet_messages_set_aside_total{{reason="{reason}",subject="{subject}"}} '
+    return sum(float(line.split()[-1]) for line in response.text.splitlines() if line.startswith(prefix))
+
+
+@asynccontextmanager
+async def one_server_fleet(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[NatsServer, list[SimulatedNode], list[Replica], httpx.AsyncClient]]:
+    """One NATS server, two simulated nodes, three replicas and an HTTP client."""
+    async with (
+        nats_servers(tmp_path) as [server],
+        serve_nodes(node_specs(2)) as nodes,
+        fleet_of(tmp_path, nodes, [server]) as replicas,
+        httpx.AsyncClient() as http,
+    ):
+        yield server, nodes, replicas, http
+
+
+@asynccontextmanager
+async def serving_and_ready(http: httpx.AsyncClient, replicas: list[Replica]) -> AsyncIterator[list[str]]:
+    """Requests through every replica and every replica's `/ready` polled, for the block;
+    yields the list of failed requests and answers but 200 (none expected)."""
+
+    async def ready_all_along() -> None:
+        while True:
+            for replica in replicas:
+                status, body = await replica.ready(http)
+                if status != 200:
+                    failures.append(f"{replica.name}: /ready {status} {body}")
+            await trio.sleep(0.05)
+
+    async with steady_load(http, replicas) as failures, trio.open_nursery() as nursery:
+        nursery.start_soon(ready_all_along)
+        yield failures
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_message_that_does_not_decode_is_set_aside_and_the_fleet_numbers_on(tmp_path):
+    async with one_server_fleet(tmp_path) as (server, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        async with serving_and_ready(http, replicas) as failures:
+            await publish(server.url, "interlock.events", b"\x00not an event\xff at all")
+            await publish(server.url, "interlock.observations", b"[1, 2, 3]")
+
+            async def every_replica_set_them_aside() -> bool:
+                events = [await set_aside_count(http, replica, "events", "undecodable") for replica in replicas]
+                observations = [await set_aside_count(http, replica, "observations", "undecodable") for replica in replicas]
+                return events == [1.0] * len(replicas) and sum(observations) == 1  # the leader's
+
+            await until(every_replica_set_them_aside, "every replica setting the message aside")
+            await until(lambda: _seq_passed(http, replicas, before.seq + 5), "every replica applying events after it")
+        assert failures == []
+        for replica in replicas:
+            assert replica.process.returncode is None, replica.name
+            assert "fleet: a message of the event stream set aside" in replica.messages()
+
+        # a replica started after it, and after a checkpoint that is not one, starts again
+        follower = next(replica for replica in replicas if replica.name != before.leader)
+        follower.signal(signal.SIGKILL)
+        await follower.process.wait()
+        await publish(server.url, "interlock.checkpoints", b"{not a checkpoint")
+        await follower.start()
+        after = await agreed(http, replicas, observed)
+        assert after.seq > before.seq + 5
+        assert follower.messages().count("fleet: the newest checkpoint set aside") == 1
+        assert observed.disagreements() == {}
+
+        # the export is the log of the fleet's events, the message set aside and named
+        named: list[tuple[int, str]] = []
+        fleet = FleetConfig(nats=(server.url,), name="interlock", replica="export", lease=1.0, lease_renewal=0.5)
+        path, written = await export_events(fleet, tmp_path / "export", lambda seq, why: named.append((seq, why)))
+        messages = await fleet_events(server.url)
+        garbage = [seq for seq, data in messages if data.startswith(b"\x00")]
+        assert [seq for seq, _ in named] == garbage and "does not decode" in named[0][1]
+        exported = [decode_event(line).seq for line in path.read_bytes().splitlines()]
+        assert exported == list(range(1, written + 1)) and written >= after.seq
+
+
+async def test_an_event_out_of_sequence_is_read_again_a_few_times_then_set_aside(tmp_path):
+    """A well-formed event whose seq skips far ahead: every follower reads it again
+    OUT_OF_SEQUENCE_RETRIES times (pausing longer each time, never a tight loop), serving and
+    ready all the while, then sets it aside; the leader appends after it, numbering on from the
+    events it applied, and every replica applies those."""
+    async with one_server_fleet(tmp_path) as (server, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        async with serving_and_ready(http, replicas) as failures:
+            ahead = encode_event(UpstreamRecovered(at=1.0, node=nodes[0].host, seq=before.seq + 1000))
+            await publish(server.url, "interlock.events", ahead)
+
+            async def every_replica_set_it_aside() -> bool:
+                counts = [await set_aside_count(http, replica, "events", "out_of_sequence") for replica in replicas]
+                return counts == [1.0] * len(replicas)
+
+            await until(every_replica_set_it_aside, "every replica setting the event aside")
+            await until(lambda: _seq_passed(http, replicas, before.seq + 5), "every replica applying events after it")
+        assert failures == []
+        for replica in replicas:
+            reads = replica.messages().count("fleet: a message of the event stream is out of sequence; reading it again")
+            assert reads == OUT_OF_SEQUENCE_RETRIES, replica.name
+        assert any(
+            "fleet: the event stream has a message the leader did not append; numbering on after it" in replica.messages()
+            for replica in replicas
+        )
+        await agreed(http, replicas, observed)
+        assert observed.disagreements() == {}
+        seqs = [event.seq for event in events_in(await fleet_events(server.url))]
+        seqs.remove(before.seq + 1000)
+        assert seqs == list(range(1, len(seqs) + 1))
