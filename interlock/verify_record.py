@@ -1,6 +1,7 @@
 """What `interlock verify` checks of a decision record besides its picks: where each attempt
-went, what the client got, the admission verdict, and the record's times (`record_differences`);
-and whether records are missing, repeated or out of order (`RecordNumbers`).
+went (`compare_attempts`), what the client got (`compare_status`), the admission verdict
+(`compare_admission`) and the record's times (`compare_times`); and whether records are missing,
+repeated or out of order (`RecordNumbers`).
 
 An attempt's node, its order and the status are checked against the record's own rules: the
 first attempt of each leg went to the leg's pick; a later one to a node of the leg's candidates
@@ -53,10 +54,11 @@ def compare_attempts(
 ) -> None:
     """One leg's attempts: the first went to `pick` (the leg's recorded pick, its best
     candidate, which `verify` makes again; None when the record has no scores: then to a node
-    of the leg's `pool`), each later one to a candidate neither `excluded`
-    nor tried before in the leg, and only after an attempt that was retried."""
+    of the leg's `pool`), each later one to a candidate neither `excluded` nor tried before in
+    the leg, and only after an attempt that was retried."""
     tried: list[str] = []
-    allowed = [node.ip for node in candidates if node.ip not in set(excluded)]
+    passed_over = set(excluded)
+    allowed = [node.ip for node in candidates if node.ip not in passed_over]
     for index, attempt in enumerate(attempts):
         field = f"attempts[{index}]"
         if index and attempts[index - 1].outcome != RETRIED:
@@ -71,7 +73,7 @@ def compare_attempts(
         tried.append(attempt.node)
 
 
-def statuses(decision: Decision) -> tuple[int | None, ...]:
+def _statuses(decision: Decision) -> tuple[int | None, ...]:
     """The statuses the client may have got, given the record's attempts (those of its last
     leg) and its admission: None when the client went away first."""
     admission = decision.admission
@@ -95,12 +97,12 @@ def statuses(decision: Decision) -> tuple[int | None, ...]:
     if outcome == AttemptOutcome.CLIENT_GONE:
         return (None,) if prefill else (None, last.status)  # before or after the answer was committed
     if outcome == AttemptOutcome.FAILED:
-        return (502,)
+        return (502, 504)  # 504: it did not answer in time
     return (502, 503, None) if prefill else (503, None)  # retried, and no node left (or the client left)
 
 
 def compare_status(decision: Decision, differ: Differ) -> None:
-    allowed = statuses(decision)
+    allowed = _statuses(decision)
     if decision.status not in allowed:
         differ("status", decision.status, allowed[0] if len(allowed) == 1 else "one of " + text(allowed))
 
@@ -154,7 +156,7 @@ def compare_times(decision: Decision, state: ClusterState, following: float | No
     if decision.at + decision.duration + CLOCK_SLACK_SECONDS < state.at:
         differ("at", decision.at, f"after {state.at} (seq {state.seq}'s time) less its duration")
     elif following is not None and decision.at > following + CLOCK_SLACK_SECONDS:
-        differ("at", decision.at, f"before {following} (seq {state.seq + 1}'s time)")
+        differ("at", decision.at, f"before {following} (the time of the event after seq {state.seq})")
     admission = decision.admission
     if admission is not None and admission.queued_ms > 1000 * decision.duration + QUEUE_SLACK_MS:
         differ("admission.queued_ms", admission.queued_ms, f"at most its duration ({1000 * decision.duration:.0f})")
