@@ -18,7 +18,9 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -104,7 +106,7 @@ async def node_processes(count: int, *flags: str) -> AsyncIterator[list[NodeProc
             )
             processes.append(process)
             output = b""
-            with trio.fail_after(10):
+            with trio.fail_after(60):
                 while b"\n" not in output:
                     data = await process.stdout.receive_some()
                     if not data:
@@ -236,8 +238,8 @@ class Gateway:
     def node(self, ip: str) -> NodeState:
         return self.control_plane.snapshot.nodes[ip]
 
-    async def wait_for(self, condition, timeout: float = 5.0) -> None:
-        """Poll until `condition()` is true."""
+    async def wait_for(self, condition, timeout: float = 60.0) -> None:
+        """Poll until `condition()` is true (`timeout` bounds a hang, not the wait: load may make it long)."""
         with trio.fail_after(timeout):
             while not condition():
                 await trio.sleep(0.01)
@@ -246,7 +248,7 @@ class Gateway:
         """Wait until every node's model listing has been applied at least once."""
         await self.wait_for(lambda: all(node.models.state != Discovery.UNTRIED for node in self.nodes()))
 
-    async def exited(self, timeout: float = 15.0) -> int:
+    async def exited(self, timeout: float = 60.0) -> int:
         """Wait until `serve` has returned; its exit code."""
         with trio.fail_after(timeout):
             await self.serving.returned.wait()
@@ -282,13 +284,13 @@ async def running_gateway(
     serving = _Serving()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(serving.run, config_path, log, listening.append)
-        with trio.fail_after(10):
+        with trio.fail_after(60):
             while not listening:
                 await trio.sleep(0.005)
         ready = listening[0]
         # A failure in the block is re-raised after the nursery, unwrapped (a plain AssertionError).
         failure: Exception | None = None
-        async with httpx.AsyncClient(timeout=10.0, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as http:
             try:
                 yield Gateway(
                     url=f"http://127.0.0.1:{ready.api[1]}",
@@ -334,7 +336,7 @@ class ServeProcess:
         lines = (msgspec.json.decode(line) for line in self.output.split(b"\n")[:-1])
         return [line for line in lines if line["msg"] == msg]
 
-    async def wait_for_log(self, msg: str, timeout: float = 15.0) -> None:
+    async def wait_for_log(self, msg: str, timeout: float = 60.0) -> None:
         """Read stdout until a line with this `msg` has been written."""
         with trio.fail_after(timeout):
             while msg not in self.messages():
@@ -395,6 +397,17 @@ def completions_to(node: SimulatedNode) -> list:
     return [request for request in node.requests if request.path.startswith("/v1/") and request.method == "POST"]
 
 
+async def post_and_leave(gateway: Gateway, node: SimulatedNode, body: dict) -> Any:
+    """Send the chat completion `body` and leave (the client closes its connection) once the
+    request has reached `node`, whatever the machine's load: the node's record of it."""
+    before = len(completions_to(node))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(gateway.http.post, gateway.url + "/v1/chat/completions", json=body))
+        await gateway.wait_for(lambda: len(completions_to(node)) > before)
+        nursery.cancel_scope.cancel()
+    return completions_to(node)[-1]
+
+
 def chat(model: str | None = MODEL, stream: bool = False, **extra) -> dict:
     body = {"messages": [{"role": "user", "content": "hi"}], **extra}
     if model is not None:
@@ -448,7 +461,7 @@ def table(out: str, first_heading: str) -> list[dict[str, str]]:
 
 async def wait_until_ready(client: httpx.AsyncClient, url: str) -> None:
     """Wait until the gateway at `url` (a subprocess, say) routes: `/ready` answers 200."""
-    with trio.fail_after(20):
+    with trio.fail_after(60):
         while True:
             try:
                 if (await client.get(url + "/ready")).status_code == 200:

@@ -194,7 +194,7 @@ async def exchange_until_closed(port: int, request: bytes) -> bytes:
     async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
         await stream.send_all(request)
         received = b""
-        with trio.fail_after(10):
+        with trio.fail_after(60):
             while chunk := await stream.receive_some():
                 received += chunk
         return received

@@ -38,7 +38,7 @@ class Gateway:
         self.output = ""
 
     async def read_until(self, text: str) -> None:
-        with trio.fail_after(20):
+        with trio.fail_after(60):
             while text not in self.output:
                 chunk = await self.process.stdout.receive_some()
                 assert chunk, f"stdout closed before {text!r}: {self.output}"
@@ -127,7 +127,7 @@ async def test_workers_log_at_the_leaders_level_and_format(tmp_path, level):
         options = ("--config", str(config_path), "--port", str(api), "--log-format", "text", "--log-level", level)
         async with interlock_serve(*options) as gateway:
             async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
-                with trio.fail_after(20):
+                with trio.fail_after(60):
                     while True:  # until the node's models are discovered and both workers listen
                         try:
                             response = await client.post(f"http://127.0.0.1:{api}/v1/chat/completions", json=chat())
@@ -326,7 +326,7 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllm
         options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--metrics-listen", "127.0.0.1:0")
         async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False, timeout=5) as client:
             url = f"http://127.0.0.1:{api}"
-            with trio.fail_after(20):
+            with trio.fail_after(60):
                 while True:  # until the nodes' model lists are in: no model is configured
                     try:
                         answer = await client.post(url + "/v1/chat/completions", json=chat())

@@ -10,7 +10,7 @@ import json
 import h11
 import trio
 
-from harness import MODEL, chat, completions_to, error_message, node_specs, nodes_and_gateway
+from harness import MODEL, chat, completions_to, error_message, node_specs, nodes_and_gateway, post_and_leave
 
 CHAT = "/v1/chat/completions"
 
@@ -55,7 +55,7 @@ async def test_one_keep_alive_connection_carries_every_kind_of_reply_in_turn(tmp
                 request = client.send(h11.Request(method="POST", target=CHAT, headers=headers))
                 await stream.send_all(request + client.send(h11.Data(data=data)) + client.send(h11.EndOfMessage()))
                 status, received = None, b""
-                with trio.fail_after(5):
+                with trio.fail_after(60):
                     while True:
                         event = client.next_event()
                         if event is h11.NEED_DATA:
@@ -76,10 +76,8 @@ async def test_one_keep_alive_connection_carries_every_kind_of_reply_in_turn(tmp
 async def test_a_client_leaving_while_a_whole_answer_is_buffered_cancels_the_upstream_request(tmp_path):
     # The node sends its headers, then nothing: the gateway waits for the rest of the body.
     async with nodes_and_gateway(tmp_path, node_specs(1, completion="no_first_chunk")) as (nodes, gateway):
-        with trio.move_on_after(0.3):
-            await gateway.http.post(gateway.url + CHAT, json=chat())
-        [upstream] = completions_to(nodes[0])
-        with trio.fail_after(1):
+        upstream = await post_and_leave(gateway, nodes[0], chat())
+        with trio.fail_after(60):
             await upstream.ended.wait()
         assert upstream.disconnected
         assert await gateway.metric('gateway_requests_total{model="test-model",status="200"}') is None
@@ -97,7 +95,7 @@ async def test_a_body_far_over_the_limit_in_many_chunks_gets_413_and_the_connect
             chunks = (b"64\r\n" + b"x" * 100 + b"\r\n") * 100
             await stream.send_all(head.encode() + chunks)  # all there before the gateway reads any
             received = b""
-            with trio.fail_after(5):
+            with trio.fail_after(60):
                 try:
                     while chunk := await stream.receive_some(65536):
                         received += chunk

@@ -116,7 +116,7 @@ async def test_a_response_without_a_body_reaches_the_client_without_a_content_le
         received = b""
         async with stream:
             await stream.send_all(request)
-            with trio.fail_after(5):
+            with trio.fail_after(60):
                 while chunk := await stream.receive_some(65536):
                     received += chunk
         head, _, body = received.partition(b"\r\n\r\n")

@@ -149,7 +149,7 @@ async def test_interlock_serve_starts_logs_plinths_lines_and_stops_on_sigterm(tm
         )
         output = b""
         try:
-            with trio.fail_after(15):
+            with trio.fail_after(60):
                 while b'"metrics server listening"' not in output:
                     output += await process.stdout.receive_some()
                 async with httpx.AsyncClient() as client:

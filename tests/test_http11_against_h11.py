@@ -211,7 +211,7 @@ async def our_body(method: bytes, parts: list[bytes]) -> bytes | None:
         await connection.close()
 
     async with raw_server(send_in_pieces) as server, HttpClient() as client:
-        with trio.fail_after(10):
+        with trio.fail_after(60):
             try:
                 response = await client.request(method, HOST, server.port, b"/")
                 return await response.read_body()

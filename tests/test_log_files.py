@@ -153,7 +153,7 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
                 assert response.status_code == 200
                 sent += 1
 
-            with trio.fail_after(20):
+            with trio.fail_after(60):
                 while not gateway.logged("decision log write failed"):
                     await request()
                     with trio.move_on_after(0.1):
@@ -194,7 +194,7 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
 LOGS = ("event_log", "decision_log")
 
 
-async def wait_until(condition, timeout: float = 10.0) -> None:
+async def wait_until(condition, timeout: float = 60.0) -> None:
     """Wait until `condition()` holds (TooSlowError after `timeout` seconds)."""
     with trio.fail_after(timeout):
         while not condition():
@@ -361,12 +361,12 @@ async def test_a_full_backlog_drops_the_newest_and_what_follows_the_gap_opens_a_
     async with trio.open_nursery() as nursery:
         nursery.start_soon(appender.run)
         submit(1, 3)
-        with trio.fail_after(5):
+        with trio.fail_after(60):
             while not registry.get_sample_value("write_errors_total"):
                 await trio.sleep(0.01)
         submit(4, 5)  # the backlog is full: dropped
         blocker.unlink()
-        with trio.fail_after(5):
+        with trio.fail_after(60):
             while "event log write recovered" not in log.messages():
                 await trio.sleep(0.01)
         submit(6, 8)

@@ -22,7 +22,7 @@ def in_flight(ip: str) -> str:
     return f'interlock_node_requests_in_flight{{node="{ip}"}}'
 
 
-async def metric_becomes(gateway: Gateway, sample: str, *values: float | None, timeout: float = 10.0) -> None:
+async def metric_becomes(gateway: Gateway, sample: str, *values: float | None, timeout: float = 60.0) -> None:
     """Poll until the sample has one of `values` (None: no such series)."""
     with trio.fail_after(timeout):
         while await gateway.metric(sample) not in values:

@@ -134,7 +134,7 @@ async def _answer(stream: trio.SocketStream, path: bytes) -> bytes:
     """One keep-alive request's answer (its body is `ok`)."""
     await stream.send_all(b"GET %s HTTP/1.1\r\nHost: gw\r\n\r\n" % path)
     received = b""
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         while not received.endswith(b"\r\n\r\nok"):
             chunk = await stream.receive_some()
             assert chunk, f"closed before the answer to {path!r}: {received!r}"
@@ -143,7 +143,7 @@ async def _answer(stream: trio.SocketStream, path: bytes) -> bytes:
 
 
 async def _closed(stream: trio.SocketStream) -> bool:
-    with trio.fail_after(10):
+    with trio.fail_after(60):
         return await stream.receive_some() == b""
 
 
