@@ -91,6 +91,8 @@ QUEUE_DEADLINE_PASSED = ApiError(
 )
 """A request waited in the admission queue until its `max_queue_seconds`."""
 RETRY_AFTER = (b"retry-after", b"1")
+RETRY_AFTER_MS = (b"retry-after-ms", b"1000")
+"""The same second as the OpenAI SDKs read it first (they retry a 503 after it)."""
 """Sent with the queue's refusals (it changes as fast as requests end) and with a 503 for an
 adapter being loaded."""
 SHUTTING_DOWN = ApiError(503, "stream ended: the gateway is shutting down", "gateway_shutting_down")

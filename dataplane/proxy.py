@@ -48,6 +48,7 @@ from dataplane.errors import (
     QUEUE_DEADLINE_PASSED,
     QUEUE_IS_FULL,
     RETRY_AFTER,
+    RETRY_AFTER_MS,
     SHUTTING_DOWN,
     STREAM_TERMINATED,
     UPSTREAM_ERROR,
@@ -205,7 +206,7 @@ class Proxy:
         ticket.queue_outcome(outcome)
         if outcome.refused:
             refusal = QUEUE_IS_FULL if outcome.verdict == QUEUE_FULL else QUEUE_DEADLINE_PASSED
-            return self._error(ledger, refusal, RETRY_AFTER)
+            return self._error(ledger, refusal, RETRY_AFTER, RETRY_AFTER_MS)
         if outcome.verdict == QUEUED and (current := self._views.current()) is not view:
             exchange.view = current
             return self._open_ledger(exchange, ticket)
@@ -219,7 +220,7 @@ class Proxy:
         candidates = route.candidates
         if not candidates:
             if exchange.view.adapter_loading(exchange.model):
-                return self._error(ledger, adapter_loading(exchange.model), RETRY_AFTER)
+                return self._error(ledger, adapter_loading(exchange.model), RETRY_AFTER, RETRY_AFTER_MS)
             if route.ring_pool:
                 self._warn_unserved(exchange)
             if route.unknown:

@@ -160,6 +160,7 @@ async def test_a_request_for_an_adapter_being_loaded_gets_503_with_retry_after(t
         await gateway.wait_for(lambda: gateway.node(n1.host).adapter_load(SQL) is not None, timeout=10)
         response = await gateway.http.post(gateway.url + CHAT, json=chat(SQL))
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.headers["retry-after-ms"] == "1000"
     assert response.json()["error"]["code"] == "adapter_loading"
     assert error_message(response) == f"LoRA adapter `{SQL}` is being loaded onto a node"
     assert not chats(n1)
