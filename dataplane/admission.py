@@ -201,7 +201,7 @@ class Admission:
                 ticket.verdict = Verdict.REFUSED
                 ticket.refused_by = limit
                 ticket.refused_state = refused
-                ticket.headers = self._rate_headers(tenant)
+                ticket.headers = self._rate_headers(tenant, refused_by=limit)
                 self._metrics.admission_refused(tenant.name, ticket.priority, limit)
                 return _refusal(ticket, limit, refused, exchange.request_id)
             ticket.taken.append((limit, amount))
@@ -214,7 +214,10 @@ class Admission:
         ticket.admitted = True
         self._metrics.admission_admitted(ticket.tenant.name, ticket.priority)
 
-    def _rate_headers(self, tenant: TenantView) -> Headers:
+    def _rate_headers(self, tenant: TenantView, refused_by: str = "") -> Headers:
+        """OpenAI's `x-ratelimit-*` headers of the tenant's request and token buckets; a refusal
+        by the in-flight limit names that limit too (`-in-flight`, which has no reset), so that
+        the answer does not describe only buckets that had room."""
         headers = []
         for limit in (REQUESTS, TOKENS):
             state = self.quota.state(tenant.name, limit)
@@ -226,6 +229,11 @@ class Admission:
                 (b"x-ratelimit-remaining-" + suffix, b"%d" % state.remaining),
                 (b"x-ratelimit-reset-" + suffix, _duration(state.reset)),
             ]
+        if refused_by == IN_FLIGHT and tenant.max_in_flight is not None:
+            headers += [
+                (b"x-ratelimit-limit-in-flight", b"%d" % tenant.max_in_flight),
+                (b"x-ratelimit-remaining-in-flight", b"0"),
+            ]
         return headers
 
 
@@ -235,8 +243,13 @@ def _duration(seconds: float) -> bytes:
 
 
 def _refusal(ticket: Ticket, limit: str, state: LimitState, request_id: str) -> Reply:
-    """The 429, in OpenAI's shape, with when to try again."""
-    retry = max(state.retry, 0.001)
+    """The 429, in OpenAI's shape, with when to try again: for a token limit, once the bucket
+    holds the request's reservation (a request is admitted at the first token back, but an SDK
+    retrying then would only put the tenant deeper in debt)."""
+    retry = state.retry
+    if limit == TOKENS and state.limit:
+        retry = max(retry, (ticket.tokens_reserved - state.remaining) * 60 / state.limit)
+    retry = max(retry, 0.001)
     used = state.limit - state.remaining
     message = (
         f"Rate limit reached for tenant {ticket.tenant.name} on {limit.replace('_', ' ')}: "

@@ -142,6 +142,23 @@ async def test_a_token_limit_refuses_once_spent_and_says_so(tmp_path):
     assert int(headers["retry-after-ms"]) > 2000  # forty-odd tokens owed, at half a token a second
 
 
+async def test_a_token_refusal_says_to_retry_once_the_bucket_holds_the_request_s_reservation(tmp_path):
+    """Ten tokens a second; the first answer leaves the tenant in debt. A refused request that
+    reserves about 500 tokens more than another is told to wait about 50 s more (a retry at the
+    first token back would only deepen the debt)."""
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 600})
+    async with nodes_and_gateway(tmp_path, node_specs(1, tokens=700), extra=extra) as (_, gateway):
+        url, key = gateway.url + "/v1/chat/completions", {"authorization": "Bearer key-a"}
+        assert (await gateway.http.post(url, json={"model": MODEL, "messages": HI}, headers=key)).status_code == 200
+        small, large = [
+            await gateway.http.post(url, json={"model": MODEL, "messages": HI, "max_tokens": tokens}, headers=key)
+            for tokens in (1, 501)
+        ]
+    assert small.status_code == large.status_code == 429
+    waits = [int(response.headers["retry-after-ms"]) for response in (small, large)]
+    assert waits[1] - waits[0] > 40_000  # 500 tokens at 10 a second, less what refilled between the two
+
+
 async def test_a_stream_asks_the_node_for_usage_and_the_client_does_not_see_it(tmp_path):
     """The client did not ask for usage: the node is asked, its usage chunk is settled and left
     out of the client's stream, every other event unchanged."""
@@ -209,6 +226,8 @@ async def test_requests_in_flight(tmp_path):
         records = await records_for(gateway, decisions, 3)
     assert first.choices and after.choices
     assert "in flight" in refused.value.message
+    headers = refused.value.response.headers  # the limit that refused, not only the others
+    assert (headers["x-ratelimit-limit-in-flight"], headers["x-ratelimit-remaining-in-flight"]) == ("1", "0")
     refusal = next(record.admission for record in records if record.status == 429)
     assert (refusal.refused_by, refusal.limit, refusal.remaining) == ("in_flight", 1, 0)
 
