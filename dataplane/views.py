@@ -45,7 +45,8 @@ class ConfigView:
         self.body_idle_timeout = gateway.request_body_idle_timeout
         self.response_body_timeout = gateway.response_body_timeout
         self.buffer_limit = gateway.response_buffer_limit
-        self.decision_log = bool(gateway.decision_log)
+        self.decision_log = bool(gateway.decision_log) or config.fleet is not None
+        """Whether decisions are recorded: to the decision log, and in a fleet always (to its stream)."""
         routing = config.routing
         self.cluster_policy = routing.policy
         self.model_policies = {model.name: config.model_policy(model.name) for model in config.models.available}
