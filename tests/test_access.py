@@ -338,7 +338,7 @@ async def test_serve_with_workers_checks_client_keys_and_sends_upstream_keys(tmp
                 cwd=PROJECT_ROOT, stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
         try:
-            async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
                 await answered_by_every_worker(http, url, decisions, CLIENT_KEY)
                 refused = await http.post(url + CHAT, json=chat())
                 assert refused.status_code == 401

@@ -323,7 +323,7 @@ async def test_limits_hold_for_the_host_across_two_workers(tmp_path):
         async def client() -> None:
             # A new connection per request, so that the kernel hands them to both workers.
             for _ in range(10):
-                async with httpx.AsyncClient(trust_env=False, timeout=10) as http:
+                async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
                     response = await http.post(
                         gateway.url + "/v1/chat/completions",
                         json={"model": MODEL, "messages": HI},

@@ -164,7 +164,7 @@ async def held_node_gateway(
 async def holding_the_node(gateway: Gateway | SimulatedNode, key: str = "") -> AsyncIterator[None]:
     """A stream in flight to the node, through the gateway (with client key `key`, if given) or
     straight to the node, until the block ends (its client then goes away)."""
-    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         body = chat(stream=True, max_tokens=1000)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as response:
@@ -367,7 +367,7 @@ async def test_a_request_goes_to_the_node_with_room_not_to_a_full_one_and_verify
 async def held_stream(gateway: Gateway, request_id: str, key: str) -> AsyncIterator[str]:
     """A stream of client key `key` in flight through the gateway until the block ends (its
     client then goes away); yields the name of the node that serves it."""
-    async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         headers = {"Authorization": f"Bearer {key}", "X-Request-Id": request_id}
         body = chat(stream=True, max_tokens=1000)
         async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as response:

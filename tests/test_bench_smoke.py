@@ -53,7 +53,7 @@ def sse_data(text: str) -> list[str]:
 
 def test_the_upstream_answers_probes_completions_and_streams(upstream):
     base = f"http://127.0.0.1:{upstream.port}"
-    with httpx.Client(timeout=5) as client:
+    with httpx.Client(timeout=60) as client:
         assert client.get(base + "/health").status_code == 200
         assert [model["id"] for model in client.get(base + "/v1/models").json()["data"]] == [MODEL]
         assert 'gpu="GPU-bench-0"' in client.get(base + "/metrics").text
@@ -103,7 +103,7 @@ def test_wrk_drives_the_upstream(upstream, tmp_path):
 def test_nginx_proxies_to_the_upstream_and_stops_with_its_worker(processes, upstream, tmp_path):
     nginx = start_nginx(processes, tmp_path, None, upstream)
     assert len(nginx.pids()) == 2  # the master and one worker
-    with httpx.Client(timeout=5) as client:
+    with httpx.Client(timeout=60) as client:
         stream = client.post(nginx.url, json={"model": MODEL, "stream": True})
     assert sse_data(stream.text)[-1] == "[DONE]"
     processes.stop(nginx.process)

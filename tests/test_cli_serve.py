@@ -126,7 +126,7 @@ async def test_workers_log_at_the_leaders_level_and_format(tmp_path, level):
         config_path.write_text(config_text(nodes, models=[(MODEL, ""), ("unserved", "")], workers=2))
         options = ("--config", str(config_path), "--port", str(api), "--log-format", "text", "--log-level", level)
         async with interlock_serve(*options) as gateway:
-            async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+            async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
                 with trio.fail_after(60):
                     while True:  # until the node's models are discovered and both workers listen
                         try:
@@ -324,7 +324,7 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllm
         config_path.write_text(config.replace('"var/events.jsonl"', f'"{tmp_path}/var/events.jsonl"'))
         api = free_port()
         options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--metrics-listen", "127.0.0.1:0")
-        async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False, timeout=5) as client:
+        async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False, timeout=60) as client:
             url = f"http://127.0.0.1:{api}"
             with trio.fail_after(60):
                 while True:  # until the nodes' model lists are in: no model is configured

@@ -274,7 +274,7 @@ async def test_a_second_signal_during_the_drain_forces_the_shutdown_and_still_ex
         async with serve_process(config_path) as gateway:
             await gateway.wait_for_log("metrics server listening")
             received = b""
-            async with httpx.AsyncClient(timeout=30) as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 url = f"http://127.0.0.1:{api_port}{CHAT}"
                 async with client.stream("POST", url, json=chat(stream=True)) as stream:
                     chunks = stream.aiter_bytes()

@@ -34,7 +34,7 @@ from fixtures.node import (
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "m1"
-SHORT_READ = httpx.Timeout(5.0, read=0.2)
+SHORT_READ = httpx.Timeout(60.0, read=0.2)
 GPU_GAUGES = ("gpu_memory_used_bytes", "gpu_memory_total_bytes", "gpu_utilization_percent", "gpu_temperature_celsius")
 
 
@@ -48,7 +48,7 @@ def chat_body(stream: bool = False, **extra) -> dict:
 
 @asynccontextmanager
 async def node_with_client(
-    name: str = "n1", timeout: httpx.Timeout | float = 5.0, **behaviour
+    name: str = "n1", timeout: httpx.Timeout | float = 60.0, **behaviour
 ) -> AsyncIterator[tuple[SimulatedNode, httpx.AsyncClient]]:
     """A node serving MODEL and "m2", and an httpx client for its vLLM port."""
     async with serve_node(spec(name, **behaviour)) as node:
@@ -134,7 +134,7 @@ async def test_many_nodes_in_one_run_each_on_its_own_ports():
 
 
 async def test_exit_closes_listeners_and_open_connections():
-    async with httpx.AsyncClient(timeout=5) as client:
+    async with httpx.AsyncClient(timeout=60) as client:
         async with trio.open_nursery() as nursery:
             async with serve_node(spec(health="hang")) as node:
                 url = node.url

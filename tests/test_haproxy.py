@@ -129,7 +129,7 @@ async def test_haproxy_sends_requests_only_to_ready_replicas(tmp_path):
     ):
         with refusing_address() as down:
             replicas = [address(gateway_a.url), address(gateway_b.url), "127.0.0.1:%d" % down.getsockname()[1]]
-            async with running_haproxy(tmp_path, replicas) as haproxy, httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            async with running_haproxy(tmp_path, replicas) as haproxy, httpx.AsyncClient(timeout=60, trust_env=False) as http:
                 # A replica that is down gets nothing, even before its checks have failed: a
                 # refused connection is retried on another replica.
                 assert set(await served_by(http, haproxy.url, 10)) == {"a1", "b1"}

@@ -87,7 +87,7 @@ async def test_a_second_gateway_on_the_same_logs_exits_1_naming_the_log_and_its_
         second_config.write_text(config_text(nodes, **keys))
         async with serve_process(first_config.path) as first:
             await first.wait_for_log("metrics server listening")
-            async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
                 assert (await http.post(f"http://{first_config.api}{CHAT}", json=chat())).status_code == 200
                 seq = int((await http.get(f"http://{first_config.api}/health")).headers["X-Interlock-Seq"])
             if "event_log" in logs:  # written: every event so far, and the request's decision record
@@ -141,7 +141,7 @@ async def test_short_and_failed_writes_leave_both_logs_whole_counted_and_logged_
         config = GatewayFile(tmp_path / "gateway.toml", nodes, **keys)
         async with (
             serve_process(config.path, preexec_fn=file_size_limit(limit)) as gateway,
-            httpx.AsyncClient(timeout=10, trust_env=False) as http,
+            httpx.AsyncClient(timeout=60, trust_env=False) as http,
         ):
             await gateway.wait_for_log("metrics server listening")
 

@@ -286,7 +286,7 @@ async def test_workers_route_by_policy_and_record_which_worker_chose(tmp_path):
     ) as (nodes, gateway):
         busy, idle = nodes
         await gateway.discovered()
-        async with held_requests(busy, 2), httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        async with held_requests(busy, 2), httpx.AsyncClient(timeout=60, trust_env=False) as http:
             await seen_busy(gateway, busy, 2)
             seq = gateway.control_plane.snapshot.seq
             while min(int(answer.headers["x-interlock-seq"]) for answer in (await health_by_worker(gateway.url, (1, 2))).values()) < seq:

@@ -154,7 +154,7 @@ async def test_every_dashboard_query_has_data_per_instance_from_a_real_prometheu
                 stderr=subprocess.STDOUT,
             )
         try:
-            async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=60, trust_env=False) as http:
 
                 async def traffic() -> None:
                     """Streamed and whole requests in pairs, so each node gets both."""

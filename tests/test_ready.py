@@ -136,7 +136,7 @@ async def ready_by_worker(url: str, workers: set[int], status: int) -> None:
     """A `/ready` answer with `status` from each of `workers`, on new connections (the kernel
     hands each to whichever worker accepts it first)."""
     answered: set[int] = set()
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         for _ in range(300):
             response = await http.get(url + "/ready", headers={"Connection": "close"})
             if response.status_code == status:

@@ -22,7 +22,7 @@ HI = [{"role": "user", "content": "hi"}]
 
 
 async def _ready(url: str) -> None:
-    async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as client:
         await wait_until_ready(client, url)
 
 
@@ -64,7 +64,7 @@ async def test_a_stream_open_when_the_grace_ends_gets_the_error_event_and_a_prop
             url = f"http://127.0.0.1:{api}"
             await _ready(url)
             request = {"model": MODEL, "messages": HI, "stream": True}
-            async with _sdk(url) as client, httpx.AsyncClient(trust_env=False, timeout=30) as raw_client:
+            async with _sdk(url) as client, httpx.AsyncClient(trust_env=False, timeout=60) as raw_client:
                 async with raw_client.stream("POST", url + "/v1/chat/completions", json=request) as raw:
                     stream = await client.chat.completions.create(model=MODEL, messages=HI, stream=True)
                     deltas = [(await anext(stream)).choices[0].delta.content]

@@ -61,7 +61,7 @@ async def test_the_sdk_completes_through_the_https_listener_with_the_ca(tmp_path
         options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--metrics-listen", f"127.0.0.1:{metrics}")
         async with interlock_serve(*options) as gateway:
             url = f"https://127.0.0.1:{api}"
-            async with httpx.AsyncClient(verify=trusting, trust_env=False, timeout=5) as client:
+            async with httpx.AsyncClient(verify=trusting, trust_env=False, timeout=60) as client:
                 await wait_until_ready(client, url)
                 with pytest.raises(httpx.TransportError):  # plain HTTP is not served on it
                     await client.get(f"http://127.0.0.1:{api}/health")

@@ -46,7 +46,7 @@ async def health_by_worker(url: str, workers: Iterable[int], attempts: int = 300
     whichever worker accepts it first)."""
     wanted = set(workers)
     answers: dict[int, httpx.Response] = {}
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         for _ in range(attempts):
             response = await http.get(url + "/health", headers={"Connection": "close"})
             worker = int(response.headers["x-interlock-worker"])
@@ -66,7 +66,7 @@ async def routed_by_every_worker(gateway: Gateway, decisions: Path, *, to: str, 
     """Send requests on new connections until each of `workers` has recorded an attempt on node
     `to` (every request must succeed)."""
     wanted = {(worker, to) for worker in workers}
-    async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+    async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
         for _ in range(300):
             response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
             assert response.status_code == 200
@@ -119,7 +119,7 @@ async def test_a_node_that_dies_under_load_is_avoided_by_every_worker_and_no_req
         statuses: list[int] = []
 
         async def client(count: int) -> None:
-            async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
                 for _ in range(count):
                     statuses.append((await http.post(gateway.url + CHAT, json=chat())).status_code)
 
@@ -134,7 +134,7 @@ async def test_a_node_that_dies_under_load_is_avoided_by_every_worker_and_no_req
         )
         # New connections until both workers have routed requests since the node died (the kernel
         # hands each connection to whichever worker accepts it first).
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
             for _ in range(300):
                 response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
                 statuses.append(response.status_code)
@@ -163,7 +163,7 @@ async def test_a_killed_worker_is_started_again_and_catches_up(tmp_path):
         nodes[0].behaviour.models = "empty"  # news the new worker must learn from the stream
         await gateway.wait_for(lambda: gateway.node(nodes[0].host).models.state == "known_empty")
         await workers_agree_with_leader(gateway, digests, workers=(1, 2))
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
             with trio.fail_after(60):
                 while True:
                     response = await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
@@ -210,7 +210,7 @@ async def test_the_event_log_of_a_run_with_workers_replays_to_the_live_transitio
         await gateway.discovered()
         await health_by_worker(gateway.url, (1, 2))
         nodes[0].behaviour.refuse = True
-        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
             for _ in range(10):
                 await http.post(gateway.url + CHAT, json=chat(), headers={"Connection": "close"})
         await gateway.wait_for(lambda: gateway.logged("node marked offline") and gateway.logged("node health changed"))
@@ -338,7 +338,7 @@ async def test_workers_whose_leader_is_killed_finish_their_streams_and_exit_with
 
         async def stream(tokens: int) -> None:
             body = {**chat("test-model", stream=True), "max_tokens": tokens}
-            async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            async with httpx.AsyncClient(timeout=60, trust_env=False) as http:
                 async with http.stream("POST", url + CHAT, json=body, headers={"Connection": "close"}) as response:
                     assert response.status_code == 200
                     chunks = response.aiter_text()
