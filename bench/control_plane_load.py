@@ -131,17 +131,17 @@ async def _run_control_plane(config_path: str, seconds: float, nodes_pid: int | 
 
     with open(os.devnull, "w") as devnull:
         async with open_control_plane(config_path, version="bench", log=JsonLog(devnull)) as control_plane:
-            node_count = len(control_plane.snapshot.nodes)
+            node_count = len(control_plane.view.snapshot.nodes)
             with trio.move_on_after(READY_TIMEOUT):
-                while ready(control_plane.snapshot) < node_count:
+                while ready(control_plane.view.snapshot) < node_count:
                     await trio.sleep(0.1)
             await trio.sleep(SETTLE_SECONDS)
-            cpu_start, wall_start, seq_start = time.process_time(), time.monotonic(), control_plane.snapshot.seq
+            cpu_start, wall_start, seq_start = time.process_time(), time.monotonic(), control_plane.view.snapshot.seq
             nodes_cpu_start = cpu_seconds(nodes_pids)
             await trio.sleep(seconds)
             cpu, wall = time.process_time() - cpu_start, time.monotonic() - wall_start
             nodes_cpu = cpu_seconds(nodes_pids) - nodes_cpu_start
-            events = control_plane.snapshot.seq - seq_start
+            events = control_plane.view.snapshot.seq - seq_start
             return {
                 "seconds": wall,
                 "cpu_seconds": cpu,
@@ -149,7 +149,7 @@ async def _run_control_plane(config_path: str, seconds: float, nodes_pid: int | 
                 "events": events,
                 "events_per_second": events / wall,
                 "expected_events_per_second": EVENTS_PER_NODE_ROUND * node_count,
-                "ready_nodes": ready(control_plane.snapshot),
+                "ready_nodes": ready(control_plane.view.snapshot),
                 "nodes_process_core_percent": nodes_cpu / wall * 100 if nodes_pids else None,
                 "peak_rss_bytes": peak_rss_bytes([os.getpid()]),
             }

@@ -52,7 +52,7 @@ async def _measure(workers: int, rounds: int) -> list[float]:
             ready = listening[0]
             url = f"http://127.0.0.1:{ready.api[1]}"
             applied: dict[int, float] = {}
-            ready.control_plane.add_listener(
+            ready.control_plane.applier.add_listener(
                 lambda event, state, step: applied.__setitem__(state.seq, event.at)
                 if isinstance(event, UpstreamFailed)
                 else None

@@ -1,11 +1,11 @@
 """A replica of the fleet: the control plane of one host, following the fleet's event stream.
 
-`FleetControlPlane` is a `ControlPlane` whose events are numbered by the fleet's leader, not by
-itself. Its tasks (children of `run`):
+`FleetControlPlane` is a control plane built of the gateway's `ControlPlane`'s parts whose
+events are numbered by the fleet's leader, not by itself. Its tasks (children of `run`):
 
 - the follower applies the event stream in order, each message's batch of events decoded in
   one call and applied in one go through the runtime's own apply path
-  (`ControlPlane.apply_numbered`: the same `reduce`, logs, metrics and listeners, so the
+  (`Applier.apply`: the same `reduce`, logs, metrics and listeners, so the
   replica's workers follow it as they follow a single-host gateway), starting from the newest
   checkpoint. Messages reach it through a bounded `Delivery`: one it has no room for is dropped
   and counted, and the follower reads the stream again from its last whole message. A message
@@ -43,7 +43,9 @@ any event.
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -51,9 +53,16 @@ import nats.js.errors
 import prometheus_client
 import trio
 
+from controlplane.effects.applier import Applier
+from controlplane.effects.control_plane import load_config_logging_unknown_keys
+from controlplane.effects.event_queue import EventQueue
+from controlplane.effects.held_state import HeldState
+from controlplane.effects.lifecycle import Lifecycle
+from controlplane.effects.metrics import ControlPlaneMetrics
+from controlplane.effects.prober import Prober
 from controlplane.effects.probes import ProbeClient
-from controlplane.rules.reducer import INITIAL_STATE, reduce
-from controlplane.effects.control_plane import ControlPlane, Prober, load_config_logging_unknown_keys
+from controlplane.infrastructure.config import NO_OVERRIDES, Overrides
+from controlplane.infrastructure.logs import JsonLog
 from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
@@ -164,11 +173,38 @@ class FleetMetrics:
         )
 
 
-class FleetControlPlane(ControlPlane):
-    """A `ControlPlane` that follows, and when elected leads, the fleet (module docstring)."""
+class FleetControlPlane:
+    """The control plane of one replica: follows, and when elected leads, the fleet (module
+    docstring). Built of the parts of the gateway's `ControlPlane`: the state it holds and the
+    data plane reads (`view`), the apply path (`applier`: the same `reduce`, logs, metrics and
+    listeners), the leader's event queue and prober, the lifecycle and its signals."""
 
-    def __init__(self, config_path, *, config: Config, **kwargs) -> None:
-        super().__init__(config_path, config=config, **kwargs)
+    def __init__(
+        self,
+        config_path: str | os.PathLike[str],
+        *,
+        config: Config,
+        version: str,
+        overrides: Overrides = NO_OVERRIDES,
+        log: JsonLog | None = None,
+        registry: prometheus_client.CollectorRegistry | None = None,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.config_path = os.fspath(config_path)
+        self.version = version
+        self._overrides = overrides
+        self.log = log if log is not None else JsonLog(clock=now)
+        self.registry = registry if registry is not None else prometheus_client.CollectorRegistry()
+        self.metrics = ControlPlaneMetrics(self.registry)
+        self.queue = EventQueue(self.metrics.observations_dropped)
+        """While leading: the prober's events and the replicas' observations, to be appended."""
+        self.view = HeldState(
+            now=now, observe=self._observe, stale_reason=self._stale_reason, fleet_headers=self._fleet_headers
+        )
+        """What the data plane reads (`dataplane.control.ControlPlaneView`)."""
+        self.applier = Applier(self.view, self.log, self.metrics)
+        self.lifecycle = Lifecycle(self.log, reload=self.reload, stop=self.stop)
+        """Its run, stop, reload, and the gateway's signals (it writes no event log: the stream is)."""
         self.fleet: FleetConfig = config.fleet
         self.replica = self.fleet.replica
         self.leader = ""
@@ -204,12 +240,12 @@ class FleetControlPlane(ControlPlane):
         """Seconds since the last event of the fleet was applied (inf before the first)."""
         return float("inf") if self._applied_at is None else time.monotonic() - self._applied_at
 
-    def stale_reason(self) -> str:
+    def _stale_reason(self) -> str:
         """Why this replica may not be routing on the fleet's current state ("" when it is):
         from what the follower and the watch last saw, never waiting on NATS."""
         if self._link is None or not self._link.is_connected:
             return "not connected to NATS"
-        if self._snapshot.seq == 0:
+        if self.view.snapshot.seq == 0:
             return "no event of the fleet applied yet"
         lease = self.fleet.lease
         now = time.monotonic()
@@ -228,18 +264,18 @@ class FleetControlPlane(ControlPlane):
             return f"message {message} of the fleet's event stream is out of sequence ({reason}); read {reads} times"
         return ""
 
-    def fleet_headers(self) -> dict[str, str]:
+    def _fleet_headers(self) -> dict[str, str]:
         """This replica, the leader, and, while this replica may be routing on old state, why
         (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too) or, serving on, why it
         is degraded (`X-Interlock-Degraded`)."""
         headers = {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
-        if stale := self.stale_reason():
+        if stale := self._stale_reason():
             headers["X-Interlock-Stale"] = stale
         if degraded := self.degraded_reason():
             headers["X-Interlock-Degraded"] = degraded
         return headers
 
-    def observe(self, event: Event) -> None:
+    def _observe(self, event: Event) -> None:
         """A data-plane observation, sent to the leader to be numbered; never blocks."""
         if self._link is not None:
             self._link.publish_observation(encode_event(event))
@@ -247,14 +283,13 @@ class FleetControlPlane(ControlPlane):
     # --- lifecycle --------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        if self._started or self._stopping:
-            raise RuntimeError("a ControlPlane runs only once")
-        self._started = True
+        self.lifecycle.start()
         try:
-            own = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=self._own_config)
-            await self.upstream_keys.read(self._own_config)
-            self._snapshot, _ = reduce(INITIAL_STATE, own)  # seq 0: routes on its own config until the fleet's
-            self.upstream_keys.take_up(self._own_config)
+            own = RunStarted(
+                at=self.view.now(), version=self.version, config_path=self.config_path, config=self._own_config
+            )
+            await self.view.upstream_keys.read(self._own_config)
+            self.view.apply(own)  # seq 0: routes on its own config until the fleet's
             self.log.configure(self._own_config.gateway)
             bridge_opened = open_asyncio_thread(
                 self._asyncio_failed, log=self.log, count_failure=self.fleet_metrics.bridge_failures.inc
@@ -275,21 +310,19 @@ class FleetControlPlane(ControlPlane):
                     with trio.CancelScope(shield=True):
                         await self._link.close()
         finally:
-            self._queue_out.close()
-            self._finished.set()
+            self.queue.close()
+            self.lifecycle.finished.set()
 
     async def stop(self) -> None:
         """Leave the fleet (the lease lapses, another replica takes it); idempotent."""
-        self._stopping = True
+        self.lifecycle.stop()
         self._stopped.set()
-        if not self._started:
-            self._finished.set()
-        await self._finished.wait()
+        await self.lifecycle.finished.wait()
 
     async def reload(self) -> bool:
         """SIGHUP: read the config file again; a leader appends it (ConfigReloaded), a follower
         keeps it for when it leads."""
-        if self._shutting_down or self._stopping or not self._started:
+        if not self.lifecycle.may_reload:
             return False
         try:
             config = await load_config_logging_unknown_keys(self.config_path, self.log, self._overrides)
@@ -298,7 +331,7 @@ class FleetControlPlane(ControlPlane):
             return False
         self._own_config = config
         if self.is_leader:
-            await self.emit(ConfigReloaded(at=self.now(), config_path=self.config_path, config=config))
+            await self.queue.emit(ConfigReloaded(at=self.view.now(), config_path=self.config_path, config=config))
         return True
 
     def _nats_client_error(self, description: str) -> None:
@@ -360,7 +393,7 @@ class FleetControlPlane(ControlPlane):
                     )
                     return
                 try:
-                    events = continuing_events(message.data, self._snapshot.seq + 1)
+                    events = continuing_events(message.data, self.view.snapshot.seq + 1)
                 except MessageSetAside as aside:
                     if aside.kind == OUT_OF_SEQUENCE and self._reads_of(message.seq) < OUT_OF_SEQUENCE_RETRIES:
                         raise OutOfSequence(message.seq, aside) from None
@@ -394,7 +427,7 @@ class FleetControlPlane(ControlPlane):
             self.fleet_metrics.messages_set_aside.labels("checkpoints", "undecodable").inc()
             self.log.warn("fleet: the newest checkpoint set aside", error=str(error))
             checkpoint = None
-        if checkpoint is not None and checkpoint.seq >= self._snapshot.seq:
+        if checkpoint is not None and checkpoint.seq >= self.view.snapshot.seq:
             await self._apply_fleet_events([checkpoint])
             self._message_followed(stored.message_seq)
             self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
@@ -420,8 +453,8 @@ class FleetControlPlane(ControlPlane):
         if not events:
             return
         for event in events:
-            await self.upstream_keys.read_before(event)
-            self.apply_numbered(event)
+            await self.view.upstream_keys.read_before(event)
+            self.applier.apply(event)
         self._applied_at = time.monotonic()
         self._applied.set()
         self._applied = trio.Event()
@@ -458,14 +491,14 @@ class FleetControlPlane(ControlPlane):
             if behind and self._following is not None and now - quiet_since > self.fleet.lease:
                 self.log.warn(
                     "fleet: the follower stalled; resubscribing",
-                    applied=self._snapshot.seq,
+                    applied=self.view.snapshot.seq,
                     applied_message=self._applied_message_seq,
                     stream_last_message=last,
                 )
                 self._following.cancel()
 
     async def _applied_through(self, seq: int) -> None:
-        while self._snapshot.seq < seq:
+        while self.view.snapshot.seq < seq:
             await self._applied.wait()
 
     async def _stream_end(self) -> StreamEnd:
@@ -474,7 +507,7 @@ class FleetControlPlane(ControlPlane):
         _, message_seq = await self._link.message_seqs()
         while self._applied_message_seq < message_seq:
             await self._followed.wait()
-        return StreamEnd(message_seq, self._snapshot.seq)
+        return StreamEnd(message_seq, self.view.snapshot.seq)
 
     # --- leading ----------------------------------------------------------------------------
 
@@ -512,7 +545,7 @@ class FleetControlPlane(ControlPlane):
                     nursery.start_soon(self._renew, term)
                     nursery.start_soon(self._hold_office, client, term)
         finally:
-            self._prober = None
+            self.applier.prober = None
             self.is_leader = False
             self.fleet_metrics.leader.set(0)
             self.log.info("fleet: following", replica=self.replica)
@@ -538,15 +571,15 @@ class FleetControlPlane(ControlPlane):
             last = await self._stream_end()
             config = self._own_config
             if last.event_seq == 0:
-                fence: Event = RunStarted(at=self.now(), version=self.version, config_path=self.config_path, config=config)
+                fence: Event = RunStarted(at=self.view.now(), version=self.version, config_path=self.config_path, config=config)
             else:
-                fence = ConfigReloaded(at=self.now(), config_path=self.config_path, config=config)
+                fence = ConfigReloaded(at=self.view.now(), config_path=self.config_path, config=config)
             last = await self._append([fence], [numbered(fence, last.event_seq + 1)], last)
             await self._applied_through(last.event_seq)
             await self._link.publish_checkpoint(self._checkpoint())
             async with trio.open_nursery() as nursery:
-                self._prober = Prober(client, self)
-                await nursery.start(self._prober.run)
+                self.applier.prober = Prober(client, self.view, self.queue.emit)
+                await nursery.start(self.applier.prober.run)
                 await nursery.start(self._number_observations)
                 nursery.start_soon(self._checkpoints)
                 while True:
@@ -561,7 +594,7 @@ class FleetControlPlane(ControlPlane):
 
     async def _number_observations(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Subscribe to the replicas' observations (started once subscribed) and put them in the
-        leader's queue, as its own data plane's go (`ControlPlane.observe`: a full queue drops
+        leader's queue, as its own data plane's go (`EventQueue.observe`: a full queue drops
         and counts); one that does not decode is set aside (logged, counted)."""
         dropped = self.metrics.observations_dropped
         observations = self._link.delivery(OBSERVATION_BUFFER, on_drop=dropped.inc, lossy=True)
@@ -576,7 +609,7 @@ class FleetControlPlane(ControlPlane):
                     self.fleet_metrics.messages_set_aside.labels("observations", "undecodable").inc()
                     self.log.warn("fleet: an observation set aside", reason=f"does not decode: {error}")
                     continue
-                ControlPlane.observe(self, event)
+                self.queue.observe(event)
         finally:
             observations.close()
             with trio.CancelScope(shield=True):
@@ -591,7 +624,7 @@ class FleetControlPlane(ControlPlane):
         lines: list[bytes] = []
         waiting: list[trio.Event] = []
         size = 0
-        item = await self._queue_out.receive()
+        item = await self.queue.receive()
         await trio.sleep_until(self._last_append_started + APPEND_INTERVAL)  # the interval's events, together
         self._last_append_started = trio.current_time()
         while True:
@@ -604,7 +637,7 @@ class FleetControlPlane(ControlPlane):
             if len(lines) == BATCH_EVENTS or size >= BATCH_BYTES:
                 break
             try:
-                item = self._queue_out.receive_nowait()
+                item = self.queue.receive_nowait()
             except trio.WouldBlock:
                 break
         last = await self._append(events, lines, last)
@@ -637,7 +670,7 @@ class FleetControlPlane(ControlPlane):
 
     def _checkpoint(self) -> StoredCheckpoint:
         """The state now, with the last message it includes every event of."""
-        return StoredCheckpoint(encode_event(Checkpoint.of(self._snapshot)), self._applied_message_seq)
+        return StoredCheckpoint(encode_event(Checkpoint.of(self.view.snapshot)), self._applied_message_seq)
 
     async def _checkpoints(self) -> None:
         while True:

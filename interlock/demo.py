@@ -165,11 +165,11 @@ async def _demo(
 async def _first_request(listening: Listening) -> bool:
     control_plane = listening.control_plane
     with trio.move_on_after(DISCOVERY_TIMEOUT):
-        while any(node.models.state == Discovery.UNTRIED for node in control_plane.snapshot.nodes.values()):
+        while any(node.models.state == Discovery.UNTRIED for node in control_plane.view.snapshot.nodes.values()):
             await trio.sleep(0.05)
     host, port = listening.api
     base = f"http://{host}:{port}"
-    model = control_plane.snapshot.config.models.default
+    model = control_plane.view.snapshot.config.models.default
     body = {"model": model, "messages": [{"role": "user", "content": QUESTION}]}
     print(f"\ngateway listening on {base} (metrics on http://{listening.metrics[0]}:{listening.metrics[1]}/metrics)")
     print(f"> POST {base}/v1/chat/completions  model={model}  \"{QUESTION}\"")
@@ -204,8 +204,8 @@ def _print_why_it_stopped(log: _DemoLog, log_path: Path | None) -> None:
 
 def _print_what_next(listening: Listening, *, once: bool, log_path: Path | None) -> None:
     """What to try: requests of your own while the gateway serves, and `explain` on what it recorded."""
-    gateway = listening.control_plane.snapshot.config.gateway
-    model = listening.control_plane.snapshot.config.models.default
+    gateway = listening.control_plane.view.snapshot.config.gateway
+    model = listening.control_plane.view.snapshot.config.models.default
     interlock = Path(sys.executable).with_name("interlock")
     command = str(interlock) if interlock.exists() else "interlock"
     if not once:

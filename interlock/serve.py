@@ -43,7 +43,8 @@ import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as th
 from controlplane.infrastructure.config import NO_OVERRIDES, ConfigError, Overrides
 from controlplane.infrastructure.gocompat import parse_listen_address
 from controlplane.infrastructure.logs import JsonLog
-from controlplane.effects.control_plane import HANDLED_SIGNALS, ControlPlane, load_config_logging_unknown_keys, open_control_plane
+from controlplane.effects.control_plane import ControlPlane, load_config_logging_unknown_keys, open_control_plane
+from controlplane.effects.lifecycle import HANDLED_SIGNALS
 from dataplane.asgi import ApiApp
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, NumberedRecords, open_decision_log
@@ -172,14 +173,14 @@ async def _run(
     workers: int,
     decisions: DecisionLog | None,
 ) -> int:
-    config = control_plane.snapshot.config
+    config = control_plane.view.snapshot.config
     _log_topology(log, config)
     recorder = decision_recorder(control_plane, decisions)
     stop_listening = trio.Event()
     drained = trio.Event()
 
     def shutdown_grace() -> float:
-        return control_plane.snapshot.config.gateway.shutdown_grace
+        return control_plane.view.snapshot.config.gateway.shutdown_grace
 
     async def drain() -> None:
         """SIGTERM's step before the control plane stops: both listeners stop accepting and
@@ -190,7 +191,7 @@ async def _run(
     async def serve_api(api_socket: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """This process serves the API, or its workers do (then until `stop_listening`)."""
         if workers == 1:
-            async with api_application(control_plane, log, recorder, registry=registry) as app:
+            async with api_application(control_plane.view, log, recorder, registry=registry) as app:
                 await serve_on_socket(
                     app,
                     api_socket,
@@ -236,7 +237,7 @@ async def _run(
                 )
                 log.info("metrics server listening", addr=config.gateway.metrics_listen)
                 handle_signals = partial(
-                    control_plane.serve_signals,
+                    control_plane.lifecycle.serve_signals,
                     signals,
                     before_stop=drain,
                     force=listeners.cancel_scope.cancel,

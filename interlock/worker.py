@@ -94,7 +94,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
     if not isinstance(first, Checkpoint):
         log.error("worker got no checkpoint from the leader")
         return EXIT_OUT_OF_STEP
-    await follower.upstream_keys.read_before(first)
+    await follower.view.upstream_keys.read_before(first)
     follower.apply(first)
     _follow_log_settings(log, follower)
     stop = trio.Event()
@@ -120,10 +120,10 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
                 if isinstance(event, QuotaGrant):
                     leases.granted(event)
                     continue
-                await follower.upstream_keys.read_before(event)
-                config = follower.snapshot.config
+                await follower.view.upstream_keys.read_before(event)
+                config = follower.view.snapshot.config
                 follower.apply(event)
-                if follower.snapshot.config is not config:
+                if follower.view.snapshot.config is not config:
                     _follow_log_settings(log, follower)
         except OutOfStep as error:
             log.error("worker out of step with the leader", error=str(error))
@@ -144,7 +144,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
                 return
 
     async with (
-        api_application(follower, log, reports, worker=index, quota=leases) as api_app,
+        api_application(follower.view, log, reports, worker=index, quota=leases) as api_app,
         trio.open_nursery() as nursery,
     ):
         nursery.start_soon(follow)
@@ -155,9 +155,9 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
             api_app,
             api_socket,
             stop,
-            http2=follower.snapshot.config.gateway.http2,
-            tls=tls_files(follower.snapshot.config.gateway),
-            shutdown_grace=lambda: follower.snapshot.config.gateway.shutdown_grace,
+            http2=follower.view.snapshot.config.gateway.http2,
+            tls=tls_files(follower.view.snapshot.config.gateway),
+            shutdown_grace=lambda: follower.view.snapshot.config.gateway.shutdown_grace,
             end_streams=api_app.end_streams,
         )
         nursery.cancel_scope.cancel()
@@ -166,8 +166,8 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
 
 def _follow_log_settings(log: JsonLog, follower: Follower) -> None:
     """The leader's log level and format, from the config in force."""
-    if follower.snapshot.config is not None:
-        log.configure(follower.snapshot.config.gateway)
+    if follower.view.snapshot.config is not None:
+        log.configure(follower.view.snapshot.config.gateway)
 
 
 def main(argv: list[str] | None = None) -> int:

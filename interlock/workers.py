@@ -183,14 +183,14 @@ class WorkerPool:
         self._finished = trio.Event()
         self._status = NOT_IN_A_FLEET
         self._sharing_status = trio.CancelScope()
-        self._tenant_limits = TenantLimits(control_plane.snapshot.config)
+        self._tenant_limits = TenantLimits(control_plane.view.snapshot.config)
         self.leases = LeaseAuthority(self._quota_limits)
         """The host's tenant quota: the workers lease it (`dataplane.quota`)."""
-        control_plane.add_listener(self._fan_out)
+        control_plane.applier.add_listener(self._fan_out)
 
     def _quota_limits(self) -> dict[tuple[str, str], int]:
         """The limits of the config in force, computed once per config."""
-        config = self._control_plane.snapshot.config
+        config = self._control_plane.view.snapshot.config
         if self._tenant_limits.config is not config:
             self._tenant_limits = TenantLimits(config)
         return self._tenant_limits.quota_limits
@@ -207,7 +207,7 @@ class WorkerPool:
         a fleet: a single host's is always NOT_IN_A_FLEET once it runs)."""
         with self._sharing_status:
             while True:
-                status = ReplicaStatus(self._control_plane.fleet_headers(), self._control_plane.stale_reason())
+                status = ReplicaStatus(self._control_plane.view.fleet_headers(), self._control_plane.view.stale_reason())
                 if status != self._status:
                     self._status = status
                     line = encode_status(status) + b"\n"
@@ -223,7 +223,7 @@ class WorkerPool:
         elif isinstance(report, QuotaReturn):
             self.leases.returned(index, report)
         else:
-            self._control_plane.observe(report)
+            self._control_plane.view.observe(report)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep `count` workers running until `stop()`; `started` once each has been launched."""
@@ -267,7 +267,7 @@ class WorkerPool:
         link = _Link(trio.SocketStream(trio.socket.from_stdlib_socket(leader_end)))
         # No checkpoint between reading the snapshot and registering: the worker gets the state
         # at seq S, then every event after S.
-        link.push(encode_event(Checkpoint.of(self._control_plane.snapshot)))
+        link.push(encode_event(Checkpoint.of(self._control_plane.view.snapshot)))
         if self._status != NOT_IN_A_FLEET:
             link.push(encode_status(self._status) + b"\n")
         self._links[index] = link

@@ -236,7 +236,7 @@ class Gateway:
         return [record for record in self.log.records() if record["msg"] == msg]
 
     def node(self, ip: str) -> NodeState:
-        return self.control_plane.snapshot.nodes[ip]
+        return self.control_plane.view.snapshot.nodes[ip]
 
     async def wait_for(self, condition, timeout: float = 60.0) -> None:
         """Poll until `condition()` is true (`timeout` bounds a hang, not the wait: load may make it long)."""
@@ -255,7 +255,7 @@ class Gateway:
         return self.serving.exit_code
 
     def nodes(self) -> list[NodeState]:
-        return self.control_plane.snapshot.node_list()
+        return self.control_plane.view.snapshot.node_list()
 
     async def metrics(self) -> str:
         response = await self.http.get(self.metrics_url + "/metrics")

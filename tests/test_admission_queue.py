@@ -67,14 +67,14 @@ async def full_node_queue(tmp_path: Path) -> AsyncIterator[tuple[AdmissionQueue,
             tmp_path, nodes, node_settings={"n1": {"max_in_flight": 1}}, extra=admission_toml(max_queue_seconds=30)
         )
         async with open_control_plane(config_path, version="test", log=CapturedLog()) as control_plane:
-            views = SnapshotViews(control_plane)
+            views = SnapshotViews(control_plane.view)
             with trio.fail_after(60):
-                while not pick_pool(views.current().route(MODEL).candidates, control_plane.now()):
+                while not pick_pool(views.current().route(MODEL).candidates, control_plane.view.now()):
                     await trio.sleep(0.01)
             ip = nodes[0].host
             occupancy = Occupancy(views)
             occupancy.in_flight[ip] = 1
-            queue = AdmissionQueue(control_plane, views, occupancy, RequestMetrics(CollectorRegistry()))
+            queue = AdmissionQueue(control_plane.view, views, occupancy, RequestMetrics(CollectorRegistry()))
             yield queue, views, occupancy.in_flight, ip
 
 

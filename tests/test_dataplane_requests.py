@@ -262,7 +262,7 @@ async def test_a_refused_connection_is_retried_on_the_next_node_which_is_marked_
         retries = gateway.logged("retrying after connection failure")
         assert len(retries) == 1  # later requests skip the offline node
         assert retries[0]["node"] == refused and retries[0]["level"] == "info" and retries[0]["error"]
-        assert gateway.node(refused).is_offline(gateway.control_plane.now())
+        assert gateway.node(refused).is_offline(gateway.control_plane.view.now())
         assert [line["node"] for line in gateway.logged("node marked offline")] == [refused]
         assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="502"}') == 1
         assert await gateway.metric('gateway_proxy_attempts_total{model="test-model",status="200"}') == 4
@@ -360,7 +360,7 @@ async def test_with_retry_unanswered_a_node_that_never_answers_is_retried_after_
         retries = gateway.logged("retrying after connection failure")
         assert {(retry["node"], retry["error"]) for retry in retries} == {(nodes[0].host, "timeout awaiting response headers")}
         # Slow is not down: the node stays online (and so is tried again by the second request).
-        assert len(retries) == 2 and not gateway.node(nodes[0].host).is_offline(gateway.control_plane.now())
+        assert len(retries) == 2 and not gateway.node(nodes[0].host).is_offline(gateway.control_plane.view.now())
 
 
 async def test_a_node_slower_than_the_response_timeout_gets_a_504_tried_once_and_stays_online(tmp_path):
@@ -372,7 +372,7 @@ async def test_a_node_slower_than_the_response_timeout_gets_a_504_tried_once_and
         assert response.json()["error"]["code"] == "upstream_timeout"
         assert error_message(response) == "upstream node did not answer in time"
         assert sum(len(completions_to(node)) for node in nodes) == 1  # retry_unanswered is off
-        now = gateway.control_plane.now()
+        now = gateway.control_plane.view.now()
         assert not any(gateway.node(node.host).is_offline(now) for node in nodes)
         assert not gateway.logged("node marked offline")
 
@@ -541,17 +541,17 @@ async def test_a_decision_records_the_nodes_the_attempt_loop_passed_over_when_it
             new_upstream_pool() as pool,
             trio.open_nursery() as nursery,
         ):
-            decisions = open_decision_log(control_plane.snapshot.config.gateway, log, CollectorRegistry())
+            decisions = open_decision_log(control_plane.view.snapshot.config.gateway, log, CollectorRegistry())
             nursery.start_soon(decisions.appender.run)
-            proxy = Proxy(control_plane, pool, RequestMetrics(CollectorRegistry()), log, decisions)
+            proxy = Proxy(control_plane.view, pool, RequestMetrics(CollectorRegistry()), log, decisions)
             n1 = nodes[0].host
-            control_plane.observe(UpstreamFailed(node=n1, error="refused", at=clock[0]))
+            control_plane.view.observe(UpstreamFailed(node=n1, error="refused", at=clock[0]))
             with trio.fail_after(60):
-                while not control_plane.snapshot.nodes[n1].offline_until:
+                while not control_plane.view.snapshot.nodes[n1].offline_until:
                     await trio.sleep(0.01)
             arrived = clock[0] + 1
             clock[0] += OFFLINE_SECONDS + 1
-            view = SnapshotViews(control_plane).current()
+            view = SnapshotViews(control_plane.view).current()
             headers = forward_headers([], "127.0.0.1", "late-pick")
             exchange = Exchange(
                 request_id="late-pick",

@@ -40,7 +40,7 @@ CHAT = "/v1/chat/completions"
 async def test_sighup_mid_stream_the_stream_finishes_on_the_old_snapshot_and_new_requests_use_the_new(tmp_path):
     specs = node_specs(2, tokens=20, tpot=0.05)
     async with nodes_and_gateway(tmp_path, specs[:1]) as (_, gateway), serve_nodes(specs[1:]) as [second]:
-        first = gateway.control_plane.snapshot.nodes
+        first = gateway.control_plane.view.snapshot.nodes
         async with gateway.http.stream("POST", gateway.url + CHAT, json=chat(stream=True)) as old_stream:
             assert old_stream.headers["x-served-by"] == "n1"
             chunks = old_stream.aiter_text()
@@ -50,7 +50,7 @@ async def test_sighup_mid_stream_the_stream_finishes_on_the_old_snapshot_and_new
             gateway.config_path.write_text(config_text([second], models=[(MODEL, ""), ("extra", "")]))
             os.kill(os.getpid(), signal.SIGHUP)
             await gateway.wait_for(lambda: gateway.logged("config reloaded"))
-            assert list(gateway.control_plane.snapshot.nodes) == [second.host] != list(first)
+            assert list(gateway.control_plane.view.snapshot.nodes) == [second.host] != list(first)
 
             response = await gateway.http.post(gateway.url + CHAT, json=chat())
             assert response.status_code == 200 and response.headers["x-served-by"] == "n2"

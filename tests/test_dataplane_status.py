@@ -82,7 +82,7 @@ async def test_models_lists_the_configured_models_then_those_a_request_could_be_
         # listing agrees with routing (and a configured model stays listed).
         nodes[1].behaviour.refuse = True
         assert (await gateway.http.post(gateway.url + CHAT, json=chat("second-only"))).status_code == 503
-        await gateway.wait_for(lambda: gateway.node(nodes[1].host).is_offline(gateway.control_plane.now()))
+        await gateway.wait_for(lambda: gateway.node(nodes[1].host).is_offline(gateway.control_plane.view.now()))
         listed = [card["id"] for card in (await gateway.http.get(gateway.url + "/v1/models")).json()["data"]]
         assert listed == ["zeta", "alpha", MODEL, "other"]
         gone = await gateway.http.get(gateway.url + "/v1/models/second-only")

@@ -54,7 +54,7 @@ async def test_with_retry_unanswered_a_stream_without_a_first_chunk_is_retried_o
         assert sse_events(response.text)[-1] == "[DONE]"
         [retry] = gateway.logged("retrying after streaming failure before first chunk")
         assert retry == retry | {"node": nodes[0].host, "error": "timed out waiting for first stream chunk", "level": "info"}
-        assert not gateway.node(nodes[0].host).is_offline(gateway.control_plane.now())  # slow is not down
+        assert not gateway.node(nodes[0].host).is_offline(gateway.control_plane.view.now())  # slow is not down
         # The abandoned request was closed on the node.
         with trio.fail_after(60):
             await completions_to(nodes[0])[0].ended.wait()

@@ -119,7 +119,7 @@ async def test_a_follower_fallen_behind_reads_the_stream_again_and_loses_nothing
             config_path, kind=FleetControlPlane, config=config, version="test", log=log
         ) as replica:
             with trio.fail_after(WAIT):
-                while replica.snapshot.seq < 1:
+                while replica.view.snapshot.seq < 1:
                     await trio.sleep(0.01)
             dropped = "interlock_fleet_deliveries_dropped_total"
             events = writer.names.subject("events")
@@ -127,9 +127,9 @@ async def test_a_follower_fallen_behind_reads_the_stream_again_and_loses_nothing
             block_trio_until(lambda: replica.registry.get_sample_value(dropped) > 0, "a message dropped")
             thread.join()
             with trio.fail_after(WAIT):
-                while replica.snapshot.seq < count + 1:
+                while replica.view.snapshot.seq < count + 1:
                     await trio.sleep(0.01)
-            assert replica.snapshot.seq == count + 1
+            assert replica.view.snapshot.seq == count + 1
         await writer.close()
     messages = log.messages()
     assert "fleet: the follower fell behind its deliveries; reading the stream again" in messages

@@ -232,7 +232,7 @@ async def test_the_scrape_sees_the_requests_a_node_is_running(fast_clock, gatewa
         node = nodes[0]
         path = gateway_config(nodes, health_interval="1s", routing=EVERY_SECOND)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            load = lambda: control_plane.snapshot.nodes[node.host].load  # noqa: E731
+            load = lambda: control_plane.view.snapshot.nodes[node.host].load  # noqa: E731
             await eventually(lambda: load().known)
             assert (load().running, load().waiting) == (0.0, 0.0)
             async with httpx.AsyncClient(timeout=None) as http, trio.open_nursery() as nursery:
@@ -257,9 +257,9 @@ async def test_no_load_is_scraped_when_the_interval_is_zero(fast_clock, gateway_
     async with serve_nodes(node_specs(2)) as nodes:
         path = gateway_config(nodes, health_interval="1s", routing=routing)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            assert control_plane.snapshot.config.load_scrape_interval() == 0
+            assert control_plane.view.snapshot.config.load_scrape_interval() == 0
             await eventually(lambda: all(requests_to(node, "/health") >= 5 for node in nodes))
-            loads = [node.load for node in control_plane.snapshot.node_list()]
+            loads = [node.load for node in control_plane.view.snapshot.node_list()]
     assert all(requests_to(node, "/metrics") == 0 for node in nodes)
     assert all(load.scraped_at is None and load.fails == 0 for load in loads)
 
@@ -290,7 +290,7 @@ async def test_a_reload_changes_the_interval_and_the_nodes_scraped(fast_clock, g
             gateway_config([first, added], health_interval="1s", routing={"policy": "power_of_two"})
             assert await control_plane.reload()  # unset under a load-aware policy: the default interval
             await eventually(lambda: scrapes(first) >= stopped_at + 3)
-            assert control_plane.snapshot.config.model_policy(MODEL) == "power_of_two"
+            assert control_plane.view.snapshot.config.model_policy(MODEL) == "power_of_two"
 
 
 async def test_one_scrape_per_node_at_a_time_and_a_hung_one_makes_the_load_unknown(
@@ -306,7 +306,7 @@ async def test_one_scrape_per_node_at_a_time_and_a_hung_one_makes_the_load_unkno
         node.metrics_port = 1  # no GPU exporter: its /metrics scrapes are refused, never counted here
         path = gateway_config([node], health_interval="1s", probe_timeout="30s", routing=EVERY_SECOND)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            state = lambda: control_plane.snapshot.nodes[node.host]  # noqa: E731
+            state = lambda: control_plane.view.snapshot.nodes[node.host]  # noqa: E731
             await eventually(lambda: state().load.fails >= 2, timeout=120)
             assert state().status == Health.HEALTHY  # unknown load is not ill health
             assert "timed out after 30s" in state().load.last_error
@@ -321,14 +321,14 @@ async def test_the_load_gauges_follow_the_scrapes_and_go_with_the_node(fast_cloc
         kept, removed = nodes
         path = gateway_config(nodes, health_interval="1s", routing=EVERY_SECOND)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            await eventually(lambda: all(node.load.known for node in control_plane.snapshot.node_list()))
+            await eventually(lambda: all(node.load.known for node in control_plane.view.snapshot.node_list()))
             for node in nodes:
                 assert sample(control_plane, "interlock_node_load_known", node=node.host) == 1
                 assert sample(control_plane, "interlock_node_requests_running", node=node.host) == 0
                 assert sample(control_plane, "interlock_node_requests_waiting", node=node.host) == 0
                 assert 0 <= sample(control_plane, "interlock_node_kv_cache_usage", node=node.host) <= 1
             kept.behaviour.refuse = True
-            await eventually(lambda: not control_plane.snapshot.nodes[kept.host].load.known)
+            await eventually(lambda: not control_plane.view.snapshot.nodes[kept.host].load.known)
             assert sample(control_plane, "interlock_node_load_known", node=kept.host) == 0
             assert sample(control_plane, "interlock_node_requests_running", node=kept.host) == 0  # as last known
             gateway_config([kept], health_interval="1s", routing=EVERY_SECOND)
@@ -346,7 +346,7 @@ async def test_replaying_a_live_log_with_load_scrapes_reproduces_its_transition_
         options = {"health_interval": "1s", "health_fail_threshold": 2, "event_log": str(event_log)}
         path = gateway_config(nodes, routing=EVERY_SECOND, **options)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            node = lambda ip: control_plane.snapshot.nodes[ip]  # noqa: E731
+            node = lambda ip: control_plane.view.snapshot.nodes[ip]  # noqa: E731
             await eventually(lambda: node(flaky.host).load.known and node(steady.host).load.known)
             flaky.behaviour.refuse = True
             await eventually(lambda: node(flaky.host).load.fails >= 2 and node(flaky.host).status == Health.DEAD)
@@ -354,8 +354,8 @@ async def test_replaying_a_live_log_with_load_scrapes_reproduces_its_transition_
             await eventually(lambda: node(flaky.host).load.known and node(flaky.host).status == Health.HEALTHY)
             gateway_config(nodes, routing={"load_scrape_interval": "2s", "policy": "least_load"}, **options)
             assert await control_plane.reload()
-            seq = control_plane.snapshot.seq
-            await eventually(lambda: control_plane.snapshot.seq > seq + 10)
+            seq = control_plane.view.snapshot.seq
+            await eventually(lambda: control_plane.view.snapshot.seq > seq + 10)
     live = [line for line in json_log.lines() if '"seq":' in line]
     replayed = replay([event_log])
     assert [transition.log_line() for transition in replayed.transitions] == live

@@ -250,9 +250,9 @@ async def test_a_segment_deleted_or_moved_away_is_noticed_and_the_logs_go_on_in_
         # The new event-log segment is self-contained: it opens with the whole state.
         [second_events] = list_segments(event_log)
         assert isinstance(decode_event(next(segment_lines(second_events))), Checkpoint)
-        seq = gateway.control_plane.snapshot.seq
-        await gateway.wait_for(lambda: gateway.control_plane.snapshot.seq > seq + 5)
-    live = gateway.control_plane.snapshot
+        seq = gateway.control_plane.view.snapshot.seq
+        await gateway.wait_for(lambda: gateway.control_plane.view.snapshot.seq > seq + 5)
+    live = gateway.control_plane.view.snapshot
     warnings: list[str] = []
     replayed = replay([event_log], warn=warnings.append)
     assert Checkpoint.of(replayed.state).digest() == Checkpoint.of(live).digest()
@@ -289,7 +289,7 @@ async def test_retention_removes_the_oldest_segments_and_replay_explain_and_audi
                 await trio.sleep(0.05)
         os.kill(os.getpid(), signal.SIGTERM)
         assert await gateway.exited() == 0
-    live = gateway.control_plane.snapshot
+    live = gateway.control_plane.view.snapshot
     removed = {record["path"] for record in gateway.logged("event log segment removed by retention")}
     segments = list_segments(event_log)
     assert removed and not removed & {str(segment) for segment in segments}

@@ -129,7 +129,7 @@ async def test_serve_starts_after_a_deeply_nested_last_line_and_numbers_on_from_
     with_line(log.parent, SCENARIO, None, DEEP_MEMBER).rename(log.with_name("events.000001.jsonl"))
     async with nodes_and_gateway(tmp_path, node_specs(1), event_log=str(log)) as (_, gateway):
         await gateway.discovered()
-        assert gateway.control_plane.snapshot.seq > 278
+        assert gateway.control_plane.view.snapshot.seq > 278
     newest = list_segments(log)[-1]
     assert newest.name == "events.000002.jsonl"
     assert decode_event(newest.read_bytes().split(b"\n")[0]).seq == 279

@@ -97,7 +97,7 @@ async def test_a_gpu_exporter_reporting_more_gpus_than_the_cap_is_a_scrape_error
     specs[1].behaviour.gpus = MAX_GPUS_PER_SCRAPE
     async with nodes_and_gateway(tmp_path, specs, health_interval="1s") as (nodes, gateway):
         scrapes: list[GpuScraped] = []
-        gateway.control_plane.add_listener(
+        gateway.control_plane.applier.add_listener(
             lambda event, state, step: scrapes.append(event) if isinstance(event, GpuScraped) else None
         )
         await gateway.wait_for(lambda: {scrape.node for scrape in scrapes} == {node.host for node in nodes})
@@ -141,7 +141,7 @@ async def test_nodes_listing_20000_models_keep_the_gateway_answering_and_the_met
             lambda: all(node.models.state == Discovery.KNOWN for node in gateway.nodes()), timeout=60
         )
         assert (await gateway.http.get(gateway.url + "/health")).status_code == 200
-        labelled = metric_models(gateway.control_plane.snapshot)
+        labelled = metric_models(gateway.control_plane.view.snapshot)
         assert len(labelled) == 1 + MAX_DISCOVERED_MODEL_LABELS
         unlabelled = next(model for model in specs[0].models if model not in labelled)
         discovered = next(model for model in sorted(labelled) if model != MODEL)

@@ -52,7 +52,7 @@ async def seen_busy(gateway: Gateway, node: SimulatedNode, queued: int) -> None:
 async def scraped_idle(gateway: Gateway) -> None:
     """Until every node's last scrape, taken from now on, says it runs nothing: the next decision
     sees idle nodes, not a scrape taken while the last request ran."""
-    moment = gateway.control_plane.now()
+    moment = gateway.control_plane.view.now()
     await gateway.wait_for(
         lambda: all(node.load.scraped_at > moment and node.load.queued == 0 for node in gateway.nodes())
     )
@@ -288,7 +288,7 @@ async def test_workers_route_by_policy_and_record_which_worker_chose(tmp_path):
         await gateway.discovered()
         async with held_requests(busy, 2), httpx.AsyncClient(timeout=60, trust_env=False) as http:
             await seen_busy(gateway, busy, 2)
-            seq = gateway.control_plane.snapshot.seq
+            seq = gateway.control_plane.view.snapshot.seq
             while min(int(answer.headers["x-interlock-seq"]) for answer in (await health_by_worker(gateway.url, (1, 2))).values()) < seq:
                 await trio.sleep(0.01)
             workers: Counter[int] = Counter()

@@ -84,14 +84,14 @@ def test_without_configured_models_the_models_the_nodes_list_count():
 
 def test_a_follower_is_current_from_its_first_checkpoint_until_marked_stale():
     follower = Follower(report=lambda event: None)
-    assert follower.stale_reason() == "no checkpoint from the leader yet"
+    assert follower.view.stale_reason() == "no checkpoint from the leader yet"
     state, _, _ = apply([run_started(RING_CONFIG)], INITIAL_STATE)
     follower.apply(Checkpoint.of(state))
-    assert follower.stale_reason() == ""
+    assert follower.view.stale_reason() == ""
     follower.mark_stale("the leader's event stream ended")
-    assert follower.stale_reason() == "the leader's event stream ended"
+    assert follower.view.stale_reason() == "the leader's event stream ended"
     follower.mark_stale("")
-    assert follower.stale_reason() == ""
+    assert follower.view.stale_reason() == ""
 
 
 # --- through the server ----------------------------------------------------------------------------

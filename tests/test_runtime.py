@@ -18,7 +18,8 @@ from controlplane.infrastructure.config import ConfigError
 from controlplane.infrastructure.logs import JsonLog
 from controlplane.effects.probes import MAX_BODY_BYTES, MISSING_DATA, ProbeError, parse_gpu_metrics, parse_model_list
 from controlplane.effects.replay import replay
-from controlplane.effects.control_plane import ControlPlane, next_tick, open_control_plane
+from controlplane.effects.control_plane import ControlPlane, open_control_plane
+from controlplane.effects.prober import next_tick
 from events.log import list_segments, read_events
 from events.state import Discovery, GpuSample, Health
 from events.types import ModelsListed, RunStarted, RunStopped, UpstreamFailed
@@ -69,9 +70,9 @@ async def test_hung_model_listing_never_delays_health_checks(fast_clock, gateway
         path = gateway_config(nodes, health_interval="1s", probe_timeout="30s")
         last_checks = []
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            control_plane.add_listener(lambda event, state, step: last_checks.append(state.nodes[node.host].last_check))
+            control_plane.applier.add_listener(lambda event, state, step: last_checks.append(state.nodes[node.host].last_check))
             await eventually(lambda: len({at for at in last_checks if at is not None}) >= 4)
-            state = control_plane.snapshot.nodes[node.host]
+            state = control_plane.view.snapshot.nodes[node.host]
             assert state.status == Health.HEALTHY
             assert state.models.state == Discovery.UNTRIED
             # The hung listing is still in flight: later ticks skipped discovery, never queued it.
@@ -84,8 +85,8 @@ async def test_listing_failures_expire_the_model_list_but_never_touch_health(fas
         ip = nodes[0].host
         path = gateway_config(nodes, health_interval="1s", health_fail_threshold=3)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            await eventually(lambda: control_plane.snapshot.nodes[ip].models.state == Discovery.EXPIRED)
-            state = control_plane.snapshot.nodes[ip]
+            await eventually(lambda: control_plane.view.snapshot.nodes[ip].models.state == Discovery.EXPIRED)
+            state = control_plane.view.snapshot.nodes[ip]
             assert state.models.fails == 3
             assert state.models.last_error == "models endpoint returned status 500"
             assert (state.status, state.consecutive_failures) == (Health.HEALTHY, 0)
@@ -97,8 +98,8 @@ async def test_two_empty_lists_make_known_empty(fast_clock, gateway_config, json
         ip = nodes[0].host
         path = gateway_config(nodes, health_interval="1s")
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            await eventually(lambda: control_plane.snapshot.nodes[ip].models.state == Discovery.KNOWN_EMPTY)
-            assert control_plane.snapshot.nodes[ip].models.names is None
+            await eventually(lambda: control_plane.view.snapshot.nodes[ip].models.state == Discovery.KNOWN_EMPTY)
+            assert control_plane.view.snapshot.nodes[ip].models.names is None
             assert sample(control_plane, "gateway_model_discovery_total", node=ip, result="empty") == 2
     assert json_log.messages(node=ip) == ["node reports no models"]
 
@@ -115,8 +116,8 @@ async def test_an_unusable_body_on_http_200_is_a_listing_error(fast_clock, gatew
         ip = nodes[0].host
         path = gateway_config(nodes, health_interval="1s")
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            await eventually(lambda: control_plane.snapshot.nodes[ip].models.fails >= 2)
-            models = control_plane.snapshot.nodes[ip].models
+            await eventually(lambda: control_plane.view.snapshot.nodes[ip].models.fails >= 2)
+            models = control_plane.view.snapshot.nodes[ip].models
             assert (models.state, models.empties, models.last_error) == (Discovery.UNTRIED, 0, error)
             assert sample(control_plane, "gateway_model_discovery_total", node=ip, result="error") >= 2
             assert sample(control_plane, "gateway_model_discovery_total", node=ip, result="empty") is None
@@ -128,8 +129,8 @@ async def test_an_oversized_model_list_is_cut_off_with_a_clear_error(fast_clock,
         node = nodes[0]
         path = gateway_config(nodes, health_interval="1s")
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            await eventually(lambda: control_plane.snapshot.nodes[node.host].models.fails >= 2)
-            models = control_plane.snapshot.nodes[node.host].models
+            await eventually(lambda: control_plane.view.snapshot.nodes[node.host].models.fails >= 2)
+            models = control_plane.view.snapshot.nodes[node.host].models
             assert models.last_error == f"response body exceeds {MAX_BODY_BYTES} bytes"
             assert models.state == Discovery.UNTRIED
             listing = next(request for request in node.requests if request.path == "/v1/models")
@@ -147,16 +148,16 @@ async def test_a_failing_node_goes_degraded_then_dead_then_recovers_logging_each
         path = gateway_config(nodes, health_interval="1s", health_fail_threshold=3)
         statuses = []
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            control_plane.add_listener(lambda event, state, step: statuses.append(state.nodes[failing.host].status))
-            await eventually(lambda: control_plane.snapshot.nodes[failing.host].last_check is not None)
+            control_plane.applier.add_listener(lambda event, state, step: statuses.append(state.nodes[failing.host].status))
+            await eventually(lambda: control_plane.view.snapshot.nodes[failing.host].last_check is not None)
             failing.behaviour.health = "fail"
-            await eventually(lambda: control_plane.snapshot.nodes[failing.host].status == Health.DEAD)
-            await eventually(lambda: control_plane.snapshot.nodes[failing.host].consecutive_failures >= 5)
+            await eventually(lambda: control_plane.view.snapshot.nodes[failing.host].status == Health.DEAD)
+            await eventually(lambda: control_plane.view.snapshot.nodes[failing.host].consecutive_failures >= 5)
             failing.behaviour.health = "ok"
-            await eventually(lambda: control_plane.snapshot.nodes[failing.host].status == Health.HEALTHY)
+            await eventually(lambda: control_plane.view.snapshot.nodes[failing.host].status == Health.HEALTHY)
             checks_when_recovered = requests_to(failing, "/health")
             await eventually(lambda: requests_to(failing, "/health") >= checks_when_recovered + 2)
-            assert control_plane.snapshot.nodes[nodes[1].host].status == Health.HEALTHY
+            assert control_plane.view.snapshot.nodes[nodes[1].host].status == Health.HEALTHY
     changes = [record for record in json_log.records() if record["msg"] == "node health changed"]
     assert [(r["node"], r["from"], r["to"], r["failures"], r["level"]) for r in changes] == [
         (failing.host, "healthy", "degraded", "1", "warn"),
@@ -174,11 +175,11 @@ async def test_an_upstream_failure_marks_the_node_offline_and_rechecks_its_healt
         node = nodes[0]
         path = gateway_config(nodes, health_interval="1h")
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            await eventually(lambda: control_plane.snapshot.nodes[node.host].models.state == Discovery.KNOWN)
-            await eventually(lambda: control_plane.snapshot.nodes[node.host].last_check is not None)
+            await eventually(lambda: control_plane.view.snapshot.nodes[node.host].models.state == Discovery.KNOWN)
+            await eventually(lambda: control_plane.view.snapshot.nodes[node.host].last_check is not None)
             assert requests_to(node, "/health") == 1
-            control_plane.observe(UpstreamFailed(at=control_plane.now(), node=node.host, error="connection refused"))
-            await eventually(lambda: control_plane.snapshot.nodes[node.host].is_offline(control_plane.now()))
+            control_plane.view.observe(UpstreamFailed(at=control_plane.view.now(), node=node.host, error="connection refused"))
+            await eventually(lambda: control_plane.view.snapshot.nodes[node.host].is_offline(control_plane.view.now()))
             await eventually(lambda: requests_to(node, "/health") == 2)
             assert requests_to(node, "/v1/models") == 1  # a recheck never runs discovery
     assert "node marked offline" in json_log.messages(node=node.host)
@@ -194,18 +195,18 @@ async def test_sighup_reloads_nodes_and_carries_the_state_of_kept_ones(fast_cloc
         path = gateway_config([removed, kept], health_interval="1s", health_fail_threshold=2)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
             async with trio.open_nursery() as nursery:
-                await nursery.start(control_plane.serve_signals)
-                await eventually(lambda: control_plane.snapshot.nodes[kept.host].status == Health.DEAD)
-                await eventually(lambda: control_plane.snapshot.nodes[kept.host].models.state == Discovery.KNOWN)
+                await nursery.start(control_plane.lifecycle.serve_signals)
+                await eventually(lambda: control_plane.view.snapshot.nodes[kept.host].status == Health.DEAD)
+                await eventually(lambda: control_plane.view.snapshot.nodes[kept.host].models.state == Discovery.KNOWN)
                 gateway_config([kept, added], health_interval="1s", health_fail_threshold=2)
                 os.kill(os.getpid(), signal.SIGHUP)
-                await eventually(lambda: added.host in control_plane.snapshot.nodes)
-                snapshot = control_plane.snapshot
+                await eventually(lambda: added.host in control_plane.view.snapshot.nodes)
+                snapshot = control_plane.view.snapshot
                 assert list(snapshot.nodes) == [kept.host, added.host]
                 assert snapshot.nodes[kept.host].status == Health.DEAD  # carried over
                 assert snapshot.nodes[kept.host].models.state == Discovery.KNOWN
                 assert sample(control_plane, "gateway_node_models_ok", node=removed.host) is None
-                await eventually(lambda: control_plane.snapshot.nodes[added.host].models.state == Discovery.KNOWN)
+                await eventually(lambda: control_plane.view.snapshot.nodes[added.host].models.state == Discovery.KNOWN)
                 probes_of_removed = requests_to(removed, "/health")
                 probes_of_added = requests_to(added, "/health")
                 await eventually(lambda: requests_to(added, "/health") >= probes_of_added + 3)
@@ -220,16 +221,16 @@ async def test_sighup_with_an_invalid_config_keeps_the_current_one(fast_clock, g
     async with serve_nodes(specs(1)) as nodes:
         path = gateway_config(nodes, health_interval="1s")
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            config_before = control_plane.snapshot.config
+            config_before = control_plane.view.snapshot.config
             async with trio.open_nursery() as nursery:
-                await nursery.start(control_plane.serve_signals)
+                await nursery.start(control_plane.lifecycle.serve_signals)
                 path.write_text('[gateway]\nhealth_interval = "soon"\n')
                 os.kill(os.getpid(), signal.SIGHUP)
                 await eventually(lambda: "config reload failed; keeping current config" in json_log.messages())
                 nursery.cancel_scope.cancel()
-            assert control_plane.snapshot.config == config_before
-            seq = control_plane.snapshot.seq
-            await eventually(lambda: control_plane.snapshot.seq > seq + 3)  # still probing
+            assert control_plane.view.snapshot.config == config_before
+            seq = control_plane.view.snapshot.seq
+            await eventually(lambda: control_plane.view.snapshot.seq > seq + 3)  # still probing
     failure = next(r for r in json_log.records() if r["msg"] == "config reload failed; keeping current config")
     assert failure["level"] == "error"
     assert failure["error"].startswith(f"{path}: gateway.health_interval: parsing health_interval: time: invalid duration")
@@ -261,7 +262,7 @@ async def test_sigterm_stops_probing_and_flushes_the_event_log(fast_clock, gatew
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 await nursery.start(control_plane.run)
-                await nursery.start(control_plane.serve_signals)
+                await nursery.start(control_plane.lifecycle.serve_signals)
                 await eventually(lambda: requests_to(node, "/health") >= 2)
                 os.kill(os.getpid(), signal.SIGTERM)
             # run() and serve_signals() have both returned.
@@ -290,8 +291,8 @@ async def test_a_new_run_continues_the_event_log_numbering(fast_clock, gateway_c
         path = gateway_config(nodes, health_interval="1s", event_log=str(event_log))
         for _ in range(2):
             async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-                seq = control_plane.snapshot.seq
-                await eventually(lambda: control_plane.snapshot.seq >= seq + 3)
+                seq = control_plane.view.snapshot.seq
+                await eventually(lambda: control_plane.view.snapshot.seq >= seq + 3)
     assert len(list_segments(event_log)) == 2
     events = list(read_events([event_log]))
     assert [event.seq for event in events] == list(range(1, len(events) + 1))
@@ -311,9 +312,9 @@ async def test_an_unwritable_event_log_is_reported_and_the_control_plane_keeps_w
         path = gateway_config(nodes, health_interval="1s", event_log=str(blocker / "events.jsonl"))
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
             await eventually(lambda: (sample(control_plane, "interlock_event_log_write_errors_total") or 0) >= 3)
-            seq = control_plane.snapshot.seq
-            await eventually(lambda: control_plane.snapshot.seq > seq + 3)
-            assert control_plane.snapshot.nodes[ip].models.state == Discovery.KNOWN
+            seq = control_plane.view.snapshot.seq
+            await eventually(lambda: control_plane.view.snapshot.seq > seq + 3)
+            assert control_plane.view.snapshot.nodes[ip].models.state == Discovery.KNOWN
             blocker.unlink()  # the writer creates the folder on its next attempt
             await eventually(lambda: "event log write recovered" in json_log.messages())
     failures = [record for record in json_log.records() if record["msg"] == "event log write failed"]
@@ -336,8 +337,8 @@ async def test_metrics_follow_the_applied_events(fast_clock, gateway_config, jso
         path = gateway_config(nodes, health_interval="1s", health_fail_threshold=2, event_log=str(event_log))
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
             await eventually(
-                lambda: control_plane.snapshot.nodes[dead.host].status == Health.DEAD
-                and control_plane.snapshot.nodes[empty.host].models.state == Discovery.KNOWN_EMPTY
+                lambda: control_plane.view.snapshot.nodes[dead.host].status == Health.DEAD
+                and control_plane.view.snapshot.nodes[empty.host].models.state == Discovery.KNOWN_EMPTY
             )
             assert sample(control_plane, "cluster_nodes_healthy") == 2
             assert sample(control_plane, "cluster_nodes_degraded") == 0
@@ -374,7 +375,7 @@ async def test_replaying_the_recorded_log_reproduces_the_live_transition_log(
         options = {"health_interval": "1s", "health_fail_threshold": 2, "probe_timeout": "2s", "event_log": str(event_log)}
         path = gateway_config([first, second], models=[("test-model", "")], **options)
         async with open_control_plane(path, **control_plane_options(json_log)) as control_plane:
-            snapshot = lambda: control_plane.snapshot  # noqa: E731
+            snapshot = lambda: control_plane.view.snapshot  # noqa: E731
             await eventually(lambda: all(node.models.state == Discovery.KNOWN for node in snapshot().nodes.values()))
             first.behaviour.health = "fail"
             second.behaviour.models = "hang"
@@ -386,7 +387,7 @@ async def test_replaying_the_recorded_log_reproduces_the_live_transition_log(
             first.behaviour.health = "ok"
             gateway_config([first, second, third], models=[("test-model", "")], **options)
             assert await control_plane.reload()
-            control_plane.observe(UpstreamFailed(at=control_plane.now(), node=third.host, error="connection refused"))
+            control_plane.view.observe(UpstreamFailed(at=control_plane.view.now(), node=third.host, error="connection refused"))
             await eventually(lambda: snapshot().nodes[first.host].status == Health.HEALTHY)
             await eventually(lambda: snapshot().nodes[second.host].models.state == Discovery.EXPIRED)
             await eventually(lambda: snapshot().nodes[third.host].models.state == Discovery.KNOWN)

@@ -50,7 +50,7 @@ async def record_run(folder: Path, policy: str) -> Run:
         for number in range(6):
             await served_by(gateway, system_prompt(f"topic {number % 4}"), f"idle-{number}")
             await scraped_idle(gateway)
-        middle = gateway.control_plane.now()
+        middle = gateway.control_plane.view.now()
         async with held_requests(nodes[0], 3):
             await seen_busy(gateway, nodes[0], 3)
             for number in range(6):

@@ -36,8 +36,8 @@ FAST = {"health_interval": "0.1s"}
 
 def record_leader_digests(gateway: Gateway) -> dict[int, str]:
     """The leader's state digest at every seq from now on (and at the current one)."""
-    digests = {gateway.control_plane.snapshot.seq: Checkpoint.of(gateway.control_plane.snapshot).digest()}
-    gateway.control_plane.add_listener(lambda event, state, step: digests.__setitem__(state.seq, Checkpoint.of(state).digest()))
+    digests = {gateway.control_plane.view.snapshot.seq: Checkpoint.of(gateway.control_plane.view.snapshot).digest()}
+    gateway.control_plane.applier.add_listener(lambda event, state, step: digests.__setitem__(state.seq, Checkpoint.of(state).digest()))
     return digests
 
 
@@ -185,7 +185,7 @@ async def test_sighup_reaches_every_worker_and_an_invalid_reload_is_rejected_onc
                 config_text([*nodes, added], workers=2, decision_log=str(decisions), health_interval="0.1s")
             )
             os.kill(os.getpid(), signal.SIGHUP)
-            await gateway.wait_for(lambda: added.host in gateway.control_plane.snapshot.nodes)
+            await gateway.wait_for(lambda: added.host in gateway.control_plane.view.snapshot.nodes)
             await gateway.discovered()
             await workers_agree_with_leader(gateway, digests, workers=(1, 2))
             await routed_by_every_worker(gateway, decisions, to=added.host, workers=(1, 2))

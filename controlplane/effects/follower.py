@@ -9,13 +9,10 @@ every follower, this one included.
 
 from __future__ import annotations
 
-import ssl
 import time
 from collections.abc import Callable
 
-from controlplane.infrastructure.keyfiles import UpstreamKeys
-from controlplane.rules.reducer import INITIAL_STATE, reduce
-from events.state import ClusterState
+from controlplane.effects.held_state import HeldState
 from events.types import Checkpoint, Event
 
 
@@ -24,37 +21,20 @@ class OutOfStep(Exception):
 
 
 class Follower:
-    """Implements the data plane's `ControlPlaneView` from the leader's event stream."""
+    """Holds the leader's state (`view`, the data plane's `ControlPlaneView`) from its event
+    stream."""
 
     def __init__(self, report: Callable[[Event], None], now: Callable[[], float] = time.time) -> None:
-        self._report = report
-        self._clock = now
-        self._snapshot = INITIAL_STATE
+        """`report` sends a data-plane observation to the leader; never blocks."""
         self._stale = ""
-        self.upstream_keys = UpstreamKeys()
         self._replica_headers: dict[str, str] = {}
         self._replica_stale = ""
+        self.view = HeldState(now=now, observe=report, stale_reason=self._stale_reason, fleet_headers=self._fleet_headers)
 
-    @property
-    def snapshot(self) -> ClusterState:
-        """The current state: read it once per decision; it is replaced, never mutated."""
-        return self._snapshot
-
-    @property
-    def upstream_authorizations(self) -> dict[str, bytes]:
-        return self.upstream_keys.in_force
-
-    @property
-    def upstream_tls(self) -> dict[str, ssl.SSLContext]:
-        return self.upstream_keys.tls_in_force
-
-    def now(self) -> float:
-        return self._clock()
-
-    def stale_reason(self) -> str:
+    def _stale_reason(self) -> str:
         """Current from the leader's first checkpoint on, until `mark_stale` says otherwise, and
         while its leader, when a fleet replica, is current itself."""
-        if self._snapshot.config is None:
+        if self.view.snapshot.config is None:
             return "no checkpoint from the leader yet"
         return self._stale or self._replica_stale
 
@@ -63,7 +43,7 @@ class Follower:
         (the leader's stream ended), "" when they do again."""
         self._stale = reason
 
-    def fleet_headers(self) -> dict[str, str]:
+    def _fleet_headers(self) -> dict[str, str]:
         """Its leader's, when that is a fleet replica (`follow_replica`); none otherwise."""
         return self._replica_headers
 
@@ -73,17 +53,10 @@ class Follower:
         self._replica_headers = headers
         self._replica_stale = stale
 
-    def observe(self, event: Event) -> None:
-        """Report a data-plane observation to the leader; never blocks."""
-        self._report(event)
-
     def apply(self, event: Event) -> None:
         """Apply the leader's next event: a checkpoint replaces the state, any other event must
         carry the next seq. Raises OutOfStep otherwise. An event that puts a config in force
-        needs that config's keys read first (`upstream_keys.read_before`)."""
-        state = self._snapshot
-        if not isinstance(event, Checkpoint) and event.seq != state.seq + 1:
-            raise OutOfStep(f"event seq {event.seq} does not follow seq {state.seq}")
-        self._snapshot, _ = reduce(state, event)
-        if self._snapshot.config is not state.config:
-            self.upstream_keys.take_up(self._snapshot.config)
+        needs that config's keys read first (`view.upstream_keys.read_before`)."""
+        if not isinstance(event, Checkpoint) and event.seq != self.view.snapshot.seq + 1:
+            raise OutOfStep(f"event seq {event.seq} does not follow seq {self.view.snapshot.seq}")
+        self.view.apply(event)

@@ -6,7 +6,7 @@ bytes built once), one deadline covering connect and read, and a hard cap on the
 follow-up #39), so a hung or hostile node can cost neither time nor memory beyond its bounds.
 
 The probes are step generators (`transport.readiness`): generators that never block, so that one
-task runs every probe of a round together (`controlplane.effects.control_plane.Prober`).
+task runs every probe of a round together (`controlplane.effects.prober.Prober`).
 
 The probe functions never raise (cancellation aside): a transport or parse failure is part of
 the event they return, and `check_node` turns any unexpected exception into a ProbeCrashed.
