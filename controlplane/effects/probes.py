@@ -30,6 +30,7 @@ from events.types import (
     MAX_MODEL_NAME_LENGTH,
     AdapterLoaded,
     AdapterLoadFailed,
+    Event,
     GpuScraped,
     HealthProbed,
     LoadScraped,
@@ -181,6 +182,43 @@ def node_url(ip: str, port: int, path: bytes, https: bool = False) -> str:
     return f"{'https' if https else 'http'}://{host}:{port}{path.decode()}"
 
 
+def probe(
+    client: ProbeClient,
+    node: NodeConfig,
+    port: int,
+    path: bytes,
+    *,
+    timeout: float,
+    answered: Callable[[Any], Event],
+    failed: Callable[[str], Event],
+    parse: Callable[[bytes], Any] | None = None,
+    endpoint: str = "",
+    crashed: str = "",
+    authorization: bytes = b"",
+    tls: ssl.SSLContext | None = None,
+) -> Steps:
+    """Every probe's skeleton: `GET path` on the node's `port`, then its event. With `parse`,
+    an answer other than 200 is an error (`<endpoint> returned status N`), and the body is
+    parsed (in a thread when large) into what `answered` makes the event of; without, the
+    response itself is the answer. A transport or parse failure (ProbeError) is the event
+    `failed` makes of its text; any other exception too, as `<crashed> crashed: …`, when the
+    probe names itself so (a bug must cost one probe, never its loop), and raises otherwise."""
+    try:
+        response = yield from client.get_steps(node.ip, port, path, timeout, authorization, tls)
+        if parse is None:
+            return answered(response)
+        if response.status != 200:
+            raise ProbeError(f"{endpoint} returned status {response.status}")
+        answer = yield from parsed(parse, response.body)
+    except ProbeError as exc:
+        return failed(str(exc))
+    except Exception as exc:
+        if not crashed:
+            raise
+        return failed(f"{crashed} crashed: {type(exc).__name__}: {exc}")
+    return answered(answer)
+
+
 # --- health and GPU metrics (one health check) ----------------------------------------------
 
 
@@ -205,13 +243,15 @@ def probe_health(
 ) -> Steps:
     """`GET /health` on the vLLM port (over HTTPS with `tls`): healthy iff it answers 200 (a HealthProbed)."""
     started = trio.current_time()
-    try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/health", timeout, tls=tls)
-    except ProbeError as exc:
-        return HealthProbed(at=now(), node=node.ip, ok=False, error=str(exc), latency=_since(started))
-    return HealthProbed(
-        at=now(), node=node.ip, ok=response.status == 200, status=response.status, latency=_since(started)
-    )
+    return (
+        yield from probe(
+            client, node, node.vllm_port, b"/health", timeout=timeout, tls=tls,
+            answered=lambda response: HealthProbed(
+                at=now(), node=node.ip, ok=response.status == 200, status=response.status, latency=_since(started)
+            ),
+            failed=lambda error: HealthProbed(at=now(), node=node.ip, ok=False, error=error, latency=_since(started)),
+        )
+    )  # fmt: skip
 
 
 def _since(started: float) -> float:
@@ -221,17 +261,14 @@ def _since(started: float) -> float:
 def scrape_gpus(client: ProbeClient, node: NodeConfig, *, timeout: float, now: Clock) -> Steps:
     """`GET /metrics` on the gpu-exporter port (a GpuScraped); `gpus` is empty when the scrape
     gave no result."""
-    try:
-        response = yield from client.get_steps(node.ip, node.metrics_port, b"/metrics", timeout)
-    except ProbeError as exc:
-        return GpuScraped(at=now(), node=node.ip, error=str(exc))
-    if response.status != 200:
-        return GpuScraped(at=now(), node=node.ip, error=f"metrics endpoint returned status {response.status}")
-    try:
-        gpus = yield from parsed(parse_gpu_metrics, response.body)
-    except ProbeError as exc:
-        return GpuScraped(at=now(), node=node.ip, error=str(exc))
-    return GpuScraped(at=now(), node=node.ip, gpus=gpus)
+    return (
+        yield from probe(
+            client, node, node.metrics_port, b"/metrics", timeout=timeout,
+            parse=parse_gpu_metrics, endpoint="metrics endpoint",
+            answered=lambda gpus: GpuScraped(at=now(), node=node.ip, gpus=gpus),
+            failed=lambda error: GpuScraped(at=now(), node=node.ip, error=error),
+        )
+    )  # fmt: skip
 
 
 _GPU_FIELDS = {
@@ -309,25 +346,18 @@ def scrape_load(
     a node behind a proxy that guards every path needs it, and it goes to the host and port that
     already get it with every model listing and completion, so sending it reveals nothing new.
     """
-    try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/metrics", timeout, authorization, tls)
-        if response.status != 200:
-            raise ProbeError(f"vLLM metrics endpoint returned status {response.status}")
-        load = yield from parsed(parse_vllm_load, response.body)
-    except ProbeError as exc:
-        return LoadScraped(at=now(), node=node.ip, error=_capped(str(exc)))
-    except Exception as exc:  # a bug must cost one scrape, never the scrape loop
-        return LoadScraped(at=now(), node=node.ip, error=_capped(f"load scrape crashed: {type(exc).__name__}: {exc}"))
-    return LoadScraped(
-        at=now(),
-        node=node.ip,
-        running=load.running,
-        waiting=load.waiting,
-        kv_cache_usage=load.kv_cache_usage,
-        token_seconds=load.token_seconds,
-        tokens=load.tokens,
-        lora=load.lora,
-    )
+    return (
+        yield from probe(
+            client, node, node.vllm_port, b"/metrics", timeout=timeout, authorization=authorization, tls=tls,
+            parse=parse_vllm_load, endpoint="vLLM metrics endpoint", crashed="load scrape",
+            answered=lambda load: LoadScraped(
+                at=now(), node=node.ip, running=load.running, waiting=load.waiting,
+                kv_cache_usage=load.kv_cache_usage, token_seconds=load.token_seconds, tokens=load.tokens,
+                lora=load.lora,
+            ),
+            failed=lambda error: LoadScraped(at=now(), node=node.ip, error=_capped(error)),
+        )
+    )  # fmt: skip
 
 
 MAX_LOAD_ERROR_CHARS = 300
@@ -497,16 +527,16 @@ def list_models(
     """`GET /v1/models` (a ModelsListed): the ids the node serves, in its order, or None and the
     error (§8.3). `authorization` is the node's upstream key header (vLLM's `--api-key` guards
     `/v1`; its `/health` is open, so the health check sends none)."""
-    try:
-        response = yield from client.get_steps(node.ip, node.vllm_port, b"/v1/models", timeout, authorization, tls)
-        if response.status != 200:
-            raise ProbeError(f"models endpoint returned status {response.status}")
-        listing = yield from parsed(parse_model_list, response.body)
-    except ProbeError as exc:
-        return ModelsListed(at=now(), node=node.ip, error=str(exc))
-    except Exception as exc:  # a bug must cost one listing, never the discovery loop
-        return ModelsListed(at=now(), node=node.ip, error=f"model listing crashed: {type(exc).__name__}: {exc}")
-    return ModelsListed(at=now(), node=node.ip, models=listing.ids, parents=listing.parents, cards=listing.cards)
+    return (
+        yield from probe(
+            client, node, node.vllm_port, b"/v1/models", timeout=timeout, authorization=authorization, tls=tls,
+            parse=parse_model_list, endpoint="models endpoint", crashed="model listing",
+            answered=lambda listing: ModelsListed(
+                at=now(), node=node.ip, models=listing.ids, parents=listing.parents, cards=listing.cards
+            ),
+            failed=lambda error: ModelsListed(at=now(), node=node.ip, error=error),
+        )
+    )  # fmt: skip
 
 
 MISSING_DATA = "parse model list: missing data field"
