@@ -245,7 +245,7 @@ async def _read_body(receive, declared_length: int | None, config: ConfigView) -
     idle timeout between two pieces.
 
     A whole body already queued by hypercorn (most bodies, which come with their head, and
-    their end with them: `interlock.hypercorn_private`) is taken without waiting, and only a
+    their end with them: `dataplane.hypercorn_private`) is taken without waiting, and only a
     body still arriving is read in a cancel scope with the deadlines (a scope costs more than
     the rest of this)."""
     if declared_length is not None and declared_length > config.body_limit:

@@ -39,7 +39,7 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
-import interlock.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
+import dataplane.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
 from controlplane.infrastructure.config import NO_OVERRIDES, ConfigError, Overrides
 from controlplane.infrastructure.gocompat import parse_listen_address
 from controlplane.infrastructure.logs import JsonLog
