@@ -50,7 +50,7 @@ from dataplane.errors import (
 from dataplane.endpoints import FORM_PATHS, ROUTED_PATHS, form_boundary, form_fields, with_form_model
 from dataplane.exchange import Exchange
 from dataplane.headers import forward_headers, request_id_header
-from dataplane.hypercorn_receive import queued_message
+from dataplane.hypercorn_private import queued_message
 from dataplane.proxy import Proxy
 from dataplane.views import ConfigView, SnapshotView, SnapshotViews
 from events.config import DEFAULT_TENANT

@@ -1,12 +1,15 @@
-"""Everything the gateway does with hypercorn beyond its public API, fenced in one module.
+"""Everything the gateway knows of hypercorn beyond its public API, fenced in one module.
 
-Four of hypercorn's classes are replaced by subclasses that override private methods, and
+The API app reads hypercorn's `receive` as what it is, a trio memory channel's (`queued_message`:
+a message already queued is taken without waiting). Four of hypercorn's classes are replaced by subclasses that override private methods, and
 hypercorn offers no way to choose them: it looks them up by name in its own modules, so this
 module assigns them there, for the whole process, when it is imported. What they rely on is
 checked at the same moment (`check_private_surface`): a hypercorn whose private names or
 signatures differ stops the import with `HypercornChanged`, naming hypercorn's version and what
 changed, instead of serving without the hardening. `tests/test_private_surface.py` runs the
-check and the behaviour behind each override; pyproject.toml pins the hypercorn it was tested on.
+check and the behaviour behind each override and the `receive` shortcut; pyproject.toml pins
+the hypercorn it was tested on. ARCHITECTURE.md's pitfalls list which replaced class each defect
+needs. Importing this module (the data plane does) replaces the classes for the process.
 """
 
 from __future__ import annotations
@@ -319,6 +322,25 @@ class _KeepAliveTimer:
             # The deadline passed in a request, and the answer, over since, moved it on.
             self._scope = trio.CancelScope(deadline=waiting.deadline)
         self._scope = None
+
+
+def queued_message(receive) -> dict | None:
+    """The next message of a hypercorn `receive` when one is queued already; None when none is
+    (or `receive` is not hypercorn's channel): then `await receive()`. Most bodies come with
+    their head and so are queued whole when the app starts (`_TaskGroupPuttingAtOnce`): taking
+    them this way spares the body reader a cancel scope with deadlines."""
+    if not is_queue_receive(receive):
+        return None
+    try:
+        return receive.__self__.receive_nowait()
+    except trio.WouldBlock:
+        return None
+
+
+def is_queue_receive(receive) -> bool:
+    """Whether `receive` is what `queued_message` reads without waiting: a trio memory channel's
+    (hypercorn.trio.task_group.TaskGroup.spawn_app's)."""
+    return isinstance(getattr(receive, "__self__", None), trio.MemoryReceiveChannel)
 
 
 check_private_surface()

@@ -20,9 +20,8 @@ from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from dataplane import prometheus_private
-from dataplane.hypercorn_receive import is_queue_receive, queued_message
-from dataplane import hypercorn_private
+from dataplane import hypercorn_private, prometheus_private
+from dataplane.hypercorn_private import is_queue_receive, queued_message
 from interlock.serve import listening_socket, serve_on_socket
 
 from raw_http import exchange_until_closed
@@ -261,7 +260,7 @@ async def test_a_body_sent_with_its_head_is_queued_whole_with_its_end_when_the_a
     assert answer.count(b"HTTP/1.1 204 ") == 2
     assert seen == [[(b"hello", True), (b"", False)]] * 2, (
         f"{HYPERCORN} no longer gives the app a trio memory channel's receive with a body sent with its head "
-        "queued whole when the app starts: see dataplane/hypercorn_receive.py and dataplane/hypercorn_private.py"
+        "queued whole when the app starts: see dataplane/hypercorn_private.py"
     )
 
 
