@@ -32,9 +32,10 @@ differs, and no record is missing or repeated.
 
 from __future__ import annotations
 
+import heapq
 import os
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import msgspec
 
@@ -54,7 +55,7 @@ from interlock.verify_record import (
     compare_times,
     text,
 )
-from interlock.whatif import Leg, States, first_pick, in_span, legs_of, process_of, recorded_choice
+from interlock.whatif import Leg, States, first_pick, legs_of, process_of, recorded_choice
 
 DEFAULT_SHOWN = 20
 """Divergences (and records not verified) named in the report; the rest are counted."""
@@ -109,6 +110,13 @@ class VerifyReport(msgspec.Struct, kw_only=True):
         )
 
 
+REORDER_RECORDS = 16_384
+"""Records held back to be made again in the order of their seq: a log holds them in the order
+the requests ended, a little out of the order they were routed in. A record whose seq the fold
+of the event log has passed when it comes out is made again in a second fold, with the others
+so late (`verify`)."""
+
+
 def verify(
     event_logs: Iterable[str | os.PathLike],
     decisions: Iterable[tuple[Decision, tuple[str, ...]]],
@@ -119,54 +127,102 @@ def verify(
     warn: Callable[[str], None] | None = None,
     skip_invalid: Callable[[str], None] | None = None,
     allow_unverified: bool = False,
+    window: int = REORDER_RECORDS,
 ) -> VerifyReport:
     """Make every record (with the policy inputs its line lacks: `read_decisions_with_gaps`)
     arriving in [since, until] again on the states of `event_logs`, and compare; the numbers
-    of every record read (in the span or not) are followed in the order read."""
-    absent_by_record: dict[int, tuple[str, ...]] = {}
-    """The inputs each record lacks, by the record's id() (`records` keeps every record alive)."""
-    records = []
+    of every record read (in the span or not) are followed in the order read.
+
+    The records are read as the event log is folded, in one pass, through a `window` of records
+    that lets them out by seq, then arrival; those the fold has passed are made again in a
+    second fold. So memory holds the window and the routing processes' numbering,
+    not the log (and the records that came too late for the window, normally none)."""
     numbers = RecordNumbers(shown)
-    for decision, absent in decisions:
-        if absent:
-            absent_by_record[id(decision)] = absent
-        numbers.add(decision, _process_name(decision))
-        records.append(decision)
-    chosen = in_span(records, since, until)
+    checker = _Checker(shown, allow_unverified)
     states = States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
-    report = VerifyReport(
-        decisions=len(chosen), verified=0, divergent=0, differences=0, divergences=[], incomplete=0, missing={},
-        incomplete_ids=[], beyond_log=0, beyond_log_ids=[], processes={}, numbering=numbers.finish(),
-        allow_unverified=allow_unverified,
-    )  # fmt: skip
-    lacking_inputs = MissingInputs(shown)
-    processes: Counter[str] = Counter()
-    picker = Balancer()  # given each record's inputs, it keeps nothing between records
-    for decision in chosen:
+    late: list[tuple[Decision, tuple[str, ...]]] = []
+    for decision, absent in _by_seq(decisions, numbers, since, until, window):
+        if decision.seq < states.state.seq:
+            late.append((decision, absent))
+        else:
+            checker.check(decision, absent, states)
+    if late:
+        late.sort(key=lambda record: (record[0].seq, record[0].at))
+        states = States(replay_steps(event_logs, skip_invalid=_told if skip_invalid is not None else None))
+        for decision, absent in late:
+            checker.check(decision, absent, states)
+    return checker.report(numbers.finish())
+
+
+def _by_seq(
+    decisions: Iterable[tuple[Decision, tuple[str, ...]]],
+    numbers: RecordNumbers,
+    since: float | None,
+    until: float | None,
+    window_size: int,
+) -> Iterator[tuple[Decision, tuple[str, ...]]]:
+    """The records arriving in [since, until], by seq then arrival as far as a window of
+    `window_size` records sorts them; every record read told to `numbers` first, in the log's order."""
+    window: list[tuple[int, float, int, Decision, tuple[str, ...]]] = []
+    for read, (decision, absent) in enumerate(decisions):
+        numbers.add(decision, _process_name(decision))
+        if (since is not None and decision.at < since) or (until is not None and decision.at > until):
+            continue
+        heapq.heappush(window, (decision.seq, decision.at, read, decision, absent))
+        if len(window) > window_size:
+            yield heapq.heappop(window)[3:]
+    while window:
+        yield heapq.heappop(window)[3:]
+
+
+def _told(message: str) -> None:
+    """Takes a problem of the log the first fold has reported."""
+
+
+class _Checker:
+    """The tally of `verify`: each record made again on its state and compared."""
+
+    def __init__(self, shown: int, allow_unverified: bool) -> None:
+        self._shown = shown
+        self._report = VerifyReport(
+            decisions=0, verified=0, divergent=0, differences=0, divergences=[], incomplete=0, missing={},
+            incomplete_ids=[], beyond_log=0, beyond_log_ids=[], processes={}, numbering=Numbering(),
+            allow_unverified=allow_unverified,
+        )  # fmt: skip
+        self._lacking_inputs = MissingInputs(shown)
+        self._processes: Counter[str] = Counter()
+        self._picker = Balancer()  # given each record's inputs, it keeps nothing between records
+
+    def check(self, decision: Decision, absent: tuple[str, ...], states: States) -> None:
+        report = self._report
+        report.decisions += 1
         process = _process_name(decision)
-        processes[process] += 1
+        self._processes[process] += 1
         state = states.at(decision.seq)
         if state is None:
             report.beyond_log += 1
-            _name(report.beyond_log_ids, decision.request_id, shown)
-            continue
-        lacking = missing_inputs(decision, absent_by_record.get(id(decision), ()))
-        differences = _compare(decision, state, states.following_at(), picker, lacking=lacking)
+            _name(report.beyond_log_ids, decision.request_id, self._shown)
+            return
+        lacking = missing_inputs(decision, absent)
+        differences = _compare(decision, state, states.following_at(), self._picker, lacking=lacking)
         if lacking:
-            lacking_inputs.add(decision, lacking)
+            self._lacking_inputs.add(decision, lacking)
         else:
             report.verified += 1
         if differences:
             report.divergent += 1
             report.differences += len(differences)
             for field, recorded, derived in differences:
-                if len(report.divergences) < shown:
+                if len(report.divergences) < self._shown:
                     report.divergences.append(Divergence(decision.request_id, process, field, recorded, derived))
-    report.incomplete, report.missing, report.incomplete_ids = (
-        lacking_inputs.records, lacking_inputs.by_input(), lacking_inputs.ids
-    )
-    report.processes = dict(sorted(processes.items()))
-    return report
+
+    def report(self, numbering: Numbering) -> VerifyReport:
+        report = self._report
+        lacking = self._lacking_inputs
+        report.incomplete, report.missing, report.incomplete_ids = lacking.records, lacking.by_input(), lacking.ids
+        report.processes = dict(sorted(self._processes.items()))
+        report.numbering = numbering
+        return report
 
 
 def _process_name(decision: Decision) -> str:

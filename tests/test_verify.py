@@ -315,6 +315,10 @@ def test_a_missing_repeated_or_reordered_record_is_named(least_load_run, tmp_pat
     reordered = verified(0, 1, 3, 2, *range(4, 12))
     assert reordered.returncode == 0  # nothing lost: named, not failed
     assert f"record 3 of {process} comes after later ones (request {request[3]})" in reordered.stdout.splitlines()
+    moved, _ = edited(least_load_run, tmp_path, 5, lambda record: record.update(worker=record["worker"] + 1))
+    other_worker = verify(least_load_run.events, moved)  # its record 6 now another process's
+    assert other_worker.returncode == 1
+    assert f"record 6 of {process} is missing" in other_worker.stdout.splitlines()
     retained = verified(*range(5, 12))  # the oldest segments removed by retention
     assert retained.returncode == 0, retained.stdout
     assert (
@@ -354,3 +358,14 @@ def test_a_log_without_numbers_verifies_with_a_warning(least_load_run, tmp_path)
         "interlock verify: warning: 12 of 12 decision records are not numbered (written before records were"
         " numbered): a record missing or repeated among them cannot be seen\n"
     )
+
+
+def test_records_later_than_the_window_of_records_are_made_again_in_a_second_fold(least_load_run):
+    """A log holds records as requests ended; those that come out of the window after the fold
+    of the event log has passed their seq are made again on their own state all the same."""
+    from events.decisions import read_decisions_with_gaps
+    from interlock.verify import verify as verify_records
+
+    backwards = list(reversed(list(read_decisions_with_gaps([least_load_run.decisions]))))
+    report = verify_records([least_load_run.events], backwards, window=2)
+    assert (report.decisions, report.verified, report.divergent) == (12, 12, 0), report.divergences
