@@ -1,15 +1,16 @@
 """Everything the gateway knows of hypercorn beyond its public API, fenced in one module.
 
 The API app reads hypercorn's `receive` as what it is, a trio memory channel's (`queued_message`:
-a message already queued is taken without waiting). Four of hypercorn's classes are replaced by subclasses that override private methods, and
-hypercorn offers no way to choose them: it looks them up by name in its own modules, so this
-module assigns them there, for the whole process, when it is imported. What they rely on is
+a message already queued is taken without waiting). Four of hypercorn's classes are replaced by
+subclasses that override private methods, and hypercorn offers no way to choose them: it looks
+them up by name in its own modules, so this module assigns them there, for the whole process
+(the data plane imports it), when it is imported. What they rely on is
 checked at the same moment (`check_private_surface`): a hypercorn whose private names or
 signatures differ stops the import with `HypercornChanged`, naming hypercorn's version and what
 changed, instead of serving without the hardening. `tests/test_private_surface.py` runs the
 check and the behaviour behind each override and the `receive` shortcut; pyproject.toml pins
 the hypercorn it was tested on. ARCHITECTURE.md's pitfalls list which replaced class each defect
-needs. Importing this module (the data plane does) replaces the classes for the process.
+needs.
 """
 
 from __future__ import annotations

@@ -571,7 +571,9 @@ class FleetControlPlane:
             last = await self._stream_end()
             config = self._own_config
             if last.event_seq == 0:
-                fence: Event = RunStarted(at=self.view.now(), version=self.version, config_path=self.config_path, config=config)
+                fence: Event = RunStarted(
+                    at=self.view.now(), version=self.version, config_path=self.config_path, config=config
+                )
             else:
                 fence = ConfigReloaded(at=self.view.now(), config_path=self.config_path, config=config)
             last = await self._append([fence], [numbered(fence, last.event_seq + 1)], last)

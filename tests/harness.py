@@ -274,12 +274,14 @@ class Gateway:
 async def running_gateway(
     tmp_path: Path,
     nodes: Sequence[SimulatedNode],
+    *,
+    log: CapturedLog | None = None,
     **config: object,
 ) -> AsyncIterator[Gateway]:
     """Serve a gateway for `nodes` (see `config_text` for the config keywords) until the block
-    ends (or it stops by itself, see `Gateway.exited`)."""
+    ends (or it stops by itself, see `Gateway.exited`); its log is `log` (by default a new one)."""
     config_path = write_config(tmp_path, nodes, **config)
-    log = CapturedLog()
+    log = log if log is not None else CapturedLog()
     listening: list[Listening] = []
     serving = _Serving()
     async with trio.open_nursery() as nursery:

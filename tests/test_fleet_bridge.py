@@ -1,11 +1,14 @@
 """The trio/asyncio bridge (`fleet.bridge`) driving a real nats-py client against a real
 nats-server on loopback: results and errors cross, a cancelled trio call cancels its asyncio
-task, a subscription keeps delivering after the server restarts, and closing leaves no thread
-or asyncio task behind."""
+task, a subscription keeps delivering after the server restarts, closing leaves no thread or
+asyncio task behind, and a callback that raises on its way into trio (the error callback's own
+failed write included) is counted and logged while trio, and a fleet replica's gateway, serve on."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import io
 import threading
 from functools import partial
 
@@ -13,7 +16,9 @@ import nats
 import pytest
 import trio
 
+from fixtures.node import serve_nodes
 from fleet.bridge import AsyncioThread, BridgeClosed, open_asyncio_thread
+from harness import CapturedLog, chat, node_specs, running_gateway
 from nats_cluster import nats_servers
 
 
@@ -201,3 +206,44 @@ async def test_a_callback_failure_the_log_cannot_take_goes_to_stderr(capfd):
         assert await bridge.call(asyncio.sleep, 0, result=7) == 7
     err = capfd.readouterr().err
     assert "a callback from the NATS thread failed" in err and "ValueError: cannot handle it" in err
+
+
+class WarningsFail(io.StringIO):
+    """A log stream on which the NATS client's warning cannot be written (a full disk), while
+    every other line can."""
+
+    def write(self, text: str) -> int:
+        if "fleet: NATS client error" in text:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(text)
+
+
+async def test_a_replica_whose_nats_error_callback_fails_serves_on(tmp_path):
+    """A fleet replica's NATS client reports an error (its server gone) through the bridge to a
+    callback whose warning cannot be written: the failure is counted and logged, and the
+    gateway, data plane included, serves on."""
+    log = CapturedLog()
+    log.stream = WarningsFail()
+    async with nats_servers(tmp_path) as [server], serve_nodes(node_specs(1)) as nodes:
+        fleet = f'[fleet]\nnats = ["{server.url}"]\nname = "bridged"\nreplica = "solo"\nlease = "2s"\n'
+        async with running_gateway(tmp_path, nodes, health_interval="1s", extra=fleet, log=log) as gateway:
+
+            async def answered() -> int:
+                return (await gateway.http.post(gateway.url + "/v1/chat/completions", json=chat())).status_code
+
+            with trio.fail_after(60):
+                while await answered() != 200:  # the replica leads, probes, and routes to the node
+                    await trio.sleep(0.05)
+            await server.kill()
+            with trio.fail_after(60):
+                while await bridge_failures(gateway) < 1:
+                    await trio.sleep(0.05)
+            assert await answered() == 200
+            assert "fleet: a callback from the NATS thread failed" in log.messages()
+
+
+async def bridge_failures(gateway) -> float:
+    metrics = (await gateway.http.get(gateway.metrics_url + "/metrics")).text
+    name = "interlock_fleet_bridge_failures_total"
+    [value] = [line.split()[-1] for line in metrics.splitlines() if line.startswith(name + " ")]
+    return float(value)

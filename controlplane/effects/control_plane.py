@@ -7,9 +7,9 @@ Who owns what (all tasks are children of `ControlPlane.run`):
   published as the held state's snapshot (`HeldState`: one attribute, replaced, never mutated),
   then the step handed on: the encoded event to the event log, the transitions to the JSON
   log, the metrics, the listeners, and the effects to the prober;
-- the prober (`controlplane.effects.prober.Prober`) runs one ticker for every node: each tick starts model discovery (not
-  awaited) and then runs a health round (awaited, so a slow round drops ticks), with separate
-  per-node in-flight guards for health and discovery. Rechecks and nodes added by a reload are
+- the prober (`controlplane.effects.prober.Prober`) runs one ticker for every node: each tick
+  starts model discovery (not awaited) and then runs a health round (awaited, so a slow round
+  drops ticks), with separate per-node in-flight guards for health and discovery. Rechecks and nodes added by a reload are
   probed at once under the same guards. A second ticker scrapes every node's load (vLLM's
   `/metrics`) at the config's load interval, none while it is 0, with its own in-flight guard.
   Every probe runs in the prober's one `Readiness` (one wait for all their sockets); probes read

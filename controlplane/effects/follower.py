@@ -29,7 +29,9 @@ class Follower:
         self._stale = ""
         self._replica_headers: dict[str, str] = {}
         self._replica_stale = ""
-        self.view = HeldState(now=now, observe=report, stale_reason=self._stale_reason, fleet_headers=self._fleet_headers)
+        self.view = HeldState(
+            now=now, observe=report, stale_reason=self._stale_reason, fleet_headers=self._fleet_headers
+        )
 
     def _stale_reason(self) -> str:
         """Current from the leader's first checkpoint on, until `mark_stale` says otherwise, and
