@@ -2,8 +2,8 @@
 
 The request path reads the current snapshot, stamps observations with the control plane's
 clock, and reports what it observed; `/ready` asks whether that snapshot is current.
-`controlplane.effects.control_plane.ControlPlane` is one such source; a process that follows another's event
-stream can be another.
+`controlplane.effects.held_state.HeldState` implements it: the gateway's control plane, a
+worker's follower and a fleet replica each hold one and hand it to the data plane.
 """
 
 from __future__ import annotations
