@@ -19,10 +19,10 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from controlplane.infrastructure.config import load_config
-from dataplane.admission import Admission
+from dataplane.admission.limits import Limits
+from dataplane.admission.quota import LocalQuota
 from dataplane.exchange import Exchange
 from dataplane.metrics import RequestMetrics
-from dataplane.quota import LocalQuota
 from dataplane.views import ConfigView, SnapshotView
 from events.state import ClusterState
 
@@ -43,7 +43,7 @@ HEADERS = [
 
 
 async def _per_request(view: SnapshotView, tenant: str, requests: int) -> float:
-    admission = Admission(LocalQuota(), RequestMetrics(CollectorRegistry()))
+    limits = Limits(LocalQuota(), RequestMetrics(CollectorRegistry()))
     exchange = Exchange(
         request_id="bench",
         path="/v1/chat/completions",
@@ -58,9 +58,9 @@ async def _per_request(view: SnapshotView, tenant: str, requests: int) -> float:
     )
     started = time.perf_counter()
     for _ in range(requests):
-        ticket = admission.ticket(exchange)
-        if not ticket.tenant.limited or await admission.admit(ticket, exchange) is None:
-            admission.counted(ticket)
+        ticket = limits.ticket(exchange)
+        if not ticket.tenant.limited or isinstance(await limits.take(ticket, exchange), bytes):
+            limits.counted(ticket)
         ticket.end(200)
         ticket.record()
     return (time.perf_counter() - started) / requests

@@ -17,12 +17,12 @@ from typing import Protocol
 import msgspec
 
 from controlplane.rules import routing
-from dataplane.headers import Headers
+from dataplane.headers import Headers, request_id_header
 from events.types import MAX_MODEL_NAME_LENGTH
 
 
 class FlowingBody(Protocol):
-    """A body sent as the node sends it (`dataplane.proxy.Relay`)."""
+    """A body sent as the node sends it (`dataplane.relay.Relay`)."""
 
     async def relay(
         self, send_head: Callable[[], Awaitable[None]], send_piece: Callable[[bytes], Awaitable[None]]
@@ -43,6 +43,16 @@ class Reply:
         self.status = status
         self.headers = headers
         self.body = body
+
+
+class Refusal:
+    """The gateway's own answer in place of a node's, from a stage of the request path
+    (admission, planning, the attempts): the request ends with it (`dataplane.finish`)."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
 
 
 class ApiError:
@@ -84,7 +94,7 @@ QUEUE_IS_FULL = ApiError(
     429, "too many requests waiting: every node is saturated and the gateway's queue is full", "rate_limit_exceeded",
     "requests",
 )
-"""The admission queue (`dataplane.admission_queue`) is full, in all or for the tenant: OpenAI's shape
+"""The admission queue (`dataplane.admission.queue`) is full, in all or for the tenant: OpenAI's shape
 of a rate limit, which the SDKs retry after `Retry-After`."""
 QUEUE_DEADLINE_PASSED = ApiError(
     503, "every node is saturated: the request waited max_queue_seconds in the gateway's queue", "queue_timeout"
@@ -126,3 +136,8 @@ def error_reply(error: ApiError, *extra: tuple[bytes, bytes], close: bool = Fals
     if close:
         headers.append((b"connection", b"close"))
     return Reply(error.status, headers, error.body)
+
+
+def refusal(error: ApiError, request_id: str, *extra: tuple[bytes, bytes]) -> Refusal:
+    """The gateway's `error` for request `request_id`, as a stage's refusal."""
+    return Refusal(error_reply(error, request_id_header(request_id), *extra))

@@ -1,11 +1,14 @@
 """One request's bookkeeping, in one place: what each ended attempt leaves behind, and what the
 request's end does.
 
-A `Ledger` is created per request by the proxy. `attempt_ended` is the one place that records how
-an attempt ended (its log line, its metrics, what the control plane learns about the node, the
-balancer's in-flight count, the decision record's entry); `request_ended` the request's one
-duration and status in the metrics, and its decision record. Where all of it goes (metrics,
-log, balancer, control plane, decision log) is the process's `Books`, shared by every request.
+A `Ledger` is one request's state on the snapshot it is routed on, opened by the planning stage
+(`dataplane.planning`): the request as it came (`Exchange`), its admission (`Ticket`), its route,
+policy and prompt prefix, its picks and attempts. `attempt_ended` is the one place that records
+how an attempt ended (its log line, its metrics, what the control plane learns about the node,
+the in-flight counts, the decision record's entry); `request_ended` (or `client_left`), called by
+the finish stage or by a committed body's relay, the request's one end: its duration and status
+in the metrics, its admission settled, its decision record. Where all of it goes (metrics, log,
+in-flight counts, control plane, decision log) is the process's `Books`, shared by every request.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ import time
 from controlplane.infrastructure.logs import JsonLog
 from controlplane.rules.policies import Choice
 from controlplane.rules.routing import DECODE, PREFILL, Route
-from dataplane.admission import Ticket
-from dataplane.admission_queue import AdmissionQueue
+from dataplane.admission.occupancy import Occupancy
+from dataplane.admission.queue import AdmissionQueue
+from dataplane.admission.ticket import Ticket
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionRecorder
 from dataplane.disaggregation import GENERATION_PATHS
 from dataplane.exchange import Exchange, Outcome, UpstreamTimeout
 from dataplane.metrics import RequestMetrics
-from dataplane.occupancy import Occupancy
+from dataplane.views import SnapshotView
 from events.config import Policy
 from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion, LegPick
 from events.types import UpstreamFailed, UpstreamRecovered
@@ -66,23 +70,32 @@ class Ledger:
     they end, and its end."""
 
     __slots__ = (
-        "_books", "exchange", "route", "policy", "prefix", "metric_model", "attempts", "passed",
-        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "prefill_pick",
-        "ticket",
+        "_books", "exchange", "view", "route", "policy", "prefix", "metric_model", "attempts", "passed",
+        "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "prefill_pick", "ticket", "ended",
     )  # fmt: skip
 
     def __init__(
-        self, books: Books, exchange: Exchange, route: Route, policy: Policy, prefix: str, ticket: Ticket
+        self,
+        books: Books,
+        exchange: Exchange,
+        view: SnapshotView,
+        route: Route,
+        policy: Policy,
+        prefix: str,
+        ticket: Ticket,
     ) -> None:
         self._books = books
         self.ticket = ticket
-        """Its admission (`dataplane.admission`): settled when the request ends."""
+        """Its admission (`dataplane.admission.ticket`): settled when the request ends."""
         self.exchange = exchange
+        self.view = view
+        """The snapshot it is routed on: its arrival's, or after a wait in the admission queue
+        the one current when it left (a new ledger then)."""
         self.route = route
         self.policy = policy
         self.prefix = prefix
         """The prompt prefix's hash (`controlplane.rules.prefix`), when the policy or the decision log needs it."""
-        self.metric_model = exchange.view.metric_model(exchange.model)
+        self.metric_model = view.metric_model(exchange.model)
         self.attempts: list[AttemptRecord] = []
         self.passed: list[Exclusion] = []
         """The candidates the picks passed over (dead or offline when picked), once each."""
@@ -98,6 +111,8 @@ class Ledger:
         """A disaggregated request's prefill attempts, once its decode leg has begun."""
         self.prefill_pick: LegPick | None = None
         """Its prefill leg's first pick, once its decode leg has begun."""
+        self.ended = False
+        """The request has ended (`request_ended` or `client_left`): it ends once."""
 
     # --- picks
 
@@ -187,6 +202,7 @@ class Ledger:
         """The request's one duration and status in the metrics, its admission settled, and its
         decision record."""
         exchange = self.exchange
+        self.ended = True
         self.ticket.end(status)
         self._books.metrics.request_done(
             self.metric_model, exchange.path, status, time.perf_counter() - exchange.started
@@ -195,13 +211,14 @@ class Ledger:
 
     def client_left(self) -> None:
         """The client went away before anything was sent: no answer, no metrics (plinth); the record says so."""
+        self.ended = True
         self.ticket.end(None)
         self._record(None)
 
     def _record(self, status: int | None) -> None:
         decisions = self._books.decisions
         exchange = self.exchange
-        if decisions is None or not exchange.view.config.decision_log:
+        if decisions is None or not self.view.config.decision_log:
             return
         route = self.route
         choice = self.first_choice
@@ -216,7 +233,7 @@ class Ledger:
                 model=exchange.model,
                 alias=exchange.alias,
                 stream=exchange.stream,
-                seq=exchange.view.snapshot.seq,
+                seq=self.view.snapshot.seq,
                 ring=route.ring,
                 ring_pool=route.ring_pool,
                 excluded=route.excluded + tuple(self.passed),

@@ -132,7 +132,7 @@ class RequestMetrics:
             )
         )
 
-        # The admission queue (`dataplane.admission_queue`), by tenant and priority: configured
+        # The admission queue (`dataplane.admission.queue`), by tenant and priority: configured
         # names and priorities only, so bounded.
         self._queue_length = _Children(
             Gauge(

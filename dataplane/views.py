@@ -14,7 +14,7 @@ import msgspec
 from controlplane.rules.adapters import is_loading
 from controlplane.effects.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.rules.routing import Route, pick_pool
-from dataplane.tenants import TenantLimits
+from dataplane.admission.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
 from dataplane.headers import node_header
 from events.config import Config, UpstreamTimeouts

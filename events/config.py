@@ -312,17 +312,18 @@ DEFAULT_MAX_QUEUE_SECONDS = 30.0
 
 class AdmissionConfig(Struct, frozen=True, kw_only=True):
     """`[admission]`: how requests are admitted. Tenants' limits (`[[tenants]]`) hold whether
-    or not the table is there; the queue (`dataplane.admission_queue`) runs only when `queue`."""
+    or not the table is there; the queue (`dataplane.admission.queue`) runs only when `queue`."""
 
     objectives: dict[str, int] = {}
     """Named priorities that llm-d's `x-gateway-inference-objective` header may ask for (a
     request's priority is never raised above its tenant's)."""
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     """Tokens reserved for a completion whose body names no `max_tokens` (a tenant with a
-    token limit)."""
+    token limit); a chat or text completion gets it as its `max_tokens`, less when the tenant's
+    remaining tokens allow less (`dataplane.admission.tokens.completion_bound`)."""
     queue: bool = False
     """While every node that could serve a model is saturated, its requests wait in the gateway
-    (`dataplane.admission_queue`), not in the nodes' own queues. The loader makes it true when
+    (`dataplane.admission.queue`), not in the nodes' own queues. The loader makes it true when
     the file has an `[admission]` table that does not set it (`queue = false` keeps the table's
     other keys without the queue)."""
     saturation_waiting: int = DEFAULT_SATURATION_WAITING

@@ -1,5 +1,5 @@
 """`interlock whatif --tenants FILE`: a recorded run's requests admitted again under other
-tenant limits, with the same buckets the gateway keeps (`dataplane.quota.Buckets`), on the
+tenant limits, with the same buckets the gateway keeps (`dataplane.admission.quota.Buckets`), on the
 records' own clock.
 
 Open-loop: every request arrives when it was recorded, whatever the what-if world would have
@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import msgspec
 
-from dataplane.quota import IN_FLIGHT, LIMITS, REQUESTS, TOKENS, Buckets
+from dataplane.admission.quota import IN_FLIGHT, LIMITS, REQUESTS, TOKENS, Buckets
 from events.config import DEFAULT_MAX_TOKENS, TenantConfig
 from events.decisions import Decision, Verdict
 from interlock.render import format_table

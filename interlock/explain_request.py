@@ -19,7 +19,7 @@ from controlplane.effects.replay import ReplayResult, audit
 from controlplane.rules.routing import EXCLUDED_DEAD, EXCLUDED_OFFLINE, NO_HEALTHY_NODE, NO_REACHABLE_NODE, Route, pick_pool
 from controlplane.rules.saturation import scraped_reason, under_fair_share
 from controlplane.rules.transitions import HEALTH, MODELS, OFFLINE, Transition
-from dataplane.admission_queue import QUEUE_DEADLINE, QUEUE_FULL
+from dataplane.admission.queue import QUEUE_DEADLINE, QUEUE_FULL
 from dataplane.errors import model_not_found
 from events.decisions import Admission, AttemptOutcome, AttemptRecord, CandidateScore, Decision, Verdict
 from events.state import NodeState

@@ -40,23 +40,33 @@ from hypercorn.config import Config as HypercornConfig
 from prometheus_client import CollectorRegistry
 
 import dataplane.hypercorn_private  # noqa: F401  (hypercorn's connections as the gateway serves them: see there)
+from controlplane.effects.control_plane import ControlPlane, load_config_logging_unknown_keys, open_control_plane
+from controlplane.effects.lifecycle import HANDLED_SIGNALS
 from controlplane.infrastructure.config import NO_OVERRIDES, ConfigError, Overrides
 from controlplane.infrastructure.gocompat import parse_listen_address
 from controlplane.infrastructure.logs import JsonLog
-from controlplane.effects.control_plane import ControlPlane, load_config_logging_unknown_keys, open_control_plane
-from controlplane.effects.lifecycle import HANDLED_SIGNALS
+from controlplane.rules.balancer import Balancer
+from dataplane.admission.admit import Admission
+from dataplane.admission.limits import Limits
+from dataplane.admission.occupancy import Occupancy
+from dataplane.admission.queue import AdmissionQueue
+from dataplane.admission.quota import LocalQuota, Quota
 from dataplane.asgi import ApiApp
+from dataplane.attempts import Attempts, new_upstream_pool
 from dataplane.control import ControlPlaneView
 from dataplane.decisions import DecisionFanOut, DecisionLog, DecisionRecorder, NumberedRecords, open_decision_log
+from dataplane.finish import Finish
+from dataplane.ledger import Books
 from dataplane.metrics import RequestMetrics, metrics_app
-from dataplane.quota import Quota
-from dataplane.proxy import Proxy, new_upstream_pool
+from dataplane.planning import Planning
+from dataplane.proxy import Proxy
 from dataplane.views import SnapshotViews
 from events.config import DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from events.decisions import Decision
 from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 from journal.writer import LogInUse
+from transport.http11 import HttpClient
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -136,6 +146,30 @@ def worker_count(workers: Workers) -> int:
     return usable_cores() if workers == "auto" else workers
 
 
+def new_proxy(
+    control_plane: ControlPlaneView,
+    upstream_pool: HttpClient,
+    metrics: RequestMetrics,
+    log: JsonLog,
+    decisions: DecisionRecorder | None = None,
+    *,
+    quota: Quota | None = None,
+    views: SnapshotViews | None = None,
+) -> Proxy:
+    """The request path's parts, built once per process and handed to the proxy: the in-flight
+    counts the queue and the picks share (`Occupancy`), the two balancers (the prefill leg's
+    own), the admission queue, the books every request writes to, and the four stages. `quota`:
+    where tenants' quota is taken (by default this process holds it)."""
+    views = views if views is not None else SnapshotViews(control_plane)
+    occupancy = Occupancy(views)
+    queue = AdmissionQueue(control_plane, views, occupancy, metrics)
+    books = Books(control_plane, metrics, log, occupancy, decisions, queue)
+    admission = Admission(Limits(quota or LocalQuota(), metrics), queue, views)
+    planning = Planning(books, Balancer(occupancy.in_flight), Balancer(occupancy.in_flight), metrics, log)
+    attempts = Attempts(control_plane, upstream_pool, metrics, log, occupancy)
+    return Proxy(admission, planning, attempts, Finish(log))
+
+
 @asynccontextmanager
 async def api_application(
     control_plane: ControlPlaneView,
@@ -151,15 +185,9 @@ async def api_application(
     tenants' quota is taken (a worker's leases; by default this process holds it)."""
     async with new_upstream_pool() as upstream_pool:
         views = SnapshotViews(control_plane)
-        proxy = Proxy(
-            control_plane,
-            upstream_pool,
-            RequestMetrics(registry if registry is not None else CollectorRegistry()),
-            log,
-            NumberedRecords(decisions, worker) if decisions is not None else None,
-            quota=quota,
-            views=views,
-        )
+        metrics = RequestMetrics(registry if registry is not None else CollectorRegistry())
+        numbered = NumberedRecords(decisions, worker) if decisions is not None else None
+        proxy = new_proxy(control_plane, upstream_pool, metrics, log, numbered, quota=quota, views=views)
         yield ApiApp(control_plane, proxy, views, worker)
 
 

@@ -22,7 +22,7 @@ import trio
 
 from controlplane.effects.follower import Follower, OutOfStep
 from controlplane.infrastructure.logs import JsonLog
-from dataplane.quota import LeasedQuota, QuotaGrant
+from dataplane.admission.quota import LeasedQuota, QuotaGrant
 from events.decisions import Decision
 from events.types import Checkpoint
 from interlock.serve import api_application, serve_on_socket, tls_files

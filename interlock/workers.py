@@ -39,8 +39,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from controlplane.infrastructure.logs import JsonLog
 from controlplane.effects.control_plane import ControlPlane
-from dataplane.quota import LeaseAuthority, QuotaAsk, QuotaGrant, QuotaReturn
-from dataplane.tenants import TenantLimits
+from dataplane.admission.quota import LeaseAuthority, QuotaAsk, QuotaGrant, QuotaReturn
+from dataplane.admission.tenants import TenantLimits
 from events.decisions import Decision
 from events.log import encode_event
 from events.state import ClusterState
@@ -86,7 +86,7 @@ encode_status = msgspec.json.Encoder().encode
 encode_grant = msgspec.json.Encoder().encode
 decode_from_leader = msgspec.json.Decoder(Event | ReplicaStatus | QuotaGrant).decode
 """A line down a worker's socketpair: an event (as in the event log), a `ReplicaStatus`, or a
-`QuotaGrant` (the leader's answer to the worker's `QuotaAsk`, `dataplane.quota`)."""
+`QuotaGrant` (the leader's answer to the worker's `QuotaAsk`, `dataplane.admission.quota`)."""
 
 
 def usable_cores() -> int:
@@ -185,7 +185,7 @@ class WorkerPool:
         self._sharing_status = trio.CancelScope()
         self._tenant_limits = TenantLimits(control_plane.view.snapshot.config)
         self.leases = LeaseAuthority(self._quota_limits)
-        """The host's tenant quota: the workers lease it (`dataplane.quota`)."""
+        """The host's tenant quota: the workers lease it (`dataplane.admission.quota`)."""
         control_plane.applier.add_listener(self._fan_out)
 
     def _quota_limits(self) -> dict[tuple[str, str], int]:

@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.infrastructure.config import ConfigError, load_config
-from dataplane.admission import UsageTap
-from dataplane.quota import LEASE_WAIT_SECONDS
+from dataplane.admission.quota import LEASE_WAIT_SECONDS
+from dataplane.admission.tokens import MAX_HELD_EVENT_BYTES, UsageTap
 from events.decisions import Verdict
 from fixtures.node import serve_nodes, token_texts
 from interlock.cli import main
@@ -33,11 +33,14 @@ from harness import (
     free_port,
     node_specs,
     nodes_and_gateway,
+    post_cut_short,
+    running_gateway,
     serve_process,
     sse_events,
     tenants_toml,
     write_config,
 )
+from raw_http import ServerConnection, raw_node
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -199,6 +202,93 @@ async def test_a_stream_whose_client_asked_for_usage_gets_it(tmp_path):
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage is not None
     assert record.admission.tokens_used == usage.total_tokens
+
+
+async def endless_event(connection: ServerConnection) -> None:
+    """A stream's head, one whole event, then an event that never ends (64 KiB pieces, 3 MiB in
+    all), then nothing until the gateway closes the connection."""
+    await connection.send(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+    first = b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    await connection.send(b"%x\r\n%s\r\n" % (len(first), first))
+    piece = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 65_536
+    for _ in range(48):
+        try:
+            await connection.send(b"%x\r\n%s\r\n" % (len(piece), piece))
+        except trio.BrokenResourceError:
+            return
+    await connection.wait_closed_by_client()
+
+
+async def test_a_stream_event_that_never_ends_is_cut_at_its_bound_and_counted(tmp_path):
+    """A token-counted stream's event is held back until it ends (to read its usage): one past
+    MAX_HELD_EVENT_BYTES ends the stream as a node failure does, with the error event, counted
+    as a truncated response; the gateway answers on."""
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    async with (
+        raw_node(endless_event, models=[MODEL]) as node,
+        running_gateway(tmp_path, [node], extra=extra, decision_log=str(decisions)) as gateway,
+    ):
+        await gateway.discovered()
+        body = {"model": MODEL, "messages": HI, "stream": True}
+        headers = {"authorization": "Bearer key-a"}
+        with trio.fail_after(30):
+            async with httpx.AsyncClient(timeout=30, trust_env=False, headers=headers) as http:
+                response, received = await post_cut_short(http, gateway.url + "/v1/chat/completions", body)
+        assert response.status_code == 200
+        events = sse_events(received.decode())
+        assert json.loads(events[0])["choices"][0]["delta"]["content"] == "Hi"
+        assert json.loads(events[-1])["error"]["message"] == "stream terminated by upstream failure"
+        assert len(received) < MAX_HELD_EVENT_BYTES  # the unfinished event was held back, then dropped
+        assert await gateway.metric(f'gateway_response_truncated_total{{node="{node.host}"}}') == 1
+        [record] = await records_for(gateway, decisions, 1)
+        assert (await gateway.http.get(gateway.url + "/health")).status_code == 200
+    [attempt] = record.attempts
+    assert (attempt.outcome, attempt.error) == ("truncated", f"stream event longer than {MAX_HELD_EVENT_BYTES} bytes")
+
+
+async def test_a_stream_left_before_its_usage_is_charged_what_it_relayed(tmp_path):
+    """Without the usage chunk (the client left), the tenant is charged the prompt's estimate
+    and an event's token for each event relayed, not given its reservation back."""
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 100_000})
+    specs = node_specs(1, tokens=1000, tpot=0.01)
+    async with nodes_and_gateway(tmp_path, specs, extra=extra, decision_log=str(decisions)) as (_, gateway):
+        body = {"model": MODEL, "messages": HI, "stream": True, "max_tokens": 1000}
+        received = 0
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            headers = {"authorization": "Bearer key-a"}
+            async with http.stream("POST", gateway.url + "/v1/chat/completions", json=body, headers=headers) as answer:
+                async for text in answer.aiter_text():
+                    received += text.count("\n\n")
+                    if received >= 5:
+                        break
+        [record] = await records_for(gateway, decisions, 1)
+    used = record.admission.tokens_used
+    assert used is not None and used >= received
+    assert used < record.admission.tokens_reserved  # the rest of the reservation went back
+
+
+async def test_a_generation_without_max_tokens_gets_one_its_remaining_tokens_allow(tmp_path):
+    """A token-counted tenant's generation that names no bound gets `max_tokens`: the default,
+    or what its remaining tokens leave after the prompt's estimate; so its reservation bounds
+    what the node generates. A body that names one is left as it is."""
+    decisions = tmp_path / "decisions.jsonl"
+    extra = tenants_toml({"name": "team-a", "api_keys": ["key-a"], "tokens_per_minute": 300})
+    extra += "[admission]\nqueue = false\ndefault_max_tokens = 100\n"
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1, tokens=120), extra=extra, decision_log=str(decisions)
+    ) as ([node], gateway):
+        async with sdk(gateway, "key-a") as a:
+            await a.chat.completions.create(model=MODEL, messages=HI)  # the default: 100 made
+            await a.chat.completions.create(model=MODEL, messages=HI, max_tokens=150)  # 120 made
+            await a.chat.completions.create(model=MODEL, messages=HI)  # less than 100 left
+        records = await records_for(gateway, decisions, 3)
+    sent = [json.loads(request.body) for request in node.requests if request.method == "POST"]
+    assert [body["max_tokens"] for body in sent[:2]] == [100, 150]
+    assert 1 <= sent[2]["max_tokens"] < 100
+    # The two alike bodies' reservations are each its bound and the same prompt estimate.
+    assert records[0].admission.tokens_reserved - 100 == records[2].admission.tokens_reserved - sent[2]["max_tokens"]
 
 
 async def test_an_unlimited_tenants_stream_is_left_alone(tmp_path):

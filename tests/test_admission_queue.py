@@ -3,7 +3,7 @@ requests wait in the gateway's queue, in order of priority, tenants in turn, unt
 up, their deadline passes (503), their client leaves, or the queue is full (429).
 
 The order is tested through the real gateway with two tenants, and on the queue itself
-(`dataplane.admission_queue`, real trio tasks and a real control plane) for the finer cases
+(`dataplane.admission.queue`, real trio tasks and a real control plane) for the finer cases
 (several priorities, fairness ids); the rest through the real gateway and simulated nodes."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from controlplane.rules.policies import AT_MAX_IN_FLIGHT
 from controlplane.rules.routing import pick_pool
 from controlplane.effects.control_plane import open_control_plane
 from controlplane.rules.saturation import free_places, priority_headroom, rank, under_fair_share
-from dataplane.admission_queue import ADMITTED, QUEUED, AdmissionQueue
+from dataplane.admission.queue import ADMITTED, QUEUED, AdmissionQueue
 from dataplane.metrics import RequestMetrics
-from dataplane.occupancy import Occupancy
+from dataplane.admission.occupancy import Occupancy
 from dataplane.views import SnapshotViews
 from events.config import AdmissionConfig, Config, TenantConfig
 from events.decisions import FairShare

@@ -14,15 +14,17 @@ from prometheus_client import CollectorRegistry
 from controlplane.infrastructure.logs import Throttle, clipped
 from controlplane.rules.reducer import OFFLINE_SECONDS
 from controlplane.effects.control_plane import open_control_plane
+from dataplane.attempts import new_upstream_pool
 from dataplane.decisions import open_decision_log
 from dataplane.exchange import Exchange
 from dataplane.headers import forward_headers
 from dataplane.metrics import RequestMetrics
-from dataplane.proxy import UNSERVED_WARNING_INTERVAL, Proxy, new_upstream_pool
+from dataplane.planning import UNSERVED_WARNING_INTERVAL
 from dataplane.views import SnapshotViews
 from events.decisions import AttemptRecord, read_decisions
 from events.types import UpstreamFailed
 from fixtures.node import serve_nodes
+from interlock.serve import new_proxy
 
 from harness import (
     MODEL,
@@ -543,7 +545,7 @@ async def test_a_decision_records_the_nodes_the_attempt_loop_passed_over_when_it
         ):
             decisions = open_decision_log(control_plane.view.snapshot.config.gateway, log, CollectorRegistry())
             nursery.start_soon(decisions.appender.run)
-            proxy = Proxy(control_plane.view, pool, RequestMetrics(CollectorRegistry()), log, decisions)
+            proxy = new_proxy(control_plane.view, pool, RequestMetrics(CollectorRegistry()), log, decisions)
             n1 = nodes[0].host
             control_plane.view.observe(UpstreamFailed(node=n1, error="refused", at=clock[0]))
             with trio.fail_after(60):

@@ -10,10 +10,19 @@ import msgspec
 import pytest
 
 from events.decisions import AttemptOutcome
-from fixtures.node import NodeSpec, token_texts
+from fixtures.node import NodeSpec, serve_nodes, token_texts
 from journal.segments import list_segments
 
-from harness import MODEL, decision_records, error_message, nodes_and_gateway, sse_events
+from harness import (
+    MODEL,
+    decision_records,
+    error_message,
+    nodes_and_gateway,
+    running_gateway,
+    sse_events,
+    tenants_toml,
+)
+from raw_http import raw_node
 from test_openai_sdk import sdk_client
 
 REMOTE_DECODE = {
@@ -259,3 +268,49 @@ async def test_verify_and_whatif_make_each_legs_pick_again(tmp_path):
     assert (record["request_id"], f"prefill.attempts[{leg}].node") in {
         (divergence.request_id, divergence.field) for divergence in report.divergences
     }
+
+
+
+async def test_a_prefill_answer_that_breaks_its_parser_is_a_failed_leg_and_the_tenant_gets_its_place_back(tmp_path):
+    # p1 answers every prefill with kv_transfer_params nested 400,000 deep (under the answer's
+    # 1 MiB cap): reading them raises RecursionError. That is a failure of p1's attempt, retried
+    # on p2 like any prefill failure; the request is answered, recorded, and gives its tenant's
+    # one in-flight place back, so the tenant's next request is not refused.
+    depth = 400_000
+    nested = b'{"kv_transfer_params":' + b"[" * depth + b"]" * depth + b"}"
+    answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+        len(nested),
+        nested,
+    )
+    tenant = {"name": "team", "api_keys": ["key-team"], "max_in_flight": 1}
+    decisions = tmp_path / "decisions.jsonl"
+    async with (
+        raw_node(answer, models=[MODEL], host="127.0.0.2", name="p1") as p1,
+        serve_nodes(specs(prefill=2)[1:]) as sims,
+    ):
+        p2, d1 = sims
+        settings = {"p1": {"role": "prefill"}, "p2": {"role": "prefill"}, "d1": {"role": "decode"}}
+        async with running_gateway(
+            tmp_path, [p1, p2, d1], node_settings=settings, extra=tenants_toml(tenant), decision_log=str(decisions)
+        ) as gateway:
+            await gateway.discovered()
+            headers = {"Authorization": "Bearer key-team"}
+            for number in range(3):
+                response = await gateway.http.post(
+                    gateway.url + "/v1/chat/completions",
+                    json={"model": MODEL, "messages": HI},
+                    headers=headers | {"X-Request-Id": f"r{number}"},
+                )
+                assert response.status_code == 200, response.text
+                assert response.headers["x-interlock-node"] == "d1"
+            assert p1.completions  # round robin tried it
+            for node in (p1, p2, d1):
+                assert not await gateway.metric(f'interlock_node_requests_in_flight{{node="{node.host}"}}')
+            found = await records(gateway, tmp_path, 3)
+    broken = [record for record in found if record.prefill_attempts[0].node == p1.host]
+    assert broken
+    for record in broken:
+        first, then = record.prefill_attempts
+        assert (first.outcome, then.node, then.outcome) == (AttemptOutcome.RETRIED, p2.host, AttemptOutcome.COMPLETED)
+        assert "recursion" in first.error
+        assert record.status == 200 and record.admission.tenant == "team"

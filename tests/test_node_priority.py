@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import trio
 
-from dataplane.admission_queue import ADMITTED
+from dataplane.admission.queue import ADMITTED
 from events.decisions import FairShare
 from fixtures.node import NodeSpec, SimulatedNode
 

@@ -1,5 +1,5 @@
 """Saturation: whether every node that could serve a model is too busy for another request, so
-that admission holds the request in the gateway (`dataplane.admission_queue`) instead of in a node's
+that admission holds the request in the gateway (`dataplane.admission.queue`) instead of in a node's
 own queue, where the gateway can neither reorder nor cancel it.
 
 A node is saturated when its last scrape says so (`[admission] saturation_waiting` requests

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataplane.quota import IN_FLIGHT, REQUESTS, TOKENS
+from dataplane.admission.quota import IN_FLIGHT, REQUESTS, TOKENS
 from events.config import DEFAULT_TENANT, GATEWAY_TENANT, Config, TenantConfig
 
 

@@ -46,7 +46,7 @@ from controlplane.rules.routing import pick_pool
 from controlplane.rules.saturation import priority_headroom, rank, under_fair_share
 from dataplane.control import ControlPlaneView
 from dataplane.metrics import RequestMetrics
-from dataplane.occupancy import Occupancy
+from dataplane.admission.occupancy import Occupancy
 from dataplane.views import SnapshotView, SnapshotViews
 from events.decisions import FairShare
 
