@@ -36,12 +36,14 @@ class Exchange:
         """The alias the client named, when it named one (`ModelEntry.target`); else ""."""
         self.stream = stream
         self.body = body
-        """Forwarded as it is (with the default model, or an alias's target, set in it; the decode
-        leg's `kv_transfer_params` too, for a disaggregated request)."""
+        """As the client sent it (with the default model, or an alias's target, set in it); never
+        changed: what admission writes into it is `Admitted.body`, the legs' bodies are made
+        from that (`dataplane.disaggregation`)."""
         self.headers = headers
         """As forwarded (`headers.forward_headers`)."""
         self.view = view
-        """The snapshot it is routed on, from its start to its end."""
+        """The snapshot it arrived on: admission's; it is routed on it too, unless it waited in
+        the queue (then on the one current when it left, `Admitted.view`, its ledger's)."""
         self.at = at
         """When it arrived, on the control plane's clock."""
         self.started = started
