@@ -4,6 +4,7 @@ packages below it (and itself), never upward, at module level or inside a functi
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,18 @@ def test_controlplane_holds_only_its_three_parts() -> None:
 def test_controlplane_parts_import_only_downward(part: str, path: Path) -> None:
     forbidden = controlplane_parts_imported(path) - CONTROLPLANE_MAY_IMPORT[part]
     assert not forbidden, f"{path.relative_to(REPO_ROOT)} (controlplane.{part}) imports {sorted(forbidden)}"
+
+
+def test_the_wheel_lists_every_package() -> None:
+    """pyproject.toml names each package of the wheel, subpackages included: one it leaves out
+    is missing from the installed gateway (`fixtures` runs from the checkout only)."""
+    listed = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    found = {
+        ".".join(init.parent.relative_to(REPO_ROOT).parts)
+        for package in set(MAY_IMPORT) - {"fixtures"}
+        for init in (REPO_ROOT / package).rglob("__init__.py")
+    }
+    assert sorted(listed) == sorted(found)
 
 
 def test_the_rule_catches_an_upward_import(tmp_path: Path) -> None:
