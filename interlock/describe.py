@@ -20,6 +20,15 @@ def _describe_log(gateway: GatewayConfig, key: str) -> str:
     return f"{path} (segments of {_size_text(getattr(gateway, f'{key}_max_bytes'))}{retention})"
 
 
+def _timeouts_text(config: Config, model: str) -> str:
+    """The upstream timeouts `model` is served with ("": a model without its own)."""
+    timeouts = config.upstream_timeouts(model)
+    return (
+        f"connect {format_go_seconds(timeouts.connect)}, first byte {format_go_seconds(timeouts.first_byte)}, "
+        f"response {format_go_seconds(timeouts.response)}"
+    )
+
+
 def describe_config(config: Config) -> str:
     """A short summary of a loaded config, for `interlock check-config`."""
     gateway = config.gateway
@@ -43,7 +52,10 @@ def describe_config(config: Config) -> str:
             continue
         ring = f"ring {model.ring}" if model.ring else "standalone"
         policy = f"  policy {model.policy}" if model.policy else ""
-        lines.append(f"  {model.name}  {ring}{policy}")
+        own = (model.connect_timeout, model.first_byte_timeout, model.response_timeout) != (None, None, None)
+        timeouts = f"  timeouts {_timeouts_text(config, model.name)}" if own else ""
+        lines.append(f"  {model.name}  {ring}{policy}{timeouts}")
+    lines.append(f"timeouts: {_timeouts_text(config, '')}")
     lines.append(_describe_routing(config))
     lines.append(_describe_admission(config))
     for key, what in (("event_log", "event log"), ("decision_log", "decision log")):

@@ -493,6 +493,10 @@ def test_a_model_s_timeouts_are_durations_that_override_the_gateway_s(tmp_path: 
     assert config.upstream_timeouts("small") == UpstreamTimeouts(connect=2.0, first_byte=30.0, response=60.0)
     assert config.upstream_timeouts("listed-by-a-node") == config.upstream_timeouts("small")
     assert load_text(tmp_path, ONE_NODE).upstream_timeouts("m") == UpstreamTimeouts(connect=5.0, first_byte=10.0, response=60.0)
+    summary = describe_config(config)
+    assert "  big  standalone  timeouts connect 2s, first byte 2m0s, response 10m0s" in summary
+    assert "  small  standalone\n" in summary
+    assert "timeouts: connect 2s, first byte 30s, response 1m0s" in summary
 
 
 @pytest.mark.parametrize(

@@ -191,7 +191,7 @@ def wheelhouse(context: Path) -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source)
-    for package in project["tool"]["setuptools"]["packages"]:
+    for package in dict.fromkeys(name.split(".")[0] for name in project["tool"]["setuptools"]["packages"]):
         shutil.copytree(REPO / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     wheels = context / "wheels"
     pip = [sys.executable, "-m", "pip", "--quiet", "--disable-pip-version-check"]
@@ -275,5 +275,6 @@ def test_the_container_image_builds_serves_reloads_and_stops(tmp_path):
 
 
 def test_the_license_file_is_the_license_pyproject_names():
-    license_name = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["license"]["text"]
-    assert (REPO / "LICENSE").read_text().splitlines()[0] == f"{license_name} License"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["license-files"] == ["LICENSE"]
+    assert (REPO / "LICENSE").read_text().splitlines()[0] == f"{project['license']} License"
