@@ -16,7 +16,7 @@ from controlplane.effects.metrics import OTHER_MODELS, labelled_list, metric_mod
 from controlplane.rules.routing import Route, pick_pool
 from dataplane.admission.tenants import TenantLimits
 from dataplane.control import ControlPlaneView
-from dataplane.headers import node_header
+from dataplane.headers import served_by_headers
 from events.config import Config, UpstreamTimeouts
 from events.state import ClusterState, NodeState
 from events.types import Checkpoint
@@ -32,6 +32,7 @@ class ConfigView:
         config: Config,
         upstream_authorizations: dict[str, bytes],
         upstream_tls: dict[str, ssl.SSLContext] | None = None,
+        replica: str = "",
     ) -> None:
         self.config = config
         gateway = config.gateway
@@ -74,8 +75,10 @@ class ConfigView:
         """The `Authorization` each node with a key gets instead of the client's."""
         self.upstream_tls = upstream_tls or {}
         """The context each https node's connections are made with (a plain node has none)."""
-        self.node_headers = {node.ip: node_header(node) for node in config.nodes}
-        """The header naming the node that served a request (a node's own header may say anything)."""
+        self.replica = replica
+        self.node_headers = {node.ip: served_by_headers(node, replica) for node in config.nodes}
+        """The headers naming the node that served a request (a node's own header may say
+        anything) and, in a fleet, the replica that proxied it."""
 
 
 MODEL_CREATED = 0
@@ -218,9 +221,11 @@ class SnapshotViews:
         snapshot = self._control_plane.snapshot
         view = self._view
         if view is None or view.snapshot is not snapshot:
-            same_config = view is not None and view.config.config is snapshot.config
+            # a fleet's replica: its name (a worker learns it from its replica soon after it starts)
+            replica = self._control_plane.fleet_headers().get("X-Interlock-Replica", "")
+            same_config = view is not None and view.config.config is snapshot.config and view.config.replica == replica
             config = view.config if same_config else ConfigView(
-                snapshot.config, self._control_plane.upstream_authorizations, self._control_plane.upstream_tls
+                snapshot.config, self._control_plane.upstream_authorizations, self._control_plane.upstream_tls, replica
             )
             previous, view = view, SnapshotView(snapshot, config)
             if same_config and "metric_models" in vars(previous) and _same_lists(previous.snapshot, snapshot):

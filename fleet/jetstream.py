@@ -13,6 +13,9 @@ names all start with the fleet's `name` (N below):
   of the event stream whose events it includes all of; a replica starts from the newest;
 - key-value bucket `N-leader`, key `leader`: the lease. Its TTL is the lease, so a leader that
   stops renewing loses it; the value is the leader's replica name;
+- key-value bucket `N-replicas`, a key per replica name: who holds the name (`NameHolder`:
+  host, process, listen address), renewed every `lease_renewal`, its TTL the lease, so a name
+  is free a lease after its replica stopped;
 - subject `N.observations` (core NATS, no stream): what replicas' data planes observe, for the
   leader to number;
 - stream `N-decisions` (subject `N.decisions`): every replica's decision records, a batch of
@@ -22,6 +25,7 @@ names all start with the fleet's `name` (N below):
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -62,6 +66,21 @@ WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code for an append whose expected last sequence is not the stream's."""
 
 
+def _gone(earlier: NameHolder, holder: NameHolder) -> bool:
+    """Whether `earlier` was a process of this host (`holder`'s) that no longer runs."""
+    if earlier.host != holder.host:
+        return False
+    if earlier.pid == holder.pid:
+        return True  # this process, or in a container where every run is pid 1
+    try:
+        os.kill(earlier.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 class EventMessage(NamedTuple):
     """One message of the event stream as a consumer receives it: its sequence, its batch of
     events, and when JetStream stored it (UNIX seconds by the NATS server's clock)."""
@@ -69,6 +88,26 @@ class EventMessage(NamedTuple):
     seq: int
     data: bytes
     appended_at: float
+
+
+class NameHolder(msgspec.Struct, frozen=True):
+    """The process holding a replica name (`N-replicas`)."""
+
+    host: str
+    pid: int
+    listen: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.host}, listening on {self.listen}"
+
+
+class NameHeld(Exception):
+    """The replica name is held by another live replica (`holder`)."""
+
+    def __init__(self, name: str, holder: NameHolder | None) -> None:
+        described = "another replica" if holder is None else f"a live replica ({holder})"
+        super().__init__(f"the replica name {name!r} is held by {described}; give each replica its own [fleet] replica")
+        self.holder = holder
 
 
 class AppendRefused(Exception):
@@ -133,6 +172,10 @@ class Names:
     def lease(self) -> str:
         return f"{self.fleet}-leader"
 
+    @property
+    def replicas(self) -> str:
+        return f"{self.fleet}-replicas"
+
     def subject(self, what: str) -> str:
         return f"{self.fleet}.{what}"
 
@@ -153,6 +196,7 @@ class FleetLink:
         self._nc = None
         self._js = None
         self._kv = None
+        self._names = None
         self.connected = trio.Event()
         """Set once connected and the streams exist; a new Event after a disconnection."""
 
@@ -219,13 +263,18 @@ class FleetLink:
                 await self._call(self._js.stream_info, config.name)
             except nats.js.errors.NotFoundError:
                 await self._call(self._js.add_stream, config)
-        try:
-            self._kv = await self._call(self._js.key_value, names.lease)
-        except nats.js.errors.BucketNotFoundError:
-            self._kv = await self._call(
-                self._js.create_key_value, bucket=names.lease, ttl=self._fleet.lease, history=1, replicas=replicas
-            )
+        self._kv = await self._bucket(names.lease, replicas)
+        self._names = await self._bucket(names.replicas, replicas)
         self.connected.set()
+
+    async def _bucket(self, name: str, replicas: int):
+        """The key-value bucket `name`, its keys lasting a lease unless renewed (created if missing)."""
+        try:
+            return await self._call(self._js.key_value, name)
+        except nats.js.errors.BucketNotFoundError:
+            return await self._call(
+                self._js.create_key_value, bucket=name, ttl=self._fleet.lease, history=1, replicas=replicas
+            )
 
     def derived_stream_replicas(self) -> int:
         """The servers this connection knows (configured, and told of by the cluster), up to
@@ -274,6 +323,37 @@ class FleetLink:
         except nats.js.errors.KeyNotFoundError:
             return ""
         return (entry.value or b"").decode()
+
+    # --- replica names --------------------------------------------------------------------
+
+    async def claim_name(self, holder: NameHolder) -> int:
+        """Hold this replica's name for `holder`; the key's revision. Taken over from an earlier
+        process of this host that is gone; NameHeld when another replica holds it (the caller
+        waits a lease for a name left by a replica that stopped)."""
+        name = self._fleet.replica
+        try:
+            return await self._call(self._names.create, name, msgspec.json.encode(holder))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        try:
+            entry = await self._call(self._names.get, name)
+        except nats.js.errors.KeyNotFoundError:
+            raise NameHeld(name, None) from None  # gone meanwhile: the caller tries again
+        try:
+            earlier = msgspec.json.decode(entry.value or b"", type=NameHolder)
+        except msgspec.DecodeError:
+            earlier = None
+        if earlier is None or not _gone(earlier, holder):
+            raise NameHeld(name, earlier)
+        return await self._call(self._names.update, name, msgspec.json.encode(holder), last=entry.revision)
+
+    async def renew_name(self, holder: NameHolder, revision: int) -> int:
+        """Renew the name's key against its last revision; the new one. NameHeld when another
+        replica has taken it (this one's lapsed while it could not renew)."""
+        try:
+            return await self._call(self._names.update, self._fleet.replica, msgspec.json.encode(holder), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return await self.claim_name(holder)
 
     # --- the event stream -----------------------------------------------------------------
 

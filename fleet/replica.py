@@ -44,6 +44,7 @@ any event.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,8 @@ from fleet.jetstream import (
     AppendRefused,
     FleetLink,
     MessageSetAside,
+    NameHeld,
+    NameHolder,
     StoredCheckpoint,
     continuing_events,
 )
@@ -230,6 +233,13 @@ class FleetControlPlane:
         self._behind_since: float | None = None
         self._leaderless_since: float | None = None
         self._last_append_started = float("-inf")
+        self._reached = False
+        """Whether NATS was reached once (nats-py reconnects by itself after that)."""
+        self._name_holder = NameHolder(socket.gethostname(), os.getpid(), config.gateway.listen)
+        self._name_claimed = trio.Event()
+        self._name_revision = 0
+        self._name_refused = ""
+        """Why this replica may not serve as its name ("" unless a live replica holds it)."""
         self.fleet_metrics = FleetMetrics(self.registry, self)
         self.decisions = FleetDecisions(self.replica, self.log, self.registry)
         """Where this replica's decision records go: the fleet's decision stream."""
@@ -243,6 +253,8 @@ class FleetControlPlane:
     def _stale_reason(self) -> str:
         """Why this replica may not be routing on the fleet's current state ("" when it is):
         from what the follower and the watch last saw, never waiting on NATS."""
+        if self._name_refused:
+            return self._name_refused
         if self._link is None or not self._link.is_connected:
             return "not connected to NATS"
         if self.view.snapshot.seq == 0:
@@ -297,6 +309,7 @@ class FleetControlPlane:
             async with bridge_opened as bridge, ProbeClient() as client:
                 self._link = FleetLink(bridge, self.fleet, self._nats_client_error)
                 try:
+                    await self._connect_at_start()
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._connect)
                         nursery.start_soon(self._follow)
@@ -340,17 +353,71 @@ class FleetControlPlane:
     def _asyncio_failed(self, error: BaseException) -> None:
         self.log.warn("fleet: NATS call failed", error=f"{type(error).__name__}: {error}")
 
+    async def _connect_at_start(self) -> None:
+        """One attempt to reach NATS before the replica starts; once reached, its name held
+        (NameHeld, raised, when a live replica holds it: the replica does not start)."""
+        if await self._connect_once():
+            await self._claim_name(at_start=True)
+
     async def _connect(self) -> None:
+        """Reach NATS (nats-py reconnects by itself after that), and hold this replica's name
+        for good (`_hold_name`)."""
+        while not self._reached and not await self._connect_once():
+            await trio.sleep(CONNECT_RETRY_SECONDS)
+        try:
+            if not self._name_claimed.is_set():
+                await self._claim_name()
+            await self._hold_name()
+        except NameHeld as error:
+            self._name_refused = str(error)
+            self.log.error("fleet: this replica's name is another's; it neither leads nor is ready", error=str(error))
+
+    async def _connect_once(self) -> bool:
+        try:
+            await self._link.connect()
+        except NATS_ERRORS as error:
+            self.log.warn("fleet: cannot reach NATS; routing on the last state", error=described(error))
+            await self._link.close()
+            return False
+        self._reached = True
+        self.log.info("fleet: connected", replica=self.replica, servers=",".join(self.fleet.nats))
+        return True
+
+    async def _claim_name(self, *, at_start: bool = False) -> None:
+        """Hold this replica's name: at once when free (or left by an earlier process of this
+        host), else once the replica that held it has been gone a lease; NameHeld when it is
+        still held then (renewed: a live replica). A NATS failure is retried, except at start
+        (the replica starts, and `_connect` claims the name later)."""
+        held_since = None
         while True:
             try:
-                await self._link.connect()
+                self._name_revision = await self._link.claim_name(self._name_holder)
+            except NameHeld:
+                now = trio.current_time()
+                held_since = now if held_since is None else held_since
+                if now - held_since > self.fleet.lease + self.fleet.lease_renewal:
+                    raise
+                await trio.sleep(self.fleet.lease_renewal)
+                continue
             except NATS_ERRORS as error:
-                self.log.warn("fleet: cannot reach NATS; routing on the last state", error=described(error))
-                await self._link.close()
+                self.log.warn("fleet: claiming this replica's name failed", error=described(error))
+                if at_start:
+                    return
                 await trio.sleep(CONNECT_RETRY_SECONDS)
                 continue
-            self.log.info("fleet: connected", replica=self.replica, servers=",".join(self.fleet.nats))
+            self._name_claimed.set()
             return
+
+    async def _hold_name(self) -> None:
+        """Renew the name's key every `lease_renewal` (a renewal lost to NATS is retried next
+        time; a name taken meanwhile by another replica raises NameHeld)."""
+        while True:
+            await trio.sleep(self.fleet.lease_renewal)
+            await self._link.connected.wait()
+            try:
+                self._name_revision = await self._link.renew_name(self._name_holder, self._name_revision)
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: renewing this replica's name failed", error=described(error))
 
     # --- following --------------------------------------------------------------------------
 
@@ -514,7 +581,8 @@ class FleetControlPlane:
     async def _campaign(self, client: ProbeClient) -> None:
         """Take the lease whenever it is free (or still ours), and lead until the term ends."""
         renewal = self.fleet.lease_renewal
-        while True:
+        await self._name_claimed.wait()
+        while not self._name_refused:
             await self._link.connected.wait()
             started = trio.current_time()
             try:

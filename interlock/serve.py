@@ -63,6 +63,7 @@ from dataplane.proxy import Proxy
 from dataplane.views import SnapshotViews
 from events.config import DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS, Config, GatewayConfig, Workers
 from events.decisions import Decision
+from fleet.jetstream import NameHeld
 from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 from journal.writer import LogInUse
@@ -133,6 +134,9 @@ async def serve(
                 return await _run(control_plane, signals, sockets, registry, log, ready, count, decisions)
         except LogInUse as error:
             print(f"fatal: {error.strerror}", file=sys.stderr)
+            return EXIT_FAILURE
+        except NameHeld as error:
+            print(f"fatal: fleet: {error}", file=sys.stderr)
             return EXIT_FAILURE
         finally:
             for sock in sockets:

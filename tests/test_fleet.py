@@ -290,6 +290,9 @@ async def test_every_replica_reaches_the_same_state_at_the_same_seq(tmp_path):
         for replica in replicas:  # a request through each replica reaches a node, with the key it read
             response = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL), timeout=10)
             assert response.status_code == 200, response.text
+            assert response.headers["X-Interlock-Replica"] == replica.name  # which replica proxied it
+            streamed = await http.post(replica.url + "/v1/chat/completions", json=chat(MODEL, stream=True), timeout=10)
+            assert (streamed.status_code, streamed.headers["X-Interlock-Replica"]) == (200, replica.name)
         state = await agreed(http, replicas, observed)
         assert observed.disagreements() == {}
         assert_gapless(await fleet_events(servers[0].url))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,6 +27,7 @@ from fleet.replica import OUT_OF_SEQUENCE_RETRIES
 from harness import node_specs
 from nats_cluster import NatsServer, nats_servers
 from test_fleet import (
+    WAIT,
     Observed,
     Replica,
     _seq_passed,
@@ -164,3 +166,30 @@ async def test_an_event_out_of_sequence_is_read_again_a_few_times_then_set_aside
         seqs = [event.seq for event in events_in(await fleet_events(server.url))]
         seqs.remove(before.seq + 1000)
         assert seqs == list(range(1, len(seqs) + 1))
+
+
+async def test_a_replica_whose_name_a_live_replica_holds_does_not_start(tmp_path):
+    """A second replica named as a running one exits at start naming the one that holds the
+    name; a replica restarted on its host takes its name back at once (its process is gone)."""
+    async with one_server_fleet(tmp_path) as (server, nodes, replicas, http):
+        await agreed(http, replicas, Observed())
+        live = replicas[0]
+        directory = tmp_path / "second-r1"
+        directory.mkdir()
+        (directory / "gateway.toml").write_text(live.config_path.read_text())
+        second = Replica("r1", directory / "gateway.toml", directory / "log.jsonl")
+        await second.start()
+        with trio.fail_after(WAIT):
+            assert await second.process.wait() == 1
+        [fatal] = [line for line in second.log_path.read_text().splitlines() if line.startswith("fatal:")]
+        assert fatal == (
+            f"fatal: fleet: the replica name 'r1' is held by a live replica (pid {live.process.pid} on "
+            f"{socket.gethostname()}, listening on 127.0.0.1:{live.api_port}); give each replica its own [fleet] replica"
+        )
+        assert (await live.health(http)).replica == "r1"  # the live one serves on
+
+        live.signal(signal.SIGKILL)
+        await live.process.wait()
+        await live.start()
+        await agreed(http, replicas, Observed())
+        assert "fleet: claiming this replica's name failed" not in live.messages()
