@@ -182,6 +182,7 @@ class Attempts:
         config = view.config
         balancer = leg.balancer
         rotation = balancer.rotation
+        bounded = config.max_in_flight or config.admission.queue  # else no node is ever full
         choice = balancer.select(
             pool,
             ledger.policy,
@@ -190,7 +191,7 @@ class Attempts:
             prefix=ledger.prefix,
             load_bound=config.load_bound,
             adapter=ledger.route.adapter,
-            full=self._occupancy.full(view, pool, ledger.ticket.rank),
+            full=self._occupancy.full(view, pool, ledger.ticket.rank) if bounded else (),
         )
         ledger.picked(choice, rotation)
         return choice.node

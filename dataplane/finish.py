@@ -31,7 +31,8 @@ class Finish:
         else:
             reply = result
             if isinstance(reply.body, bytes):
-                ledger.ticket.read_usage(reply.body)
+                if ledger.ticket.tenant.counts_tokens:
+                    ledger.ticket.read_usage(reply.body)
                 ledger.request_ended(reply.status)
         headers = ledger.ticket.headers
         if headers:

@@ -36,9 +36,8 @@ class Admission:
         self._limits = limits
         self._queue = queue
         self._views = views
-
-    def ticket(self, exchange: Exchange) -> Ticket:
-        return self._limits.ticket(exchange)
+        self.ticket = limits.ticket
+        """A request's `Ticket` as it arrives (`Limits.ticket`)."""
 
     async def admit(self, exchange: Exchange, ticket: Ticket, routable: bool) -> Admitted | Refusal:
         """Through the tenant's limits (a limited tenant's), then, when the model has nodes to

@@ -79,11 +79,10 @@ class Occupancy:
     def full(self, view: SnapshotView, pool: Sequence[NodeState], request_rank: int) -> frozenset[str]:
         """The nodes of `pool` without a place for a request of rank `request_rank` now
         (`saturation.room`): a pick passes over them while another has one. The scrapes count
-        while the gateway queues (`[admission] queue`)."""
+        while the gateway queues (`[admission] queue`); the caller asks only then or when a node
+        has a `max_in_flight` (else none is ever full)."""
         config = view.config
         admission = config.admission
-        if not admission.queue and not config.max_in_flight:
-            return frozenset()
         scrape = admission if admission.queue else None
         if scrape is not None:
             self._note_scrapes(view, pool)

@@ -78,9 +78,8 @@ class Ticket:
             self.verdict = Verdict.QUEUED
 
     def read_usage(self, body: bytes) -> None:
-        """A complete answer's `usage`, when the tenant's tokens are counted."""
-        if self.tenant.counts_tokens:
-            self.tokens_used = usage_tokens(body)
+        """A complete answer's `usage` (a tenant whose tokens are counted)."""
+        self.tokens_used = usage_tokens(body)
 
     def end(self, status: int | None) -> None:
         """The request ended (`status` None: the client left first): what it took is settled. A
