@@ -74,9 +74,9 @@ def describe_config(config: Config) -> str:
     if key_files:
         lines.append(f"upstream keys: sent to {len(key_files)} of {len(config.nodes)} nodes")
     if gateway.retry_unanswered:
-        lines.append("unanswered requests: retried on another node (retry_unanswered = true)")
+        lines.append("unanswered requests: retried on another node, and so past a timeout (retry_unanswered = true)")
     else:
-        lines.append("unanswered requests: 502 (retry_unanswered = false)")
+        lines.append("unanswered requests: 502, and 504 past a timeout (retry_unanswered = false)")
     lines.append(f"log: {gateway.log_format} lines, {gateway.log_level} and above")
     return "\n".join(lines)
 

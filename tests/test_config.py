@@ -791,7 +791,7 @@ def test_describe_config() -> None:
         "every 3s",
         "3 consecutive failures",
         "event log: none",
-        "unanswered requests: 502 (retry_unanswered = false)",
+        "unanswered requests: 502, and 504 past a timeout (retry_unanswered = false)",
         "log: json lines, info and above",
         "routing: round_robin; node load scraped never",
     ]:
