@@ -1,7 +1,8 @@
 """`interlock verify`: every recorded decision made again with this checkout's code, and compared.
 
 Each decision record names the snapshot it was routed on (its seq); the event log is folded once,
-in order (`whatif.States`), and each record is routed again on the state at its seq, through the
+in order (`whatif.States`), as the records are read (`verify` says how they are put in the order
+of their seqs), and each record is routed again on the state at its seq, through the
 functions the data plane routes with: `routing.Route` (ring, ring pool, the model filter's
 exclusions), `routing.pick_pool` at the request's arrival (dead and offline candidates passed
 over, healthy before degraded), then the first pick under the record's policy with the record's
@@ -14,10 +15,10 @@ A record is compared field by field: ring, ring pool, exclusions and their reaso
 node was picked at all, then the candidates (order, scores, notes, the load figures read from the
 state), the margin, the remembered node and the pick. A record that lacks a policy input (written
 before the field existed) has its routing compared and its pick counted as unverified, never
-compared as if complete. Only first picks are made again: a retry's scores are not in the
-record (where it went is checked against the pool it was made from). A
-disaggregated request has two, its prefill leg's (`Decision.prefill_pick`; its differences are
-named `prefill.…`) and its decode leg's, each made again from its leg's candidates.
+compared as if complete. Only first picks are made again: a retry's scores are not in the record
+(where it went is checked against the pool it was made from). A disaggregated request has two,
+its prefill leg's (`Decision.prefill_pick`; its differences are named `prefill.…`) and its
+decode leg's, each made again from its leg's candidates.
 
 Then the rest of the record (`interlock.verify_record`): each leg's attempts (the first went to
 the pick, each later one to a node the record's own rules allowed, and only after a retried
@@ -55,7 +56,7 @@ from interlock.verify_record import (
     compare_times,
     text,
 )
-from interlock.whatif import Leg, States, first_pick, legs_of, process_of, recorded_choice
+from interlock.whatif import Leg, States, first_pick, legs_of, recorded_choice
 
 DEFAULT_SHOWN = 20
 """Divergences (and records not verified) named in the report; the rest are counted."""
@@ -140,17 +141,17 @@ def verify(
     numbers = RecordNumbers(shown)
     checker = _Checker(shown, allow_unverified)
     states = States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
-    late: list[tuple[Decision, tuple[str, ...]]] = []
-    for decision, absent in _by_seq(decisions, numbers, since, until, window):
-        if decision.seq < states.state.seq:
-            late.append((decision, absent))
+    late: list[tuple[Decision, tuple[str, ...], str]] = []
+    for record in _by_seq(decisions, numbers, since, until, window):
+        if record[0].seq < states.state.seq:
+            late.append(record)
         else:
-            checker.check(decision, absent, states)
+            checker.check(*record, states)
     if late:
         late.sort(key=lambda record: (record[0].seq, record[0].at))
         states = States(replay_steps(event_logs, skip_invalid=_told if skip_invalid is not None else None))
-        for decision, absent in late:
-            checker.check(decision, absent, states)
+        for record in late:
+            checker.check(*record, states)
     return checker.report(numbers.finish())
 
 
@@ -160,15 +161,17 @@ def _by_seq(
     since: float | None,
     until: float | None,
     window_size: int,
-) -> Iterator[tuple[Decision, tuple[str, ...]]]:
+) -> Iterator[tuple[Decision, tuple[str, ...], str]]:
     """The records arriving in [since, until], by seq then arrival as far as a window of
-    `window_size` records sorts them; every record read told to `numbers` first, in the log's order."""
-    window: list[tuple[int, float, int, Decision, tuple[str, ...]]] = []
+    `window_size` records sorts them, each with the inputs it lacks and its routing process;
+    every record read told to `numbers` first, in the log's order."""
+    window: list[tuple[int, float, int, Decision, tuple[str, ...], str]] = []
     for read, (decision, absent) in enumerate(decisions):
-        numbers.add(decision, _process_name(decision))
+        process = f"{decision.replica}/{decision.worker}"
+        numbers.add(decision, process)
         if (since is not None and decision.at < since) or (until is not None and decision.at > until):
             continue
-        heapq.heappush(window, (decision.seq, decision.at, read, decision, absent))
+        heapq.heappush(window, (decision.seq, decision.at, read, decision, absent, process))
         if len(window) > window_size:
             yield heapq.heappop(window)[3:]
     while window:
@@ -193,10 +196,9 @@ class _Checker:
         self._processes: Counter[str] = Counter()
         self._picker = Balancer()  # given each record's inputs, it keeps nothing between records
 
-    def check(self, decision: Decision, absent: tuple[str, ...], states: States) -> None:
+    def check(self, decision: Decision, absent: tuple[str, ...], process: str, states: States) -> None:
         report = self._report
         report.decisions += 1
-        process = _process_name(decision)
         self._processes[process] += 1
         state = states.at(decision.seq)
         if state is None:
@@ -223,10 +225,6 @@ class _Checker:
         report.processes = dict(sorted(self._processes.items()))
         report.numbering = numbering
         return report
-
-
-def _process_name(decision: Decision) -> str:
-    return "{}/{}".format(*process_of(decision))
 
 
 class MissingInputs:

@@ -60,17 +60,18 @@ def compare_attempts(
     passed_over = set(excluded)
     allowed = [node.ip for node in candidates if node.ip not in passed_over]
     for index, attempt in enumerate(attempts):
-        field = f"attempts[{index}]"
+        node = attempt.node
         if index and attempts[index - 1].outcome != RETRIED:
-            differ(field, attempt.node, f"none after {attempts[index - 1].outcome}")
+            differ(f"attempts[{index}]", node, f"none after {attempts[index - 1].outcome}")
         if index == 0:
             if pick is not None:
-                differ(f"{field}.node", attempt.node, pick)
-            elif attempt.node not in (pool_ips := [node.ip for node in pool]):
-                differ(f"{field}.node", attempt.node, "one of " + text(tuple(pool_ips)))
-        elif attempt.node not in allowed or attempt.node in tried:
-            differ(f"{field}.node", attempt.node, "one of " + text(tuple(ip for ip in allowed if ip not in tried)))
-        tried.append(attempt.node)
+                if node != pick:
+                    differ("attempts[0].node", node, pick)
+            elif node not in (pool_ips := [candidate.ip for candidate in pool]):
+                differ("attempts[0].node", node, "one of " + text(tuple(pool_ips)))
+        elif node not in allowed or node in tried:
+            differ(f"attempts[{index}].node", node, "one of " + text(tuple(ip for ip in allowed if ip not in tried)))
+        tried.append(node)
 
 
 def _statuses(decision: Decision) -> tuple[int | None, ...]:
