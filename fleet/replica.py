@@ -14,7 +14,7 @@ events are numbered by the fleet's leader, not by itself. Its tasks (children of
   first fleet event arrives the replica routes on its own config (the state at seq 0), so the
   data plane never waits on NATS;
 - the watch reads, every `lease_renewal`, the stream's last message sequence and the lease
-  holder: what `/ready` (`stale_reason`), `interlock_fleet_messages_behind` and
+  holder: what `X-Interlock-Degraded` (`degraded_reason`), `interlock_fleet_messages_behind` and
   `X-Interlock-Leader` answer with, and whether the follower has stalled (messages behind the
   stream, nothing applied for a lease since it subscribed: an ordered consumer can stay silent
   with no gap to show it), which then resubscribes. Behind is counted in messages, the
@@ -137,6 +137,13 @@ class FleetMetrics:
             "Messages (batches of events) of the fleet's stream (to its last, as last read) this replica has not applied",
             registry=registry,
         )
+        self.degraded = prometheus_client.Gauge(
+            "interlock_fleet_degraded",
+            "1 while this replica, ready, routes on state that may be behind the fleet's (X-Interlock-Degraded says why: "
+            "not connected to NATS, behind the stream, no leader, a message out of sequence)",
+            registry=registry,
+        )
+        self.degraded.set_function(lambda: 1.0 if replica.degraded_reason() else 0.0)
         self.leader = prometheus_client.Gauge(
             "interlock_fleet_leader", "1 while this replica is the fleet's leader", registry=registry
         )
@@ -251,14 +258,25 @@ class FleetControlPlane:
         return float("inf") if self._applied_at is None else time.monotonic() - self._applied_at
 
     def _stale_reason(self) -> str:
-        """Why this replica may not be routing on the fleet's current state ("" when it is):
-        from what the follower and the watch last saw, never waiting on NATS."""
+        """Why this replica is not ready ("" when it is): it cannot route as the fleet, having
+        no state of the fleet yet, or its name is another replica's. Ready, it may be degraded
+        (`degraded_reason`): it routes on the state it has, as a balancer should let it."""
         if self._name_refused:
             return self._name_refused
+        if self.view.snapshot.seq == 0:
+            connected = self._link is not None and self._link.is_connected
+            return "no event of the fleet applied yet" + ("" if connected else " (not connected to NATS)")
+        return ""
+
+    def degraded_reason(self) -> str:
+        """Why this replica, ready, may be routing on state behind the fleet's ("" when it is
+        not), from what the follower and the watch last saw, never waiting on NATS: it goes on
+        serving, and says so (`X-Interlock-Degraded`, `interlock_fleet_degraded`)."""
         if self._link is None or not self._link.is_connected:
             return "not connected to NATS"
-        if self.view.snapshot.seq == 0:
-            return "no event of the fleet applied yet"
+        if self._out_of_sequence is not None:
+            message, reads, reason = self._out_of_sequence
+            return f"message {message} of the fleet's event stream is out of sequence ({reason}); read {reads} times"
         lease = self.fleet.lease
         now = time.monotonic()
         if self._behind_since is not None and now - self._behind_since > lease:
@@ -268,18 +286,10 @@ class FleetControlPlane:
             return f"no replica has held the fleet's lease for more than the lease ({lease:g}s)"
         return ""
 
-    def degraded_reason(self) -> str:
-        """Why this replica, ready, may be routing on state behind the fleet's ("" when it is
-        not): it goes on serving, and says so (`X-Interlock-Degraded`)."""
-        if self._out_of_sequence is not None:
-            message, reads, reason = self._out_of_sequence
-            return f"message {message} of the fleet's event stream is out of sequence ({reason}); read {reads} times"
-        return ""
-
     def _fleet_headers(self) -> dict[str, str]:
         """This replica, the leader, and, while this replica may be routing on old state, why
-        (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too) or, serving on, why it
-        is degraded (`X-Interlock-Degraded`)."""
+        (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too) or, ready, why it is
+        degraded (`X-Interlock-Degraded`)."""
         headers = {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
         if stale := self._stale_reason():
             headers["X-Interlock-Stale"] = stale

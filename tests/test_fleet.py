@@ -6,9 +6,9 @@ is replaced and the seqs go on without gap or duplicate; an append after a stale
 refused, a batch of events whole;
 a leader paused past its lease steps down and follows. The NATS server leading the event
 stream killed under load loses no request and no event; a replica cut off from NATS serves on
-its last state, says so on /ready and /health, and catches up when its server is back; with all
-of NATS gone the replicas serve on their last state, say so on /ready, and catch up when it is
-back; a restarted replica catches up from a checkpoint; a
+its last state, ready and degraded (X-Interlock-Degraded), and catches up when its server is
+back; with all of NATS gone the replicas serve on their last state, ready and degraded, and
+catch up when it is back; a restarted replica catches up from a checkpoint; a
 node killed is avoided through every replica. The export reads a long stream in order; the
 streams are kept once per server of the cluster, whatever URLs a replica lists.
 """
@@ -94,6 +94,7 @@ class Replica:
             seq=int(headers["X-Interlock-Seq"]),
             digest=headers["X-Interlock-State-Digest"],
             stale=headers.get("X-Interlock-Stale", ""),
+            degraded=headers.get("X-Interlock-Degraded", ""),
         )
 
     async def ready(self, http: httpx.AsyncClient) -> tuple[int, dict]:
@@ -117,6 +118,7 @@ class Health:
     seq: int
     digest: str
     stale: str
+    degraded: str
 
 
 @asynccontextmanager
@@ -479,8 +481,9 @@ async def test_the_event_streams_leading_server_killed_under_load_loses_no_reque
 async def test_a_replica_cut_off_from_nats_serves_on_its_last_state_and_catches_up(tmp_path):
     """Each replica lists one server of the cluster, which tells it of no other: the one whose
     server is killed is cut off (the others go on, a quorum of the stream's three copies left).
-    It serves on its last state, /ready and /health say why, its seconds since an applied
-    event grow, and it catches up once its server is back."""
+    It serves on its last state and stays ready (a balancer keeps it in rotation), degraded:
+    /ready's and /health's X-Interlock-Degraded say why, interlock_fleet_degraded is 1, its
+    seconds since an applied event grow; it catches up once its server is back."""
     async with (
         nats_servers(tmp_path, 3, advertise=False) as servers,
         serve_nodes(node_specs(2)) as nodes,
@@ -495,11 +498,13 @@ async def test_a_replica_cut_off_from_nats_serves_on_its_last_state_and_catches_
             await servers[replicas.index(cut_off)].kill()
 
             async def says_so() -> bool:
-                status, body = await cut_off.ready(http)
+                ready = await http.get(cut_off.url + "/ready", timeout=5)
                 health = await cut_off.health(http)
-                return status == 503 and body["reason"] == health.stale == "not connected to NATS"
+                degraded = ready.headers.get("X-Interlock-Degraded", "")
+                return ready.status_code == 200 and degraded == health.degraded == "not connected to NATS"
 
-            await until(says_so, "/ready 503 and /health's X-Interlock-Stale on the replica cut off")
+            await until(says_so, "/ready 200 and X-Interlock-Degraded on the replica cut off")
+            assert await cut_off.metric(http, "interlock_fleet_degraded") == 1
             last_state = await cut_off.health(http)
             since = await cut_off.metric(http, "interlock_fleet_seconds_since_applied")
             await until(lambda: _seq_passed(http, others, last_state.seq + 5), "the others going on")
@@ -508,9 +513,15 @@ async def test_a_replica_cut_off_from_nats_serves_on_its_last_state_and_catches_
             await servers[replicas.index(cut_off)].start()
             await until(lambda: _seq_passed(http, [cut_off], last_state.seq + 5), "the replica cut off catching up")
             await until(lambda: _is_ready(http, cut_off), "/ready 200 on the replica cut off")
+
+            async def current_again() -> bool:
+                return (await cut_off.health(http)).degraded == ""
+
+            await until(current_again, "the replica cut off no longer degraded")
         assert failures == []
         after = await agreed(http, replicas, observed)
-        assert after.stale == ""
+        assert (after.stale, after.degraded) == ("", "")
+        assert await cut_off.metric(http, "interlock_fleet_degraded") == 0
         assert observed.disagreements() == {}
         assert_gapless(await fleet_events(servers[0].url))
 
@@ -532,11 +543,14 @@ async def test_without_nats_the_replicas_serve_on_their_last_state_and_catch_up(
             for server in servers:
                 await server.kill()
 
-            async def all_stale() -> bool:
-                answers = [await replica.ready(http) for replica in replicas]
-                return all(status == 503 and body["reason"] == "not connected to NATS" for status, body in answers)
+            async def all_ready_and_degraded() -> bool:
+                answers = [await http.get(replica.url + "/ready", timeout=5) for replica in replicas]
+                return all(
+                    answer.status_code == 200 and answer.headers.get("X-Interlock-Degraded") == "not connected to NATS"
+                    for answer in answers
+                )
 
-            await until(all_stale, "/ready 503 on every replica, not connected to NATS")
+            await until(all_ready_and_degraded, "/ready 200 on every replica, degraded: not connected to NATS")
             cut_off = [await replica.metric(http, "interlock_fleet_seconds_since_applied") for replica in replicas]
 
             async def growing() -> bool:
@@ -548,10 +562,10 @@ async def test_without_nats_the_replicas_serve_on_their_last_state_and_catch_up(
                 await server.start()
             await until(lambda: _seq_passed(http, replicas, before.seq + 5), "every replica applying events again")
 
-            async def all_ready() -> bool:
-                return [(await replica.ready(http))[0] for replica in replicas] == [200] * len(replicas)
+            async def none_degraded() -> bool:
+                return [(await replica.health(http)).degraded for replica in replicas] == [""] * len(replicas)
 
-            await until(all_ready, "/ready 200 on every replica")
+            await until(none_degraded, "no replica degraded")
         assert failures == []
         await agreed(http, replicas, observed)
         assert observed.disagreements() == {}
