@@ -50,7 +50,7 @@ from controlplane.rules.policies import Choice
 from controlplane.rules.reducer import INITIAL_STATE
 from controlplane.effects.replay import replay_steps
 from controlplane.rules.routing import DECODE, PREFILL, Route, pick_pool
-from controlplane.rules.saturation import room
+from controlplane.rules.saturation import priority_headroom, room, scraped_reason
 from dataplane.disaggregation import GENERATION_PATHS
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
 from events.decisions import AttemptOutcome, Decision
@@ -277,8 +277,8 @@ def recorded_choice(
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
     picker, under `policy` (None: the one the record names) and with the inputs the record holds
     (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered
-    node), with a LoRA `adapter`'s affinity (`Route.adapter`), passing over the nodes the record
-    says had no room for it (`CandidateScore.full`)."""
+    node), with a LoRA `adapter`'s affinity (`Route.adapter`), passing over the nodes without room
+    for it (`recorded_full`)."""
     return balancer.choose(
         pool,
         policy or decision.policy,
@@ -289,8 +289,37 @@ def recorded_choice(
         load_bound=_load_bound(state),
         remembered=decision.remembered,
         adapter=adapter,
-        full={candidate.node for candidate in decision.candidates if candidate.full},
+        full=recorded_full(decision, pool, state),
     )
+
+
+def recorded_full(decision: Decision, pool: list[NodeState], state: ClusterState) -> set[str]:
+    """The nodes of `pool` the first pick of `decision` found without room (`saturation.room`),
+    made again where the log holds the rule's inputs: the node's `max_in_flight` less the
+    headroom of the record's priority, against its recorded in-flight count, and its scrape at
+    the record's seq. What the log does not hold, the lower ranks a priority-scheduled node would
+    preempt and the in-flight count when a saturating scrape was first seen, is the record's
+    answer (`CandidateScore.full`) when the rest leaves it open."""
+    config = state.config
+    recorded = {candidate.node: candidate for candidate in decision.candidates}
+    if config is None:
+        return {ip for ip, candidate in recorded.items() if candidate.full}
+    limits = {node.ip: node.max_in_flight for node in config.nodes if node.max_in_flight is not None}
+    scheduled = {node.ip for node in config.nodes if node.scheduling == "priority"}
+    admission = config.admission
+    headroom = priority_headroom(config, decision.admission.priority) if decision.admission else 0
+    full = set()
+    for node in pool:
+        candidate = recorded.get(node.ip)
+        limit = limits.get(node.ip)
+        bound = room(node, None, limit, candidate.in_flight if candidate else 0, None, headroom)
+        saturated = admission.queue and bool(scraped_reason(node, admission))
+        if node.ip in scheduled and limit is not None or saturated and bound >= 1:
+            if candidate is not None and candidate.full:
+                full.add(node.ip)
+        elif bound < 1 and (node.ip not in scheduled or limit is None):
+            full.add(node.ip)
+    return full
 
 
 def _load_bound(state: ClusterState) -> float:
@@ -300,8 +329,8 @@ def _load_bound(state: ClusterState) -> float:
 def _full(state: ClusterState, decision: Decision, pool: list[NodeState], in_flight: dict[str, int]) -> set[str]:
     """The nodes of `pool` the one rule for a node's room (`saturation.room`) finds without a
     place for `decision`'s request in the what-if world: its in-flight counts and loads, the
-    places the record says its priority left free (the requests a priority node would have
-    preempted are not in the log)."""
+    places the request's priority leaves free (the requests a priority node would have preempted
+    are not in the log)."""
     config = state.config
     if config is None:
         return set()
@@ -309,7 +338,7 @@ def _full(state: ClusterState, decision: Decision, pool: list[NodeState], in_fli
     scrape = config.admission if config.admission.queue else None
     if not limits and scrape is None:
         return set()
-    headroom = decision.admission.headroom if decision.admission else 0
+    headroom = priority_headroom(config, decision.admission.priority) if decision.admission else 0
     return {
         node.ip for node in pool if room(node, scrape, limits.get(node.ip), in_flight.get(node.ip, 0), None, headroom) < 1
     }

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import msgspec
 import openai
 import pytest
 import trio
@@ -33,6 +34,7 @@ from events.config import AdmissionConfig, Config, TenantConfig
 from events.decisions import FairShare
 from events.state import NodeLoad, NodeState
 from fixtures.node import SimulatedNode, serve_nodes
+from journal.segments import list_segments
 
 from harness import (
     MODEL,
@@ -428,6 +430,18 @@ async def test_with_priority_headroom_and_round_robin_no_node_holds_more_lower_r
             await wait_for_nothing_in_flight(gateway, nodes)
     verified = verify(events, decisions)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+    # verify makes the rule's answer again where the log holds its inputs: a record that says the
+    # node holding a low stream had room for the second is caught.
+    lines = [line for segment in list_segments(decisions) for line in segment.read_text().splitlines()]
+    [index] = [number for number, line in enumerate(lines) if '"request_id":"second-1"' in line]
+    record = msgspec.json.decode(lines[index])
+    for candidate in record["candidates"]:
+        candidate.pop("full", None)
+    lines[index] = msgspec.json.encode(record).decode()
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join(lines) + "\n")
+    tampered = verify(events, edited)
+    assert tampered.returncode != 0 and ".full" in tampered.stdout, tampered.stdout
 
 
 async def test_a_tenants_max_queue_seconds_is_its_deadline_and_the_refusal_gives_back_what_its_limits_took(tmp_path):
