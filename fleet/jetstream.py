@@ -301,7 +301,10 @@ class FleetLink:
                 await self._bridge.call(self._nc.close)
 
     async def _call(self, fn, *args, **kwargs):
-        with trio.fail_after(OPERATION_SECONDS):
+        return await self._call_within(OPERATION_SECONDS, fn, *args, **kwargs)
+
+    async def _call_within(self, seconds: float, fn, *args, **kwargs):
+        with trio.fail_after(seconds):
             return await self._bridge.call(fn, *args, **kwargs)
 
     # --- the lease ------------------------------------------------------------------------
@@ -362,13 +365,16 @@ class FleetLink:
         info = await self._call(self._js.stream_info, self.names.events)
         return info.state.first_seq, info.state.last_seq
 
-    async def append(self, lines: bytes, expected_last_seq: int) -> int:
+    async def append(self, lines: bytes, expected_last_seq: int, seconds: float = OPERATION_SECONDS) -> int:
         """Append one message (a batch of encoded events) if the stream's last message sequence
         is `expected_last_seq`; its sequence. AppendRefused otherwise: the batch is refused
-        whole."""
+        whole. Gives up (trio.TooSlowError) after `seconds`: the leader's is a fraction of its
+        lease, so an append to a stream whose leading server is lost ends the term soon and
+        the next term appends once JetStream has elected another."""
         headers = {"Nats-Expected-Last-Sequence": str(expected_last_seq)}
+        subject = self.names.subject("events")
         try:
-            ack = await self._call(self._js.publish, self.names.subject("events"), lines, headers=headers)
+            ack = await self._call_within(seconds, self._js.publish, subject, lines, headers=headers, timeout=seconds)
         except nats.js.errors.APIError as error:
             if error.err_code == WRONG_LAST_SEQUENCE:
                 raise AppendRefused(error.description) from None

@@ -540,18 +540,19 @@ class FleetControlPlane:
         """Every `lease_renewal`, read the stream's last message sequence and the lease holder:
         the messages this replica is behind, whether a leader holds the lease, and whether the
         follower has stalled (behind, and nothing applied for a lease since it subscribed): then
-        it resubscribes. Nothing on the data path waits for this."""
+        it resubscribes. A leader last read more than a lease ago is named no more: its lease
+        has run out unless it renewed it, which this replica cannot see. Nothing on the data
+        path waits for this."""
+        leader_read_at = time.monotonic()
         while True:
             await trio.sleep(self.fleet.lease_renewal)
-            if not self._link.connected.is_set():
+            read = await self._read_stream_state() if self._link.connected.is_set() else None
+            if read is None:
+                if time.monotonic() - leader_read_at > self.fleet.lease:
+                    self.leader = ""
                 continue
-            try:
-                _, last = await self._link.message_seqs()
-                holder = self.replica if self.is_leader else await self._link.lease_holder()
-            except NATS_ERRORS as error:
-                self.log.warn("fleet: reading the stream's state failed", error=described(error))
-                continue
-            now = time.monotonic()
+            last, holder = read
+            now = leader_read_at = time.monotonic()
             self._stream_last_message_seq = last
             behind = max(0, last - self._applied_message_seq)
             self.fleet_metrics.messages_behind.set(behind)
@@ -573,6 +574,16 @@ class FleetControlPlane:
                     stream_last_message=last,
                 )
                 self._following.cancel()
+
+    async def _read_stream_state(self) -> tuple[int, str] | None:
+        """The stream's last message sequence and the lease holder ("" for none); None when
+        NATS does not answer."""
+        try:
+            _, last = await self._link.message_seqs()
+            return last, self.replica if self.is_leader else await self._link.lease_holder()
+        except NATS_ERRORS as error:
+            self.log.warn("fleet: reading the stream's state failed", error=described(error))
+            return None
 
     async def _applied_through(self, seq: int) -> None:
         while self.view.snapshot.seq < seq:
@@ -625,6 +636,7 @@ class FleetControlPlane:
         finally:
             self.applier.prober = None
             self.is_leader = False
+            self.leader = ""  # until the watch reads who holds the lease now
             self.fleet_metrics.leader.set(0)
             self.log.info("fleet: following", replica=self.replica)
 
@@ -734,7 +746,7 @@ class FleetControlPlane:
         AppendRefused when another replica leads."""
         while True:
             try:
-                message_seq = await self._link.append(b"".join(lines), last.message_seq)
+                message_seq = await self._link.append(b"".join(lines), last.message_seq, self.fleet.lease / 2)
                 return StreamEnd(message_seq, last.event_seq + len(lines))
             except AppendRefused:
                 if await self._link.lease_holder() != self.replica:

@@ -551,6 +551,11 @@ async def test_without_nats_the_replicas_serve_on_their_last_state_and_catch_up(
                 )
 
             await until(all_ready_and_degraded, "/ready 200 on every replica, degraded: not connected to NATS")
+
+            async def no_leader_named() -> bool:  # the lease has run out: nobody renews it
+                return [(await replica.health(http)).leader for replica in replicas] == [""] * len(replicas)
+
+            await until(no_leader_named, "no replica naming a leader")
             cut_off = [await replica.metric(http, "interlock_fleet_seconds_since_applied") for replica in replicas]
 
             async def growing() -> bool:
