@@ -65,6 +65,7 @@ async def test_a_request_served_by_a_follower_or_a_worker_is_explained_from_the_
                 replica.url + "/v1/chat/completions", json=chat(MODEL), headers={"X-Request-Id": request_id}, timeout=10
             )
             assert response.status_code == 200, response.text
+            assert response.headers["X-Interlock-Replica"] == replica.name  # a worker's answer names its replica
             served[request_id] = replica
 
         export_dir = tmp_path / "export"
