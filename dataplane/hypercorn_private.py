@@ -81,6 +81,11 @@ def check_private_surface() -> None:
             f"h11 {version('h11')}'s Response keeping its reason in a slot that its constructor sets",
         ),
         _async_method(TCPServer, "_close"),
+        _async_method(TCPServer, "_read_data"),
+        (
+            "_read_data" in _global_names(TCPServer.run) and "TaskGroup" in _global_names(TCPServer.run),
+            "TCPServer.run reading with _read_data inside the connection's TaskGroup",
+        ),
         (
             "send_eof" in _global_names(TCPServer._close) and "send_lock" in _global_names(TCPServer.protocol_send),
             "TCPServer._close ending the stream with send_eof, TCPServer.protocol_send sending under send_lock",
@@ -197,7 +202,7 @@ _REASON_PHRASES = {status.value: status.phrase.encode("ascii") for status in htt
 
 class _TCPServerClosingOnce(TCPServer):
     """hypercorn's connection (trio), whose close never meets a send, with a cheaper keep-alive
-    timeout (`_KeepAliveTimer`).
+    timeout (`_KeepAliveTimer`) that ends when the client closes its side.
 
     hypercorn sends under a lock but ends the connection (`send_eof`) outside it, so a send
     by one task (an answer, or hypercorn's own 400 to a client that closed mid-body) could meet
@@ -209,7 +214,12 @@ class _TCPServerClosingOnce(TCPServer):
 
     A send takes a free lock without trio's `Lock.acquire`, which lets every other task run
     first even when the lock is free: the stream's `send_all` does that once already, and each
-    turn resumes the whole chain of the app's frames. Otherwise the sends are hypercorn's."""
+    turn resumes the whole chain of the app's frames. Otherwise the sends are hypercorn's.
+
+    The connection is closed once its tasks are over, and the keep-alive timer is one of them:
+    when the client closes its side (or the read times out), the timer ends, so that the socket
+    is closed as soon as the app has seen the client leave, not when the timer's deadline comes
+    (hypercorn stops its own idle task at each request)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -229,6 +239,10 @@ class _TCPServerClosingOnce(TCPServer):
             await self.protocol.handle(Closed())
         finally:
             self.send_lock.release()
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        self.idle_task.end()
 
     async def _close(self) -> None:
         self.idle_task.end()

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from functools import partial
 
 import h2.events
 import httpx
+import msgspec
 import pytest
 import trio
 from prometheus_client import CollectorRegistry
@@ -19,11 +21,12 @@ from prometheus_client import CollectorRegistry
 from bench.client_input import rapid_reset
 from dataplane.asgi import MAX_REQUEST_ID_LENGTH
 from dataplane.metrics import RequestMetrics, metrics_app
-from fixtures.node import serve_nodes
+from fixtures.node import Behaviour, NodeSpec, serve_nodes
 from interlock.serve import listening_socket, serve_on_socket
 
 from harness import (
     MODEL,
+    admission_toml,
     chat,
     completions_to,
     decision_records,
@@ -331,3 +334,75 @@ async def test_with_http2_on_the_rapid_reset_attack_ends_in_goaway_having_starte
         async with httpx.AsyncClient(http1=False, http2=True, trust_env=False) as client:
             response = await client.post(gateway.url + CHAT, json=chat())
         assert response.status_code == 200 and response.http_version == "HTTP/2"
+
+
+def open_files() -> int:
+    """The files this process holds open: the gateway's sockets, its nodes' and the test's."""
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def _send_raw(port: int, body: dict, *, until: bytes = b"") -> trio.SocketStream:
+    """A connection that has sent one request (and, with `until`, received an answer up to it)."""
+    encoded = msgspec.json.encode(body)
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(
+        b"POST %s HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+        % (CHAT.encode(), len(encoded), encoded)
+    )
+    received = b""
+    while until not in received:
+        chunk = await stream.receive_some()
+        assert chunk, f"closed before {until!r}: {received!r}"
+        received += chunk
+    return stream
+
+
+async def test_500_clients_that_leave_queued_waiting_on_a_slow_node_or_streamed_are_closed_at_once(tmp_path):
+    # n1 holds each request before its first token for longer than the test, 150 at a time (the
+    # next 150 wait in the queue); n2 streams a long answer. Both run up to 1,000 requests at
+    # once, so that their scraped KV cache never saturates them for the queue. Closed at once:
+    # the sockets (both sides of each client's connection and of each upstream request) are all
+    # closed within the deadline, far shorter than the keep-alive timeout (90 s) that a
+    # connection the gateway left open would wait for.
+    specs = [
+        NodeSpec(name="n1", host="127.0.0.2", models=["slow"], behaviour=Behaviour(ttft=3600, max_running=1000)),
+        NodeSpec(
+            name="n2", host="127.0.0.3", models=[MODEL], behaviour=Behaviour(tokens=10_000, tpot=2.0, max_running=1000)
+        ),
+    ]
+    async with nodes_and_gateway(
+        tmp_path,
+        specs,
+        models=[(MODEL, ""), ("slow", "")],
+        node_settings={"n1": {"max_in_flight": 150}},
+        extra=admission_toml(max_queue_seconds=600),
+    ) as (nodes, gateway):
+        await gateway.discovered()
+        queued = 'interlock_admission_queue_length{priority="0",tenant="default"}'
+        assert await gateway.metric(queued) is None  # and the test's connection to /metrics is open
+        baseline = open_files()
+        port = int(gateway.url.rpartition(":")[2])
+        clients: list[trio.SocketStream] = []
+        arriving = trio.CapacityLimiter(20)  # within the listener's backlog
+
+        async def client(body: dict, until: bytes = b"") -> None:
+            async with arriving:
+                clients.append(await _send_raw(port, body, until=until))
+
+        with trio.fail_after(60):
+            # The streams first: the queue's order would keep them behind the slow model's requests.
+            async with trio.open_nursery() as nursery:
+                for _ in range(200):
+                    nursery.start_soon(client, chat(stream=True), b"data: ")
+            async with trio.open_nursery() as nursery:
+                for _ in range(300):
+                    nursery.start_soon(client, chat("slow", stream=False))
+            while len(completions_to(nodes[0])) < 150 or await gateway.metric(queued) != 150:
+                await trio.sleep(0.05)
+        assert open_files() >= baseline + 2 * 500
+        for stream in clients:
+            await stream.aclose()
+        with trio.fail_after(30):
+            while open_files() > baseline:
+                await trio.sleep(0.05)
+        assert all(upstream.disconnected for node in nodes for upstream in completions_to(node))

@@ -196,6 +196,31 @@ async def test_a_server_ending_closes_its_idle_connections_at_once_and_a_busy_on
             assert await _closed(busy)
 
 
+async def test_a_client_closing_its_side_has_its_connection_closed_once_the_app_has_seen_it_leave():
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    # A keep-alive timeout far longer than the test waits for anything.
+    async with _served(app, keep_alive_timeout=3600) as port:
+        for request in (b"", b"GET /held HTTP/1.1\r\nHost: gw\r\n\r\n"):  # idle, then in a request
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(request)
+                await stream.send_eof()
+                assert await _closed(stream)
+
+
+def test_a_hypercorn_whose_connection_reads_otherwise_stops_the_gateway(monkeypatch):
+    """The keep-alive timer ends when the connection's reading does (`_read_data`)."""
+    monkeypatch.delattr(TCPServer, "_read_data")
+    with pytest.raises(hypercorn_private.HypercornChanged) as raised:
+        hypercorn_private.check_private_surface()
+    assert "async TCPServer._read_data(self)" in str(raised.value)
+
+
 def test_metrics_updated_through_their_values_expose_what_their_own_methods_would():
     prometheus_private.check_private_surface()
     pages = []
