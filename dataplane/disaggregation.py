@@ -38,10 +38,11 @@ _encode = msgspec.json.Encoder()
 
 class PrefillWithoutKvTransferParams(Exception):
     """The prefill node answered 200 without `kv_transfer_params` (a node run without the KV
-    connector): its leg failed, and the next prefill node is tried."""
+    connector) or without JSON that gives them: its leg failed, and the next prefill node is
+    tried."""
 
-    def __init__(self) -> None:
-        super().__init__(PREFILL_WITHOUT_KV_TRANSFER_PARAMS.message)
+    def __init__(self, why: str = PREFILL_WITHOUT_KV_TRANSFER_PARAMS.message) -> None:
+        super().__init__(why)
 
 
 def prefill_body(body: bytes) -> bytes:
@@ -75,11 +76,14 @@ _decode_answer = msgspec.json.Decoder(_PrefillAnswer)
 
 def kv_transfer_params(answer: bytes) -> msgspec.Raw:
     """The `kv_transfer_params` object of a prefill node's 200 answer; PrefillWithoutKvTransferParams
-    when it has none (absent, null, or not an object), or is not JSON."""
+    when it has none (absent, null, or not an object), or is not JSON, or is nested deeper than
+    msgspec decodes (its depth bound is Python's recursion limit)."""
     try:
         params = _decode_answer.decode(answer).kv_transfer_params
     except msgspec.DecodeError:
         raise PrefillWithoutKvTransferParams() from None
+    except RecursionError:
+        raise PrefillWithoutKvTransferParams("prefill answer nested too deep to decode") from None
     if not bytes(params).startswith(b"{"):
         raise PrefillWithoutKvTransferParams()
     return params

@@ -59,6 +59,12 @@ def test_an_id_longer_than_a_model_name_may_be_is_an_error_naming_its_length():
     )
 
 
+def test_a_listing_nested_400000_deep_is_a_listing_error():
+    nested = b'{"data": [{"id": "m", "meta": ' + b"[" * 400_000 + b"]" * 400_000 + b"}]}"
+    with pytest.raises(ProbeError, match="^parse model list: "):
+        parse_model_list(nested)
+
+
 async def test_a_node_listing_a_1_mb_id_gets_a_listing_error_and_health_stays_small(tmp_path):
     huge = "x" * 1_000_000
     async with nodes_and_gateway(tmp_path, node_specs(1, serving=[MODEL, huge]), health_interval="1s") as (
