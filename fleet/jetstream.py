@@ -73,11 +73,11 @@ def _gone(earlier: NameHolder, holder: NameHolder) -> bool:
     if earlier.pid == holder.pid:
         return True  # this process, or in a container where every run is pid 1
     try:
-        os.kill(earlier.pid, 0)
+        os.kill(earlier.pid, 0)  # signal 0: only whether the process exists
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False
+    except PermissionError:  # it exists, another user's
+        pass
     return False
 
 
@@ -310,14 +310,25 @@ class FleetLink:
     # --- the lease ------------------------------------------------------------------------
 
     async def take_lease(self, replica: str) -> int:
-        """Create the lease key (it must not exist); its revision. KeyWrongLastSequenceError
-        when another replica holds it."""
-        return await self._call(self._kv.create, LEASE_KEY, replica.encode())
+        """Create the lease key (it must not exist); its revision. A key that already names
+        `replica` is its own (a create whose answer was lost, or its process restarted within
+        the lease: names are unique, `claim_name`): its revision. KeyWrongLastSequenceError
+        when another replica holds it. Like every lease call, gives up after half the lease, so
+        that after an outage the lease is asked for again soon once JetStream answers."""
+        try:
+            return await self._call_within(self._fleet.lease / 2, self._kv.create, LEASE_KEY, replica.encode())
+        except nats.js.errors.KeyWrongLastSequenceError:
+            entry = await self._call_within(self._fleet.lease / 2, self._kv.get, LEASE_KEY)
+            if (entry.value or b"").decode() != replica:
+                raise
+            return entry.revision
 
     async def renew_lease(self, replica: str, revision: int) -> int:
         """Update the lease key against its last revision; the new one.
         KeyWrongLastSequenceError when the lease has passed to another replica."""
-        return await self._call(self._kv.update, LEASE_KEY, replica.encode(), last=revision)
+        return await self._call_within(
+            self._fleet.lease / 2, self._kv.update, LEASE_KEY, replica.encode(), last=revision
+        )
 
     async def lease_holder(self) -> str:
         """The replica holding the lease, or "" when none does."""
