@@ -19,7 +19,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.infrastructure.config import ConfigError, load_config
-from dataplane.admission.quota import LEASE_WAIT_SECONDS
 from dataplane.admission.tokens import MAX_HELD_EVENT_BYTES, UsageTap
 from events.decisions import Verdict
 from fixtures.node import serve_nodes, token_texts
@@ -552,11 +551,12 @@ async def test_a_client_that_leaves_while_its_worker_waits_for_a_lease_gets_a_re
     and once the leader runs again the request's record says the client left before any
     attempt, and the request was not counted as admitted (it took nothing).
 
-    The client sends its request and closes its connection at once, and the leader stays
-    stopped for as long as the worker waits for a lease (`LEASE_WAIT_SECONDS`, after which it
-    would admit the request as owed): the worker has that whole bound to see its client gone
-    (it had the 0.3 s between the client's timeout and the leader's return). The other waits
-    are for conditions, bounded only against a hang."""
+    The client sends its request and its end (a half-close) at once, and the leader stays
+    stopped until the worker has closed that connection, having seen its client leave: a
+    condition, not a duration (the worker had only the 0.3 s between the client's timeout and
+    the leader's return). Its one bound is its own: it must see the client leave within the
+    lease wait (`LEASE_WAIT_SECONDS`), after which it would admit the request as owed. The other
+    waits are for conditions, bounded only against a hang."""
     port, metrics_port = free_port(), free_port()
     decisions = tmp_path / "decisions.jsonl"
     # One request a minute, a lease of one: once the first is served, no worker holds any.
@@ -588,8 +588,11 @@ async def test_a_client_that_leaves_while_its_worker_waits_for_a_lease_gets_a_re
                     b"Content-Length: %d\r\n\r\n%s" % (len(sent), sent)
                 )
                 async with await trio.open_tcp_stream("127.0.0.1", port) as client:
-                    await client.send_all(request)  # and leaves at once
-                await trio.sleep(LEASE_WAIT_SECONDS)
+                    await client.send_all(request)
+                    await client.send_eof()  # the client leaves
+                    with trio.fail_after(60):
+                        closed = await client.receive_some()
+                assert closed == b""  # the worker closed the connection, unanswered
             finally:
                 gateway.process.send_signal(signal.SIGCONT)
             with trio.fail_after(60):
