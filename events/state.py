@@ -72,6 +72,8 @@ class ModelDiscovery(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """The LoRA adapters of the last list, each with its base model (vLLM's `parent`)."""
     cards: tuple[ModelCard, ...] = ()
     """The entries of the last list that give a `root` or a `max_model_len`, in list order."""
+    digest: str = ""
+    """The last list's digest (`events.types.listing_digest`), which a ModelsUnchanged names."""
 
     @functools.cached_property
     def listed(self) -> frozenset[str]:

@@ -91,7 +91,8 @@ lines, the event log and /health, and some in metric labels."""
 
 
 class ModelsListed(EventBase, frozen=True, tag="model_listing"):
-    """One `GET /v1/models` of a node: the ids in order, or None with the error text."""
+    """One `GET /v1/models` of a node: the ids in order, or None with the error text. A listing
+    the node's state holds already is recorded as a ModelsUnchanged instead."""
 
     node: str
     models: tuple[str, ...] | None = None
@@ -100,6 +101,24 @@ class ModelsListed(EventBase, frozen=True, tag="model_listing"):
     cards: tuple[ModelCard, ...] = ()
     """The entries that give vLLM's `root` or `max_model_len`, in list order."""
     error: str = ""
+
+    def digest(self) -> str:
+        """What a ModelsUnchanged names this listing by (its ids, parents and cards)."""
+        return listing_digest(self.models or (), self.parents, self.cards)
+
+
+def listing_digest(models: tuple[str, ...], parents: tuple[tuple[str, str], ...], cards: tuple[ModelCard, ...]) -> str:
+    """The digest of a model listing: equal for equal lists (ids, parents and cards, in order)."""
+    return hashlib.sha256(msgspec.json.encode((models, parents, cards))).hexdigest()[:32]
+
+
+class ModelsUnchanged(EventBase, frozen=True, tag="model_listing_unchanged"):
+    """One `GET /v1/models` of a node that listed what its state holds (`ModelDiscovery.digest`):
+    applied as that listing again, at the cost of a digest instead of the whole list in the log.
+    Not applied (a warning) when the state holds another list by then."""
+
+    node: str
+    digest: str
 
 
 class AdapterLoadRequested(EventBase, frozen=True, tag="adapter_load_requested"):
@@ -191,6 +210,7 @@ Event = Union[
     ProbeCrashed,
     GpuScraped,
     ModelsListed,
+    ModelsUnchanged,
     LoadScraped,
     UpstreamFailed,
     UpstreamRecovered,

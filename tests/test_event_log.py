@@ -39,6 +39,7 @@ from events.types import (
     HealthProbed,
     LoadScraped,
     ModelsListed,
+    ModelsUnchanged,
     ProbeCrashed,
     ReloadRejected,
     RunStarted,
@@ -149,6 +150,7 @@ EVENTS = {
         ModelsListed, node=texts, models=st.none() | st.lists(texts, max_size=4).map(tuple), error=texts,
         parents=st.lists(st.tuples(texts, texts), max_size=2).map(tuple),
     ),
+    ModelsUnchanged: event(ModelsUnchanged, node=texts, digest=texts),
     LoadScraped: event(
         LoadScraped, node=texts, running=st.none() | latencies, waiting=st.none() | latencies,
         kv_cache_usage=st.none() | latencies, lora=st.none() | loras, error=texts,

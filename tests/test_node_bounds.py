@@ -19,8 +19,9 @@ from controlplane.effects.probes import (
     parse_model_list,
     parse_vllm_load,
 )
+from events.log import read_events
 from events.state import Discovery
-from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped
+from events.types import MAX_MODEL_NAME_LENGTH, GpuScraped, ModelsListed, ModelsUnchanged
 from harness import MODEL, chat, node_specs, nodes_and_gateway
 from test_load import prometheus_answer, scrape_raw
 
@@ -82,6 +83,24 @@ async def test_a_node_listing_a_1_mb_id_gets_a_listing_error_and_health_stays_sm
         assert health.status_code == 200
         assert len(health.content) < 10_000
         assert len(await gateway.metrics()) < 100_000
+
+
+async def test_a_listing_probed_again_unchanged_is_logged_by_its_digest(tmp_path):
+    ids = [MODEL] + [f"org/{index:04d}-" + "x" * 500 for index in range(1_000)]  # half a megabyte
+    events = tmp_path / "events.jsonl"
+    async with nodes_and_gateway(
+        tmp_path, node_specs(1, serving=ids), health_interval="100ms", event_log=str(events)
+    ) as ([node], gateway):
+        await gateway.wait_for(lambda: sum(r.path == "/v1/models" for r in node.requests) >= 6, timeout=30)
+        assert gateway.node(node.host).models.names == tuple(ids)
+    listings = [event for event in read_events([events]) if isinstance(event, ModelsListed | ModelsUnchanged)]
+    assert len(listings) >= 5
+    [whole, *again] = listings
+    assert isinstance(whole, ModelsListed) and whole.models == tuple(ids)
+    assert {type(event) for event in again} == {ModelsUnchanged}
+    assert {event.digest for event in again} == {whole.digest()}
+    # The whole list once: the rest of the log is small events.
+    assert sum(path.stat().st_size for path in tmp_path.glob("events*")) < len(msgspec.json.encode(whole)) + 100_000
 
 
 async def test_a_node_listing_20000_ids_gets_a_listing_error_naming_the_count(tmp_path):

@@ -21,10 +21,12 @@ from events.types import (
     HealthProbed,
     LoadScraped,
     ModelsListed,
+    ModelsUnchanged,
     ProbeCrashed,
     ReloadRejected,
     UpstreamFailed,
     UpstreamRecovered,
+    listing_digest,
 )
 
 from builders import T0, apply, encode_state, make_config, messages, node_ip, run_started
@@ -96,8 +98,9 @@ ERROR = None  # a failed fetch (its error text is "boom")
 
 def record(state=Discovery.UNTRIED, names=None, fetched_at=None, fails=0, empties=0, last_error="") -> ModelDiscovery:
     return ModelDiscovery(
-        state=state, names=names, fetched_at=fetched_at, fails=fails, empties=empties, last_error=last_error
-    )
+        state=state, names=names, fetched_at=fetched_at, fails=fails, empties=empties, last_error=last_error,
+        digest=listing_digest(names, (), ()) if names else "",
+    )  # fmt: skip
 
 
 def outcome(before: ModelDiscovery, names, threshold: int = 3) -> tuple[ModelDiscovery, bool]:
@@ -405,6 +408,39 @@ def test_listing_never_touches_health():
     node = state.nodes[NODE]
     assert (node.status, node.consecutive_failures, node.last_check) == (Health.HEALTHY, 0, None)
     assert node.models.state == Discovery.EXPIRED
+
+
+# a listing the state holds, recorded by its digest (issue 37)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        pytest.param([LIST], id="known"),
+        pytest.param([LIST, ERROR], id="degraded"),
+        pytest.param([LIST, ERROR, ERROR, ERROR], id="expired"),
+        pytest.param([LIST, EMPTY], id="one-empty"),
+    ],
+)
+def test_an_unchanged_listing_by_its_digest_is_applied_as_the_list_again(setup):
+    state, _, _ = apply([listing(names, at=T0 + index) for index, names in enumerate(setup)], started())
+    again = listing(LIST, at=T0 + 10)
+    assert again.digest() == state.nodes[NODE].models.digest == listing_digest(LIST, (), ())
+    by_list, by_list_transitions, by_list_effects = apply([again], state)
+    by_digest, by_digest_transitions, by_digest_effects = apply(
+        [ModelsUnchanged(at=T0 + 10, node=NODE, digest=again.digest())], state
+    )
+    assert by_digest.nodes[NODE] == by_list.nodes[NODE]
+    assert [t.log_line() for t in by_digest_transitions] == [t.log_line() for t in by_list_transitions]
+    assert by_digest_effects == by_list_effects
+
+
+def test_an_unchanged_listing_of_another_list_is_ignored_with_a_warning():
+    state, _, _ = apply([listing(LIST)], started())
+    after, transitions, _ = apply([ModelsUnchanged(at=T0 + 1, node=NODE, digest=listing_digest(REORDERED, (), ()))], state)
+    assert after.nodes[NODE] == state.nodes[NODE]
+    [warning] = transitions
+    assert (warning.level, warning.msg) == ("warn", "unchanged model listing of another list ignored")
 
 
 # configured model not served by node (§8.5)

@@ -21,7 +21,7 @@ from controlplane.effects.replay import audit, replay
 from controlplane.rules.transitions import TransitionKind
 from events.config import Config, ModelsConfig, NodeConfig
 from events.log import decode_event, encode_event, read_events
-from events.types import EVENT_TYPES, Checkpoint, HealthProbed, ProbeCrashed, RunStarted
+from events.types import EVENT_TYPES, Checkpoint, HealthProbed, ModelsUnchanged, ProbeCrashed, RunStarted
 from fixtures import scenarios
 from interlock.cli import main
 from interlock.render import parse_time
@@ -74,7 +74,8 @@ def test_scenario_is_in_the_event_logs_wire_format():
     assert [encode_event(event) for event in events] == lines
     assert [event.seq for event in events] == list(range(1, len(events) + 1))
     assert all(earlier.at < later.at for earlier, later in zip(events, events[1:]))
-    assert {type(event) for event in events} == set(EVENT_TYPES) - {ProbeCrashed, Checkpoint}
+    # The scenario's listings are whole (ModelsUnchanged is applied as the listing it names: test_reducer).
+    assert {type(event) for event in events} == set(EVENT_TYPES) - {ProbeCrashed, Checkpoint, ModelsUnchanged}
     run = events[0]
     assert isinstance(run, RunStarted)
     assert isinstance(run.config, Config)

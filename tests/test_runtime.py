@@ -22,7 +22,7 @@ from controlplane.effects.control_plane import ControlPlane, open_control_plane
 from controlplane.effects.prober import next_tick
 from events.log import list_segments, read_events
 from events.state import Discovery, GpuSample, Health
-from events.types import ModelsListed, RunStarted, RunStopped, UpstreamFailed
+from events.types import ModelsListed, ModelsUnchanged, RunStarted, RunStopped, UpstreamFailed
 from fixtures.node import OVERSIZED_MODELS_BYTES, Behaviour, NodeSpec, SimulatedNode, serve_nodes
 
 T0 = 1767323045.0
@@ -349,12 +349,12 @@ async def test_metrics_follow_the_applied_events(fast_clock, gateway_config, jso
         tag = event_type.__struct_config__.tag
         expected = sum(1 for event in events if type(event) is event_type)
         assert sample(control_plane, "interlock_events_total", type=tag) == expected
-    listings = [event for event in events if isinstance(event, ModelsListed)]
+    listings = [event for event in events if isinstance(event, ModelsListed | ModelsUnchanged)]
     for node in nodes:
         for result, matches in [
-            ("success", lambda e: bool(e.models)),
-            ("empty", lambda e: e.models == ()),
-            ("error", lambda e: e.models is None),
+            ("success", lambda e: isinstance(e, ModelsUnchanged) or bool(e.models)),
+            ("empty", lambda e: isinstance(e, ModelsListed) and e.models == ()),
+            ("error", lambda e: isinstance(e, ModelsListed) and e.models is None),
         ]:
             expected = sum(1 for event in listings if event.node == node.host and matches(event))
             assert (sample(control_plane, "gateway_model_discovery_total", node=node.host, result=result) or 0) == expected

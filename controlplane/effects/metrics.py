@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from controlplane.rules.routing import model_ring
 from controlplane.rules.transitions import HEALTH, MODELS, RELOAD, RUN, Step, StopProbing
 from events.state import ClusterState, Discovery, Health, ModelDiscovery, NodeLoad, NodeState
-from events.types import Event, LoadScraped, ModelsListed, ProbeCrashed
+from events.types import Event, LoadScraped, ModelsListed, ModelsUnchanged, ProbeCrashed
 
 MAX_DISCOVERED_MODEL_LABELS = 100
 """Models that get a `model` label without being configured: the first ones the nodes list (in
@@ -196,9 +196,9 @@ class ControlPlaneMetrics:
         self._seq = state.seq
         if isinstance(event, ProbeCrashed):
             self.health_check_panics.inc()
-        elif isinstance(event, ModelsListed) and (node := state.nodes.get(event.node)) is not None:
+        elif isinstance(event, ModelsListed | ModelsUnchanged) and (node := state.nodes.get(event.node)) is not None:
             # plinth §8.4: counted on every listing, and the gauge holds the latest answer.
-            result = "error" if event.models is None else "success" if event.models else "empty"
+            result = _listing_result(event)
             results = self._discovery_results.get((event.node, result))
             if results is None:
                 results = self._discovery_results[(event.node, result)] = self.model_discovery.labels(
@@ -340,3 +340,10 @@ class ControlPlaneMetrics:
                 self.node_health.remove(ip, status)
             for discovery in Discovery:
                 self.node_discovery.remove(ip, discovery)
+
+
+def _listing_result(event: ModelsListed | ModelsUnchanged) -> str:
+    """A listing's result as `interlock_model_discovery_total` counts it."""
+    if isinstance(event, ModelsUnchanged):
+        return "success"
+    return "error" if event.models is None else "success" if event.models else "empty"

@@ -15,7 +15,7 @@ from controlplane.effects.held_state import HeldState
 from controlplane.effects.probes import ProbeClient, check_node, list_models, load_adapter, scrape_load
 from controlplane.rules.transitions import Effect, LoadAdapter, Recheck, StartProbing, StopProbing
 from events.config import ModelEntry, NodeConfig
-from events.types import AdapterLoadRequested, Event
+from events.types import AdapterLoadRequested, Event, ModelsListed, ModelsUnchanged
 from transport.readiness import Readiness, Steps
 
 
@@ -210,8 +210,16 @@ class Prober:
                     await self._emit(events)
                     self._load_in_flight.discard(ip)
                 else:
-                    await self._emit(events)
+                    await self._emit(self._as_recorded(events))
                     self._models_in_flight.discard(ip)
+
+    def _as_recorded(self, listed: ModelsListed) -> ModelsListed | ModelsUnchanged:
+        """A listing as the log records it: by its digest when the node's state holds that list
+        already (a node lists the same models at every probe, and a list may be megabytes)."""
+        node = self._view.snapshot.nodes.get(listed.node)
+        if listed.models and node is not None and node.models.names and listed.digest() == node.models.digest:
+            return ModelsUnchanged(at=listed.at, node=listed.node, digest=node.models.digest)
+        return listed
 
     def _timeout(self) -> float:
         return self._view.snapshot.config.gateway.probe_timeout

@@ -14,7 +14,7 @@ from controlplane.rules.adapters import adapters_due
 from controlplane.rules.transitions import MODELS, LoadAdapter, StepBuilder
 from events.config import Config
 from events.state import Discovery, ModelCard, ModelDiscovery, NodeState
-from events.types import ModelsListed
+from events.types import ModelsListed, ModelsUnchanged, listing_digest
 
 EMPTIES_BEFORE_KNOWN_EMPTY = 2
 """Consecutive empty listings before a node counts as serving nothing (one could be a node
@@ -47,7 +47,11 @@ def next_discovery(
         return msgspec.structs.replace(before, state=state, fails=fails, empties=0, last_error=error), False
     if names:
         changed = before.names != names or before.parents != parents or before.cards != cards
-        return ModelDiscovery(state=Discovery.KNOWN, names=names, fetched_at=now, parents=parents, cards=cards), changed
+        digest = before.digest if not changed and before.digest else listing_digest(names, parents, cards)
+        after = ModelDiscovery(
+            state=Discovery.KNOWN, names=names, fetched_at=now, parents=parents, cards=cards, digest=digest
+        )
+        return after, changed
     empties = before.empties + 1
     if empties >= EMPTIES_BEFORE_KNOWN_EMPTY:
         changed = bool(before.names)
@@ -56,10 +60,31 @@ def next_discovery(
 
 
 def models_listed(node: NodeState, event: ModelsListed, config: Config, out: StepBuilder) -> NodeState:
+    return _listing_applied(node, event.at, event.models, event.error, event.parents, event.cards, config, out)
+
+
+def models_unchanged(node: NodeState, event: ModelsUnchanged, config: Config, out: StepBuilder) -> NodeState:
+    """The listing the node's state holds, listed again (a ModelsListed of the same list); none
+    applied when the state holds another by now."""
     before = node.models
-    after, list_changed = next_discovery(
-        before, event.models, event.error, config.gateway.health_fail_threshold, event.at, event.parents, event.cards
-    )
+    if not before.names or event.digest != before.digest:
+        out.log(MODELS, "warn", "unchanged model listing of another list ignored", node=node.ip, digest=event.digest)
+        return node
+    return _listing_applied(node, event.at, before.names, "", before.parents, before.cards, config, out)
+
+
+def _listing_applied(
+    node: NodeState,
+    at: float,
+    names: tuple[str, ...] | None,
+    error: str,
+    parents: tuple[tuple[str, str], ...],
+    cards: tuple[ModelCard, ...],
+    config: Config,
+    out: StepBuilder,
+) -> NodeState:
+    before = node.models
+    after, list_changed = next_discovery(before, names, error, config.gateway.health_fail_threshold, at, parents, cards)
     if after.state != before.state:
         if after.state == Discovery.KNOWN_EMPTY:
             out.log(MODELS, "warn", "node reports no models", node=node.ip)
@@ -75,7 +100,7 @@ def models_listed(node: NodeState, event: ModelsListed, config: Config, out: Ste
         for model in configured_models_missing(node.ring, after.names or (), config):
             out.log(MODELS, "warn", "configured model not served by node", node=node.ip, model=model)
     node = msgspec.structs.replace(node, models=after)
-    out.effects.extend(LoadAdapter(node.ip, adapter.name) for adapter in adapters_due(node, config, event.at))
+    out.effects.extend(LoadAdapter(node.ip, adapter.name) for adapter in adapters_due(node, config, at))
     return node
 
 

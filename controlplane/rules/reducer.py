@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 
 from controlplane.rules.adapters import adapter_load_failed, adapter_load_requested, adapter_loaded
-from controlplane.rules.discovery import models_listed
+from controlplane.rules.discovery import models_listed, models_unchanged
 from controlplane.rules.health import gpu_scraped, health_probed, probe_crashed
 from controlplane.rules.load import load_scraped
 from controlplane.rules.transitions import (
@@ -44,6 +44,7 @@ from events.types import (
     HealthProbed,
     LoadScraped,
     ModelsListed,
+    ModelsUnchanged,
     ProbeCrashed,
     ReloadRejected,
     RunStarted,
@@ -180,6 +181,7 @@ _NODE_HANDLERS: dict[type, Callable[[NodeState, Event, Config, StepBuilder], Nod
     ProbeCrashed: probe_crashed,
     GpuScraped: gpu_scraped,
     ModelsListed: models_listed,
+    ModelsUnchanged: models_unchanged,
     LoadScraped: load_scraped,
     UpstreamFailed: _upstream_failed,
     UpstreamRecovered: _upstream_recovered,
