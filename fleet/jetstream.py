@@ -197,6 +197,8 @@ class FleetLink:
         self._js = None
         self._kv = None
         self._names = None
+        self.events_created = None
+        """When the event stream was created, as last read (a new store makes a new stream)."""
         self.connected = trio.Event()
         """Set once connected and the streams exist; a new Event after a disconnection."""
 
@@ -235,6 +237,12 @@ class FleetLink:
         self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
         if not create:
             return
+        await self.create_missing()
+        self.connected.set()
+
+    async def create_missing(self) -> None:
+        """Find the streams and the buckets, creating those missing (at connect, and when NATS
+        comes back without its store)."""
         replicas = self._fleet.stream_replicas or self.derived_stream_replicas()
         names = self.names
         for config in (
@@ -265,7 +273,6 @@ class FleetLink:
                 await self._call(self._js.add_stream, config)
         self._kv = await self._bucket(names.lease, replicas)
         self._names = await self._bucket(names.replicas, replicas)
-        self.connected.set()
 
     async def _bucket(self, name: str, replicas: int):
         """The key-value bucket `name`, its keys lasting a lease unless renewed (created if missing)."""
@@ -372,8 +379,10 @@ class FleetLink:
     # --- the event stream -----------------------------------------------------------------
 
     async def message_seqs(self) -> tuple[int, int]:
-        """The event stream's first and last message sequences ((0, 0) or (1, 0) when empty)."""
+        """The event stream's first and last message sequences ((0, 0) or (1, 0) when empty);
+        when the stream was created is kept in `events_created`."""
         info = await self._call(self._js.stream_info, self.names.events)
+        self.events_created = info.created
         return info.state.first_seq, info.state.last_seq
 
     async def append(self, lines: bytes, expected_last_seq: int, seconds: float = OPERATION_SECONDS) -> int:

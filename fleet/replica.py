@@ -240,6 +240,10 @@ class FleetControlPlane:
         self._behind_since: float | None = None
         self._leaderless_since: float | None = None
         self._last_append_started = float("-inf")
+        self._new_store = False
+        """Whether the event stream is a new one the follower has not started on yet."""
+        self._followed_created = None
+        """When the event stream the follower follows was created."""
         self._reached = False
         """Whether NATS was reached once (nats-py reconnects by itself after that)."""
         self._name_holder = NameHolder(socket.gethostname(), os.getpid(), config.gateway.listen)
@@ -492,7 +496,11 @@ class FleetControlPlane:
         """The message to follow from: the one after the last applied whole, or after the
         newest checkpoint's when this replica has no fleet state yet or retention removed the
         messages it needs (events of that message the checkpoint includes are skipped)."""
-        first, _ = await self._link.message_seqs()
+        first, last = await self._link.message_seqs()
+        self._note_new_store(last)
+        self._followed_created = self._link.events_created
+        if self._new_store:
+            return await self._starting_seq_on_a_new_store()
         if self._applied_message_seq > 0 and first <= self._applied_message_seq + 1:
             return self._applied_message_seq + 1
         try:
@@ -509,6 +517,18 @@ class FleetControlPlane:
             self._message_followed(stored.message_seq)
             self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
         return self._applied_message_seq + 1
+
+    async def _starting_seq_on_a_new_store(self) -> int:
+        """The message after the newest checkpoint of a new store, once the leader has published
+        one (this replica's own, when it leads), its state taken whatever its seq."""
+        while (stored := await self._link.newest_checkpoint()) is None:
+            await trio.sleep(self.fleet.lease_renewal)
+        checkpoint = decode_event(stored.line)
+        await self._apply_fleet_events([checkpoint])
+        self._new_store = False
+        self._message_followed(stored.message_seq)
+        self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
+        return stored.message_seq + 1
 
     def _reads_of(self, message_seq: int) -> int:
         """The times the follower has found message `message_seq` out of sequence."""
@@ -552,6 +572,7 @@ class FleetControlPlane:
                     self.leader = ""
                 continue
             last, holder = read
+            self._note_new_store(last)
             now = leader_read_at = time.monotonic()
             self._stream_last_message_seq = last
             behind = max(0, last - self._applied_message_seq)
@@ -577,10 +598,17 @@ class FleetControlPlane:
 
     async def _read_stream_state(self) -> tuple[int, str] | None:
         """The stream's last message sequence and the lease holder ("" for none); None when
-        NATS does not answer."""
+        NATS does not answer, or has lost the streams (then they are created again)."""
         try:
             _, last = await self._link.message_seqs()
             return last, self.replica if self.is_leader else await self._link.lease_holder()
+        except nats.js.errors.NotFoundError as error:
+            self.log.warn("fleet: the fleet's streams are gone (NATS lost its store); creating them", error=str(error))
+            try:
+                await self._link.create_missing()
+            except NATS_ERRORS as failure:
+                self.log.warn("fleet: creating the fleet's streams failed", error=described(failure))
+            return None
         except NATS_ERRORS as error:
             self.log.warn("fleet: reading the stream's state failed", error=described(error))
             return None
@@ -591,11 +619,32 @@ class FleetControlPlane:
 
     async def _stream_end(self) -> StreamEnd:
         """The stream's end once this replica has followed it there: its last message, and the
-        last event this replica applied (a message set aside numbers nothing)."""
+        last event this replica applied (a message set aside numbers nothing). On a new store
+        (`_note_new_store`), at once: this replica's state is the new epoch's start."""
         _, message_seq = await self._link.message_seqs()
-        while self._applied_message_seq < message_seq:
+        self._note_new_store(message_seq)
+        while not self._new_store and self._applied_message_seq < message_seq:
             await self._followed.wait()
         return StreamEnd(message_seq, self.view.snapshot.seq)
+
+    def _note_new_store(self, stream_last: int) -> None:
+        """A stream created after the one this replica follows, or whose last message is before
+        the last it applied, is a new one (NATS came back without its store): the replica
+        follows it from the newest checkpoint its leader publishes there, whatever its seq (the
+        new epoch's state is the leader's)."""
+        created = self._link.events_created
+        recreated = self._followed_created is not None and created != self._followed_created
+        if self._new_store or not (recreated or stream_last < self._applied_message_seq):
+            return
+        self.log.warn(
+            "fleet: the event stream is new (NATS lost its store); following it from its first checkpoint",
+            stream_last_message=stream_last,
+            applied_message=self._applied_message_seq,
+        )
+        self._new_store = True
+        self._applied_message_seq = 0
+        if self._following is not None:
+            self._following.cancel()
 
     # --- leading ----------------------------------------------------------------------------
 
@@ -659,6 +708,9 @@ class FleetControlPlane:
     async def _hold_office(self, client: ProbeClient, term: trio.CancelScope) -> None:
         try:
             last = await self._stream_end()
+            if self._new_store:  # the new epoch starts from this replica's state, at the stream's end
+                state = StoredCheckpoint(encode_event(Checkpoint.of(self.view.snapshot)), last.message_seq)
+                await self._link.publish_checkpoint(state)
             config = self._own_config
             if last.event_seq == 0:
                 fence: Event = RunStarted(

@@ -8,6 +8,7 @@ export is the log of the fleet's events without it."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import socket
 from collections.abc import AsyncIterator
@@ -194,3 +195,29 @@ async def test_a_replica_whose_name_a_live_replica_holds_does_not_start(tmp_path
         await live.start()
         await agreed(http, replicas, Observed())
         assert "fleet: claiming this replica's name failed" not in live.messages()
+
+
+async def test_a_store_that_comes_back_empty_is_created_again_and_the_fleet_goes_on(tmp_path):
+    """NATS restarted without its store: the replicas create the streams and buckets again,
+    one leads, its state is the new epoch's start (a checkpoint, then its events numbered on),
+    every replica follows it to the same state at the same seq, and a replica restarted then
+    catches up from the new stream."""
+    async with one_server_fleet(tmp_path) as (server, nodes, replicas, http):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        await server.kill()
+        shutil.rmtree(server.store)
+        await server.start()
+        await until(lambda: _seq_passed(http, replicas, before.seq + 5), "every replica applying events again")
+        after = await agreed(http, replicas, observed)
+        assert any(
+            "fleet: the fleet's streams are gone (NATS lost its store); creating them" in replica.messages()
+            for replica in replicas
+        )
+        follower = next(replica for replica in replicas if replica.name != after.leader)
+        follower.signal(signal.SIGKILL)
+        await follower.process.wait()
+        await follower.start()
+        restarted = await agreed(http, replicas, observed)
+        assert restarted.seq > after.seq
+        assert observed.disagreements() == {}
