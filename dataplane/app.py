@@ -42,6 +42,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
 
     @app.get("/health")
     async def health() -> Response:
+        every_model = request.args.get("models") == "all"
         view = views.current()
         snapshot = view.snapshot
         now = control_plane.now()
@@ -54,7 +55,7 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
         else:
             status = "degraded"
         # Key order as Go encodes it: a map's keys sorted, a struct's fields in declaration order.
-        details = [_node_details(node, now, view.config) for node in nodes]
+        details = [_node_details(node, now, view.config, every_model) for node in nodes]
         body = {
             "details": details,
             "healthy": healthy,
@@ -125,20 +126,26 @@ def create_app(control_plane: ControlPlaneView, views: SnapshotViews, worker: in
     return app
 
 
-def _node_details(node: NodeState, now: float, config: ConfigView) -> dict[str, Any]:
+HEALTH_MODEL_NAMES = 20
+"""The model names /health shows of a node that lists more (`names_total` says how many it
+lists); `/health?models=all` shows every one. /health is open to load balancers' checks, which
+need no node's whole list at every call."""
+
+
+def _node_details(node: NodeState, now: float, config: ConfigView, every_model: bool) -> dict[str, Any]:
     """One node's entry in /health; its load only when load is scraped."""
-    details = {
-        "ip": node.ip,
-        "name": node.name,
-        "status": node.status,
-        "models": {
-            "state": node.models.state,
-            "names": node.models.names,
-            "age_seconds": node.models.age(now),
-            "fails": node.models.fails,
-            "last_error": _shown_error(node.models.last_error, config.health_hides_errors),
-        },
+    names = node.models.names
+    models = {
+        "state": node.models.state,
+        "names": names,
+        "age_seconds": node.models.age(now),
+        "fails": node.models.fails,
+        "last_error": _shown_error(node.models.last_error, config.health_hides_errors),
     }
+    if names is not None and len(names) > HEALTH_MODEL_NAMES and not every_model:
+        models["names"] = names[:HEALTH_MODEL_NAMES]
+        models["names_total"] = len(names)
+    details = {"ip": node.ip, "name": node.name, "status": node.status, "models": models}
     if config.health_shows_load:
         load = node.load
         details["load"] = {

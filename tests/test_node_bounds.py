@@ -14,6 +14,7 @@ from controlplane.effects.metrics import MAX_DISCOVERED_MODEL_LABELS, OTHER_MODE
 from controlplane.effects.probes import (
     MAX_GPUS_PER_SCRAPE,
     MAX_LISTED_MODELS,
+    MAX_LISTING_CHARACTERS,
     MAX_LOAD_LABEL_SETS,
     ProbeError,
     parse_model_list,
@@ -60,6 +61,27 @@ def test_an_id_longer_than_a_model_name_may_be_is_an_error_naming_its_length():
     )
 
 
+def test_a_listing_of_more_characters_than_its_bound_is_an_error_naming_them():
+    # Within the count and each id's length: 4,095 ids of 512 characters (2 MiB).
+    ids = [f"{index:04d}" + "x" * (MAX_MODEL_NAME_LENGTH - 4) for index in range(MAX_LISTED_MODELS - 1)]
+    with pytest.raises(ProbeError) as raised:
+        parse_model_list(model_list(ids))
+    assert str(raised.value) == (
+        f"parse model list: {len(ids) * MAX_MODEL_NAME_LENGTH} characters of ids, parents and roots, more than the"
+        f" {MAX_LISTING_CHARACTERS} a node's listing may keep"
+    )
+
+
+async def test_health_shows_a_nodes_first_model_names_and_their_count_and_every_one_when_asked(tmp_path):
+    ids = [MODEL] + [f"org/model-{index:03d}" for index in range(99)]
+    async with nodes_and_gateway(tmp_path, node_specs(1, serving=ids)) as (_, gateway):
+        await gateway.discovered()
+        [summary] = (await gateway.http.get(gateway.url + "/health")).json()["details"]
+        [whole] = (await gateway.http.get(gateway.url + "/health?models=all")).json()["details"]
+    assert (summary["models"]["names"], summary["models"]["names_total"]) == (ids[:20], 100)
+    assert whole["models"]["names"] == ids and "names_total" not in whole["models"]
+
+
 def test_a_listing_nested_400000_deep_is_a_listing_error():
     nested = b'{"data": [{"id": "m", "meta": ' + b"[" * 400_000 + b"]" * 400_000 + b"}]}"
     with pytest.raises(ProbeError, match="^parse model list: "):
@@ -86,7 +108,7 @@ async def test_a_node_listing_a_1_mb_id_gets_a_listing_error_and_health_stays_sm
 
 
 async def test_a_listing_probed_again_unchanged_is_logged_by_its_digest(tmp_path):
-    ids = [MODEL] + [f"org/{index:04d}-" + "x" * 500 for index in range(1_000)]  # half a megabyte
+    ids = [MODEL] + [f"org/{index:04d}-" + "x" * 500 for index in range(400)]  # 0.2 MB, with their roots 0.4
     events = tmp_path / "events.jsonl"
     async with nodes_and_gateway(
         tmp_path, node_specs(1, serving=ids), health_interval="100ms", event_log=str(events)

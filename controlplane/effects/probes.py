@@ -50,6 +50,11 @@ node lists its model and its LoRA adapters (hundreds for a many-tenant node); ev
 goes whole into the event log, /health and the node's state, so a node that lists without
 limit would grow each of them (each id is at most MAX_MODEL_NAME_LENGTH characters)."""
 
+MAX_LISTING_CHARACTERS = 1024 * 1024
+"""The most characters a node's listing may keep in all (its ids, parents and roots); a larger
+listing is a listing error. The count and each id's length bound it already, but at their
+limits a listing would weigh over 2 MB in the node's state and in each change recorded."""
+
 MAX_GPUS_PER_SCRAPE = 256
 """The most GPUs a node's GPU exporter may report (a node has eight or sixteen); a scrape that
 reports more is a scrape error, as every scrape goes whole into the event log and /health."""
@@ -569,7 +574,8 @@ def parse_model_list(body: bytes) -> ModelListing:
     with `data: null`) is an error, so an error object on HTTP 200 is never an empty list;
     an item without `id` gives "". Keys match case-insensitively, the last match winning, as
     in Go. Raises ProbeError("parse model list: …"), also for a list of more than
-    MAX_LISTED_MODELS ids or an id longer than MAX_MODEL_NAME_LENGTH characters. An entry's
+    MAX_LISTED_MODELS ids, an id longer than MAX_MODEL_NAME_LENGTH characters, or more than
+    MAX_LISTING_CHARACTERS in all. An entry's
     `root` (a string of at most MAX_MODEL_NAME_LENGTH characters) and `max_model_len` (a
     positive integer) are kept when they have that form, and left out otherwise: the gateway only
     shows them.
@@ -616,6 +622,12 @@ def parse_model_list(body: bytes) -> ModelListing:
             parents.append((ids[-1], _without_lone_surrogates(parent)))
         if item is not None and (card := _card(ids[-1], item)) is not None:
             cards.append(card)
+    kept = sum(map(len, ids)) + sum(len(parent) for _, parent in parents) + sum(len(card.root) for card in cards)
+    if kept > MAX_LISTING_CHARACTERS:
+        raise ProbeError(
+            f"parse model list: {kept} characters of ids, parents and roots, more than the"
+            f" {MAX_LISTING_CHARACTERS} a node's listing may keep"
+        )
     return ModelListing(tuple(ids), tuple(parents), tuple(cards))
 
 
