@@ -198,7 +198,7 @@ async def test_every_dashboard_query_has_data_per_instance_from_a_real_prometheu
                 assert sorted(listed) == sorted(instances)
                 rules = (await http.get(prometheus_url + "/api/v1/rules")).json()["data"]["groups"][0]["rules"]
                 assert {rule["name"]: rule["health"] for rule in rules} == {rule["name"]: "ok" for rule in rules}
-                assert len(rules) == 10
+                assert len(rules) == 13
                 firing = {rule["name"] for rule in rules if rule["alerts"]}
                 assert not firing & {"InterlockGatewayDown", "InterlockGatewayAbsent"}
                 nursery.cancel_scope.cancel()
