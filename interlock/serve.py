@@ -14,7 +14,8 @@ to `gateway.shutdown_grace`, as the config in force says; those still open then 
 error event) and the decision log, then stop the control plane (`gateway stopped`), so
 requests finishing during the drain still report to a running control plane. A
 second SIGTERM/SIGINT during the drain closes the connections still open at once (and kills the
-workers); the rest of the shutdown is the same.
+workers); the rest of the shutdown is the same. A SIGTERM/SIGINT while the config is read ends
+`serve` at once (exit 0), however long the read would take.
 
 Exit codes: 0 after a signalled shutdown, graceful or forced; 1 when the config cannot be
 loaded (`fatal: loading config: …` on stderr), a listener cannot bind (`server error`), or a log
@@ -105,16 +106,18 @@ async def serve(
 
     `workers` overrides `gateway.workers`, `overrides` the other settings the command line
     gives. `ready` is called once both listeners accept connections and signals are handled;
-    `log` replaces the log on stdout (which follows the config's log settings). Signals that come before the gateway is serving wait for it;
-    those left when it returns are re-raised (see `run_serve`).
+    `log` replaces the log on stdout (which follows the config's log settings). SIGTERM/SIGINT
+    while the config is read end it (`_config_unless_stopped`); other signals that come before
+    the gateway is serving wait for it; those left when it returns are re-raised (see `run_serve`).
     """
     if log is None:
         log = JsonLog(level=overrides.log_level or LOG_LEVELS[0], format=overrides.log_format or LOG_FORMATS[0])
     with trio.open_signal_receiver(*HANDLED_SIGNALS) as signals:
-        try:
-            config = await load_config_logging_unknown_keys(config_path, log, overrides)
-        except ConfigError as error:
-            print(f"fatal: loading config: {error}", file=sys.stderr)
+        config = await _config_unless_stopped(config_path, log, overrides, signals)
+        if config is None:
+            return EXIT_OK
+        if isinstance(config, ConfigError):
+            print(f"fatal: loading config: {config}", file=sys.stderr)
             return EXIT_FAILURE
         log.configure(config.gateway)
         try:
@@ -143,6 +146,30 @@ async def serve(
                 sock.close()
             if decisions is not None:
                 decisions.appender.file.close()
+
+
+async def _config_unless_stopped(
+    config_path: str, log: JsonLog, overrides: Overrides, signals: AsyncIterator[int]
+) -> Config | ConfigError | None:
+    """The config, or why it will not do, loaded while SIGTERM and SIGINT are heeded: None when
+    one comes first (the read may wait for ever: a config file that is a FIFO nobody writes, a
+    stalled mount). A SIGHUP meanwhile is dropped: the config being loaded is the newest."""
+    loaded: Config | ConfigError | None = None
+    async with trio.open_nursery() as nursery:
+
+        async def load() -> None:
+            nonlocal loaded
+            try:
+                loaded = await load_config_logging_unknown_keys(config_path, log, overrides)
+            except ConfigError as error:
+                loaded = error
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(load)
+        async for signum in signals:
+            if signum != signal.SIGHUP:
+                nursery.cancel_scope.cancel()
+    return loaded
 
 
 def worker_count(workers: Workers) -> int:

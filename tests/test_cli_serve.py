@@ -278,6 +278,25 @@ def test_serve_without_a_config_file_says_how_to_give_one(tmp_path):
     )
 
 
+async def test_sigterm_while_the_config_is_being_read_ends_serve(tmp_path):
+    # A config file that is a FIFO with a writer that never writes: its read never ends.
+    fifo = tmp_path / "gateway.toml"
+    os.mkfifo(fifo)
+    async with interlock_serve("--config", str(fifo)) as gateway:
+        with trio.fail_after(60):
+            while True:  # opening the write end succeeds once serve has opened the read end
+                try:
+                    writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                    break
+                except OSError:
+                    await trio.sleep(0.05)
+        try:
+            code, out, errors = await gateway.stop()
+        finally:
+            os.close(writer)
+    assert (code, out, errors) == (0, "", "")
+
+
 def test_require_event_log_refuses_to_start_without_a_writable_event_log(tmp_path):
     def serve(config_text_: str) -> subprocess.CompletedProcess:
         config_path.write_text(config_text_)

@@ -8,6 +8,7 @@ not get) is unhealthy with the TLS failure as its error. Certificates are made i
 
 from __future__ import annotations
 
+import os
 import ssl
 
 import httpx
@@ -16,6 +17,7 @@ import pytest
 import trustme
 
 from controlplane.infrastructure.config import ConfigError, load_config
+from controlplane.infrastructure.tlsfiles import MAX_TLS_FILE_BYTES
 from events.state import Discovery
 from fixtures.node import serve_nodes, token_texts
 
@@ -100,6 +102,15 @@ def test_tls_settings_that_cannot_serve_are_refused_naming_the_key_and_the_file(
     assert f"gateway.tls_certificate: {ca} and {ca} are not a PEM certificate and its key" in refusal(
         tls_certificate=ca, tls_key=ca
     )
+    fifo = tmp_path / "key.fifo"
+    os.mkfifo(fifo)  # no writer ever: opening it to read would wait for ever
+    assert f"gateway.tls_certificate: reading {fifo}: not a regular file" in refusal(tls_certificate=certificate, tls_key=str(fifo))
+    large = tmp_path / "large.pem"
+    large.write_bytes(b"#" * (MAX_TLS_FILE_BYTES + 1))
+    assert (
+        f"gateway.tls_certificate: reading {large}: {MAX_TLS_FILE_BYTES + 1} bytes, more than the"
+        f" {MAX_TLS_FILE_BYTES} a TLS file may hold"
+    ) in refusal(tls_certificate=str(large), tls_key=key)
 
 
 async def test_a_node_reached_over_https_is_probed_discovered_and_proxied(tmp_path):

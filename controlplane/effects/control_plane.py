@@ -66,11 +66,12 @@ async def load_config_logging_unknown_keys(
     config_path: str, log: JsonLog, overrides: Overrides = NO_OVERRIDES
 ) -> Config:
     """`load_config` in a worker thread; each unknown key is logged as a warning (`unknown config
-    key`: file, key and the closest known key), also when the file is then rejected."""
+    key`: file, key and the closest known key), also when the file is then rejected. Cancelled,
+    it leaves the thread to end by itself (a read may wait for ever: a FIFO nobody writes)."""
     unknown_keys: list[UnknownKey] = []
     try:
         load = partial(load_config, config_path, warn=unknown_keys.append, overrides=overrides)
-        return await trio.to_thread.run_sync(load)
+        return await trio.to_thread.run_sync(load, abandon_on_cancel=True)
     finally:
         for unknown in unknown_keys:
             fields = {"file": unknown.path, "key": unknown.key}
