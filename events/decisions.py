@@ -14,6 +14,7 @@ import msgspec
 from msgspec import UNSET, UnsetType
 
 from events.config import Policy
+from events.state import Moment
 from journal.reader import read_records
 
 
@@ -150,7 +151,7 @@ class Decision(msgspec.Struct, frozen=True):
     """One completion request that reached routing (past the body checks)."""
 
     request_id: str
-    at: float
+    at: Moment
     """When the request arrived (UNIX seconds)."""
     path: str
     model: str

@@ -10,12 +10,21 @@ routing asks of them.
 from __future__ import annotations
 
 import functools
+from typing import Annotated
 from collections.abc import Iterator, Mapping
 from enum import StrEnum
 
 import msgspec
 
 from events.config import Config, NodeConfig
+
+LATEST_MOMENT = 253402300799.0
+"""9999-12-31T23:59:59Z, the last second a date can be written in (Python's `datetime` ends there)."""
+
+Moment = Annotated[float, msgspec.Meta(ge=0, le=LATEST_MOMENT)]
+"""A time in UNIX seconds as the logs hold it: a line whose time is out of this range (1e300)
+fails to decode naming the file, the line and the field, instead of every tool that shows the
+time failing with OverflowError."""
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -193,7 +202,7 @@ class AdapterLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
     adapter: str
     state: AdapterLoadState
-    at: float
+    at: Moment
     """When it was requested, or answered."""
     error: str = ""
 

@@ -13,11 +13,11 @@ from typing import Union
 import msgspec
 
 from events.config import Config
-from events.state import ClusterState, GpuSample, LoraInfo, ModelCard, NodeState, node_mapping
+from events.state import ClusterState, GpuSample, LoraInfo, ModelCard, Moment, NodeState, node_mapping
 
 
 class EventBase(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", gc=False):
-    at: float
+    at: Moment
     seq: int = 0
 
 

@@ -229,3 +229,33 @@ def test_bad_arguments_exit_2_with_one_clear_line(capsys, argv, culprit):
     code, out, err = run_cli(capsys, "explain", *argv)
     assert (code, out) == (2, "")
     assert culprit in one_error_line(err)
+
+
+# --- a time no date can hold (issue 37) ---------------------------------------------------------
+
+
+def test_a_time_out_of_range_is_a_clear_error_in_every_tool(capsys, recorded, tmp_path):
+    def with_far_time(path: Path, line: int) -> Path:
+        """A copy of the log whose `line`-th line is at 1e300 (a second number no date can show)."""
+        lines = path.read_bytes().splitlines(keepends=True)
+        record = msgspec.json.decode(lines[line - 1])
+        lines[line - 1] = msgspec.json.encode(record | {"at": 1e300}) + b"\n"
+        far = tmp_path / path.name
+        far.write_bytes(b"".join(lines))
+        return far
+
+    events = [segment for segment in list_segments(recorded.events)][0]
+    far_events, far_decisions = with_far_time(events, 2), with_far_time(recorded.decisions, 1)
+    commands = {
+        "explain": ["explain", "--request-id", "retried", "--decisions", far_decisions, far_events],
+        "whatif": ["whatif", "--decisions", far_decisions, "--", far_events],
+        "verify": ["verify", "--decisions", far_decisions, "--", far_events],
+        "timeline": ["timeline", "-o", tmp_path / "page.html", far_events],
+        "audit": ["audit", far_events],
+        "replay": ["replay", far_events],
+    }
+    for name, argv in commands.items():
+        code, out, err = run_cli(capsys, *argv)
+        assert code != 0, name
+        assert "Traceback" not in err and "OverflowError" not in err, (name, err)
+        assert "$.at" in err and "253402300799" in err, (name, err)
