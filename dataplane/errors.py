@@ -122,6 +122,16 @@ def model_not_found(model: str, rings: tuple[str, ...] = ()) -> ApiError:
     return ApiError(404, message, "model_not_found", "NotFoundError")
 
 
+def adapter_not_listed(model: str, node: str, ip: str) -> ApiError:
+    """A request for a LoRA adapter that a node answered as loaded and then did not list (no
+    node serves it): the gateway asks the load again after a back-off (`controlplane.rules.adapters`)."""
+    return ApiError(
+        503,
+        f"LoRA adapter `{model}` was loaded onto node {node} ({ip}), which does not list it: the load is asked again",
+        "adapter_not_listed",
+    )
+
+
 def adapter_loading(model: str) -> ApiError:
     """A request for a LoRA adapter no node serves yet while the gateway loads it onto one
     (`controlplane.rules.adapters`): a 503 the SDKs retry, after its Retry-After."""

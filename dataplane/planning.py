@@ -23,6 +23,7 @@ from dataplane.errors import (
     RETRY_AFTER_MS,
     Refusal,
     adapter_loading,
+    adapter_not_listed,
     model_not_found,
     refusal,
 )
@@ -93,6 +94,8 @@ class Planning:
         if not route.candidates:
             if ledger.view.adapter_loading(exchange.model):
                 return refusal(adapter_loading(exchange.model), exchange.request_id, RETRY_AFTER, RETRY_AFTER_MS)
+            if (unlisted := ledger.view.adapter_unlisted(exchange.model)) is not None:
+                return refusal(adapter_not_listed(exchange.model, unlisted.name, unlisted.ip), exchange.request_id)
             if route.ring_pool:
                 self._warn_unserved(exchange)
             if route.unknown:

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from controlplane.rules.adapters import is_loading
+from controlplane.rules.adapters import is_loading, loaded_unlisted
 from controlplane.effects.metrics import OTHER_MODELS, labelled_list, metric_models
 from controlplane.rules.routing import Route, pick_pool
 from dataplane.admission.tenants import TenantLimits
@@ -132,6 +132,13 @@ class SnapshotView:
                 is_loading(node, model) for node in self.snapshot.nodes.values()
             )
         return loading
+
+    def adapter_unlisted(self, model: str) -> NodeState | None:
+        """A node that answered the gateway's load of the configured adapter `model` as done and
+        does not list it (`adapters.loaded_unlisted`), asked only of a request no node may serve."""
+        if model not in self.config.loaded_adapters:
+            return None
+        return next((node for node in self.snapshot.node_list() if loaded_unlisted(node, model)), None)
 
     def routable_models(self, now: float) -> tuple[str, ...]:
         """The models `/ready` counts (the configured ones, an alias as its target; with none

@@ -205,6 +205,9 @@ class AdapterLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     at: Moment
     """When it was requested, or answered."""
     error: str = ""
+    unlisted: int = 0
+    """The loads before this one in a row that the node answered loaded and then did not list
+    (each doubles the back-off before the next: `controlplane.rules.adapters`)."""
 
 
 class NodeState(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 import trio
 
-from controlplane.rules.adapters import LOAD_RETRY_SECONDS
+from controlplane.rules.adapters import LOAD_RETRY_SECONDS, loaded_unlisted
 from controlplane.rules.policies import LORA_AVOIDED, LORA_FULL, LORA_LOADED, LORA_RUNNING, POLICIES
 from controlplane.effects.probes import parse_lora_labels, parse_model_list
 from controlplane.rules.reducer import INITIAL_STATE, reduce
@@ -38,7 +38,8 @@ from fixtures.node import NodeSpec, SimulatedNode
 from interlock.verify import verify
 from journal.segments import list_segments
 
-from harness import MODEL, chat, decision_records, error_message, nodes_and_gateway
+from harness import MODEL, chat, decision_records, error_message, nodes_and_gateway, running_gateway
+from raw_http import raw_node
 from test_openai_sdk import sdk_client
 
 CHAT = "/v1/chat/completions"
@@ -181,6 +182,19 @@ async def test_a_failed_load_is_an_event_with_the_nodes_answer(tmp_path):
     assert response.status_code == 503 and "retry-after" not in response.headers
 
 
+class Reduced:
+    """The reducer run on the events given, from a RunStarted of `config`: its state and every
+    effect so far."""
+
+    def __init__(self, config: Config) -> None:
+        self.state, self.effects = INITIAL_STATE, []
+        self(RunStarted(at=100.0, version="t", config_path="c", config=config))
+
+    def __call__(self, event) -> None:
+        self.state, step = reduce(self.state, msgspec.structs.replace(event, seq=self.state.seq + 1))
+        self.effects.extend(step.effects)
+
+
 def test_a_load_falls_due_at_a_listing_with_the_parent_and_again_only_after_the_back_off():
     """The rule, as the reducer applies it: a listing of a healthy node with the adapter's
     parent and without the adapter has the load as its effect; not while a load was asked or
@@ -188,14 +202,8 @@ def test_a_load_falls_due_at_a_listing_with_the_parent_and_again_only_after_the_
     nodes = (NodeConfig(ip="10.0.0.1"), NodeConfig(ip="10.0.0.2"))
     entry = ModelEntry(name=SQL, parent=MODEL, lora_path="/adapters/sql")
     config = Config(nodes=nodes, models=ModelsConfig(available=(ModelEntry(name=MODEL), entry)))
-    state, effects = INITIAL_STATE, []
-
-    def apply(event) -> None:
-        nonlocal state
-        state, step = reduce(state, msgspec.structs.replace(event, seq=state.seq + 1))
-        effects.extend(step.effects)
-
-    apply(RunStarted(at=100.0, version="t", config_path="c", config=config))
+    apply = Reduced(config)
+    effects = apply.effects
     effects.clear()
     apply(ModelsListed(at=101.0, node="10.0.0.1", models=(MODEL,)))
     apply(ModelsListed(at=101.0, node="10.0.0.2", models=("another",)))
@@ -212,10 +220,45 @@ def test_a_load_falls_due_at_a_listing_with_the_parent_and_again_only_after_the_
     apply(HealthProbed(at=104.0 + LOAD_RETRY_SECONDS, node="10.0.0.1", ok=True))
     apply(ModelsListed(at=104.0 + LOAD_RETRY_SECONDS, node="10.0.0.1", models=(MODEL,)))
     assert effects == [LoadAdapter("10.0.0.1", SQL)] * 2
-    assert state.nodes["10.0.0.1"].adapter_load(SQL).state == AdapterLoadState.FAILED
+    assert apply.state.nodes["10.0.0.1"].adapter_load(SQL).state == AdapterLoadState.FAILED
     apply(ModelsListed(at=170.0, node="10.0.0.1", models=(MODEL, SQL), parents=((SQL, MODEL),)))
     assert len(effects) == 2  # listed: loaded
-    assert state.nodes["10.0.0.1"].models.adapters == {SQL: MODEL}
+    assert apply.state.nodes["10.0.0.1"].models.adapters == {SQL: MODEL}
+
+
+async def test_an_adapter_a_node_says_it_loaded_but_never_lists_gets_a_503_naming_it_and_the_node(tmp_path):
+    # A node whose runtime LoRA API answers every load with success and whose listing never shows it.
+    success = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 7\r\n\r\nSuccess"
+    adapters = {SQL: {"parent": MODEL, "lora_path": "/adapters/sql"}}
+    async with raw_node(success, name="n1") as n1, running_gateway(tmp_path, [n1], adapters=adapters) as gateway:
+        await gateway.wait_for(lambda: loaded_unlisted(gateway.node(n1.host), SQL), timeout=10)
+        response = await gateway.http.post(gateway.url + CHAT, json=chat(SQL))
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "adapter_not_listed"
+    assert error_message(response) == (
+        f"LoRA adapter `{SQL}` was loaded onto node n1 ({n1.host}), which does not list it: the load is asked again"
+    )
+    assert [request for _, request in n1.completions if not request.startswith(b"POST /v1/load_lora_adapter ")] == []
+
+
+def test_a_node_that_answers_loads_done_and_never_lists_the_adapter_is_asked_again_after_a_doubling_back_off():
+    config = Config(
+        nodes=(NodeConfig(ip="10.0.0.1"),),
+        models=ModelsConfig(available=(ModelEntry(name=MODEL), ModelEntry(name=SQL, parent=MODEL, lora_path="/a"))),
+    )
+    apply = Reduced(config)
+    at, asked = 100.0, []
+    for _ in range(6):
+        apply.effects.clear()
+        apply(ModelsListed(at=at, node="10.0.0.1", models=(MODEL,)))  # each listing lacks the adapter
+        if apply.effects:
+            asked.append(at - 100.0)
+            apply(AdapterLoadRequested(at=at, node="10.0.0.1", adapter=SQL, parent=MODEL, lora_path="/a"))
+            apply(AdapterLoaded(at=at, node="10.0.0.1", adapter=SQL))
+        at += LOAD_RETRY_SECONDS
+    # Asked at once, then after 1, 2 and 4 times the back-off (the fourth falls beyond the six listings).
+    assert asked == [0.0, LOAD_RETRY_SECONDS, 3 * LOAD_RETRY_SECONDS]
+    assert apply.state.nodes["10.0.0.1"].adapter_load(SQL).unlisted == 2
 
 
 def test_a_scrape_keeps_a_bounded_number_of_adapter_names_and_counts_the_rest():
