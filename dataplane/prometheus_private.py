@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import inspect
 from bisect import bisect_left
-from importlib.metadata import version
 from typing import Protocol
 
 from prometheus_client import Counter, Gauge, Histogram, values
+
+from dataplane.private_surface import require_surface
 
 
 class PrometheusClientChanged(RuntimeError):
@@ -87,12 +88,7 @@ def check_private_surface() -> None:
             "Histogram.observe adding to _sum and to the first bucket of _buckets whose bound holds the amount",
         ),
     ]
-    missing = [what for present, what in expected if not present]
-    if missing:
-        raise PrometheusClientChanged(
-            f"prometheus_client {version('prometheus_client')} is not the prometheus_client Interlock was "
-            f"tested on (see pyproject.toml): expected {'; '.join(missing)}"
-        )
+    require_surface("prometheus_client", expected, PrometheusClientChanged)
 
 
 check_private_surface()
