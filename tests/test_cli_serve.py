@@ -326,8 +326,12 @@ def readme_block(heading: str, language: str) -> str:
     return section.split(f"```{language}\n", 1)[1].split("```", 1)[0]
 
 
-async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllms_endpoints(tmp_path):
-    config = readme_block("## Point it at your vLLM nodes", "toml")
+async def test_the_readmes_config_for_your_own_nodes_serves_their_models_and_explains_a_request(tmp_path):
+    """The quick start's config and commands as written: check-config, serve, a request with
+    the README's id, then its `explain` from the two logs (run in the directory serve wrote them
+    in, which the README's relative paths name)."""
+    config = readme_block("### Point it at your vLLM nodes", "toml")
+    commands = readme_block("### Point it at your vLLM nodes", "sh").splitlines()
     (tmp_path / "gateway.toml").write_text(config)
     with trio.fail_after(30):
         checked = await trio.run_process(
@@ -340,7 +344,9 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllm
         for documented, node in zip(("10.0.0.1", "10.0.0.2"), nodes):
             config = config.replace(f'ip = "{documented}"', f'ip = "{node.host}"\nvllm_port = {node.vllm_port}')
         config_path = tmp_path / "gateway.toml"
-        config_path.write_text(config.replace('"var/events.jsonl"', f'"{tmp_path}/var/events.jsonl"'))
+        for log in ("events", "decisions"):  # serve runs in the checkout: the logs go where explain reads them
+            config = config.replace(f'"var/{log}.jsonl"', f'"{tmp_path}/var/{log}.jsonl"')
+        config_path.write_text(config)
         api = free_port()
         options = ("--config", str(config_path), "--listen", f"127.0.0.1:{api}", "--metrics-listen", "127.0.0.1:0")
         async with interlock_serve(*options) as gateway, httpx.AsyncClient(trust_env=False, timeout=60) as client:
@@ -348,7 +354,9 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllm
             with trio.fail_after(60):
                 while True:  # until the nodes' model lists are in: no model is configured
                     try:
-                        answer = await client.post(url + "/v1/chat/completions", json=chat())
+                        answer = await client.post(
+                            url + "/v1/chat/completions", json=chat(), headers={"x-request-id": "first"}
+                        )
                     except httpx.TransportError:
                         answer = None
                     if answer is not None and answer.status_code == 200:
@@ -361,7 +369,14 @@ async def test_the_readmes_config_for_your_own_nodes_serves_their_models_on_vllm
             assert unknown.status_code == 404  # not routed
             code, _, errors = await gateway.stop()
     assert (code, errors) == (0, "")
-    assert list((tmp_path / "var").glob("events*.jsonl"))  # the event log explain reads
+    [explain] = [command for command in commands if " explain " in command]
+    explained = await trio.run_process(
+        explain.replace(".venv/bin/interlock", f"{sys.executable} -m interlock.cli"),
+        shell=True, cwd=tmp_path, capture_stdout=True, capture_stderr=True, check=False,
+        env={**os.environ, "PYTHONPATH": str(PROJECT_ROOT)},
+    )  # fmt: skip
+    assert (explained.returncode, explained.stderr) == (0, b""), explained.stderr
+    assert answer.headers["x-interlock-node"] in explained.stdout.decode()  # the node it went to
 
 
 async def test_serve_fleet_joins_a_fleet_and_its_workers_answer_for_the_replica(tmp_path):

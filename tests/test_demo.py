@@ -140,6 +140,20 @@ def test_a_demo_whose_port_is_taken_says_why_on_the_terminal_and_another_port_wo
     assert re.search(r"^< Hello from gpu-node-[12]\.", served.stdout, re.MULTILINE), served.stdout
 
 
+def test_the_readmes_two_commands_are_the_makefiles_demo_and_test():
+    """`make demo` and `make test` (the README's quick start), as make would run them: the demo
+    with the ports the README says move it, the test run as CI's."""
+    demo = subprocess.run(
+        ["make", "-n", "demo", "PORT=8081", "METRICS_PORT=9091"], cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert demo.splitlines()[-1] == ".venv/bin/interlock demo --port 8081 --metrics-port 9091"
+    test = subprocess.run(["make", "-n", "test"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True)
+    assert test.stdout.splitlines()[-1] == ".venv/bin/python -m pytest -q"
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert "make demo PORT=8081 METRICS_PORT=9091" in readme and "\nmake demo " in readme and "\nmake test " in readme
+
+
 def test_the_wheel_leaves_the_simulated_nodes_out(tmp_path):
     # `fixtures` is the name of a PyPI testing library: the wheel must not install a package of that name.
     subprocess.run(

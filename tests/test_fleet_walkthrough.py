@@ -69,7 +69,7 @@ def shell_quote(text: str) -> str:
 async def test_the_readmes_fleet_walkthrough_runs_as_written_and_explains_the_request(tmp_path):
     required_program("nats-server", "apt-get install nats-server")
     required_program("curl", "apt-get install curl")
-    block = readme_block("## Fleet: replicas on several hosts", "sh")
+    block = readme_block("### Fleet: replicas on several hosts", "sh")
     node_port, node_metrics = free_port(), free_port()
     demo = (PROJECT_ROOT / "config" / "demo.toml").read_text()
     demo_path = tmp_path / "demo.toml"
