@@ -114,6 +114,18 @@ def test_bad_access_settings_name_file_and_key(tmp_path, gateway, key, message):
     assert message in raised.value.message
 
 
+@pytest.mark.parametrize("key", ["api_key_file", "upstream_api_key_file"])
+def test_a_key_file_that_is_a_fifo_is_refused_at_once(tmp_path, key):
+    """Opened to be read, a FIFO without a writer would wait for ever: check-config hung."""
+    fifo = tmp_path / "keys.fifo"
+    os.mkfifo(fifo)
+    path = write(tmp_path, f'{key} = "{fifo}"')
+    command = [sys.executable, "-m", "interlock.cli", "check-config", str(path)]
+    checked = subprocess.run(command, capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=60, check=False)
+    assert checked.returncode != 0
+    assert f"gateway.{key}" in checked.stderr and f"reading {fifo}: not a regular file" in checked.stderr
+
+
 def test_key_files_are_checked_with_line_and_without_echoing_the_key(tmp_path):
     hashes_file = tmp_path / "hashes"
     hashes_file.write_text(f"{digest('a')}\n{CLIENT_KEY}\n")

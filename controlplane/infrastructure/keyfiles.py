@@ -14,10 +14,13 @@ import ssl
 
 import trio
 
+from controlplane.infrastructure.small_files import read_small_file
 from controlplane.infrastructure.tlsfiles import upstream_contexts
 from events.config import Config
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 
+MAX_KEY_FILE_BYTES = 16 * 1024 * 1024
+"""The largest key file the gateway reads (a digest a line: about 250,000 client keys)."""
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 NOT_A_DIGEST = "not a SHA-256 hex digest (64 hex digits: printf %s KEY | sha256sum)"
 
@@ -26,8 +29,7 @@ def read_key_digests(key_file: str) -> list[str]:
     """The digests in `api_key_file`: one a line; blank lines and `#` comments are skipped.
     Raises ValueError naming the file (and the line)."""
     try:
-        with open(key_file, encoding="utf-8") as file:
-            lines = file.read().splitlines()
+        lines = read_small_file(key_file, MAX_KEY_FILE_BYTES, "a key file").decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"reading api_key_file: {exc}") from None
     digests = []
@@ -45,8 +47,7 @@ def read_upstream_key(key_file: str) -> str:
     """The key in an upstream key file (surrounding whitespace dropped); raises ValueError
     naming the file. The key never appears in the error."""
     try:
-        with open(key_file, "rb") as file:
-            key = file.read().strip()
+        key = read_small_file(key_file, MAX_KEY_FILE_BYTES, "a key file").strip()
     except OSError as exc:
         raise ValueError(f"reading key file: {exc}") from None
     if not key:

@@ -5,10 +5,9 @@ config file and the key."""
 
 from __future__ import annotations
 
-import os
 import ssl
-import stat
 
+from controlplane.infrastructure.small_files import check_small_file
 from events.config import Config
 
 MAX_TLS_FILE_BYTES = 1024 * 1024
@@ -64,17 +63,8 @@ def _load_pair(context: ssl.SSLContext, certificate: str, key: str) -> None:
 
 def _readable(path: str) -> None:
     """Raise ValueError unless `path` is a regular file of at most MAX_TLS_FILE_BYTES that this
-    process may read. Opened without blocking: a FIFO (which OpenSSL's open would wait on for a
-    writer, for ever) or a device is refused by its type, not read."""
+    process may read, opened without blocking (OpenSSL's own open would wait on a FIFO for ever)."""
     try:
-        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        try:
-            status = os.fstat(descriptor)
-        finally:
-            os.close(descriptor)
+        check_small_file(path, MAX_TLS_FILE_BYTES, "a TLS file")
     except OSError as error:
         raise ValueError(f"reading {path}: {error.strerror or error}") from None
-    if not stat.S_ISREG(status.st_mode):
-        raise ValueError(f"reading {path}: not a regular file")
-    if status.st_size > MAX_TLS_FILE_BYTES:
-        raise ValueError(f"reading {path}: {status.st_size} bytes, more than the {MAX_TLS_FILE_BYTES} a TLS file may hold")
