@@ -285,9 +285,7 @@ class Attempts:
         except Exception as error:
             return self._failed(ledger, attempt, error)
         if upstream.status != 200:
-            served_by = ledger.view.config.node_headers[attempt.node.ip]
-            headers = client_headers(upstream, ledger.exchange.request_id, served_by, with_length=False)
-            return Outcome(COMPLETED, status=upstream.status), Reply(upstream.status, headers, answer)
+            return self._complete(ledger, attempt, answer)
         try:
             return Outcome(COMPLETED, status=200), kv_transfer_params(answer)
         except PrefillWithoutKvTransferParams as error:

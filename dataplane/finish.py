@@ -34,10 +34,7 @@ class Finish:
                 if ledger.ticket.tenant.counts_tokens:
                     ledger.ticket.read_usage(reply.body)
                 ledger.request_ended(reply.status)
-        headers = ledger.ticket.headers
-        if headers:
-            reply.headers += headers
-        return reply
+        return _with_limits_headers(ledger, reply)
 
     def failed(self, ledger: Ledger, error: Exception) -> Reply:
         """A stage raised `error` before anything was sent: the gateway's 502, and the request's
@@ -49,12 +46,17 @@ class Finish:
         reply = error_reply(UPSTREAM_ERROR, request_id_header(request_id))
         if not ledger.ended:
             ledger.request_ended(reply.status)
-        headers = ledger.ticket.headers
-        if headers:
-            reply.headers += headers
-        return reply
+        return _with_limits_headers(ledger, reply)
 
     def client_left(self, ledger: Ledger) -> None:
         """The client went away before anything was sent."""
         if not ledger.ended:
             ledger.client_left()
+
+
+def _with_limits_headers(ledger: Ledger, reply: Reply) -> Reply:
+    """`reply` with the tenant's `x-ratelimit-*` headers, when its limits give any."""
+    headers = ledger.ticket.headers
+    if headers:
+        reply.headers += headers
+    return reply
