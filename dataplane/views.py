@@ -97,6 +97,12 @@ class ModelList:
         self.cards = {card["id"]: msgspec.json.encode(card) for card in cards}
 
 
+def _first_offline_end(candidates: list[NodeState], now: float) -> float:
+    """When the first offline mark among `candidates` ends (inf: none is offline at `now`): until
+    then, on one snapshot, which of them a pick may choose stays the same."""
+    return min((node.offline_until for node in candidates if node.is_offline(now)), default=math.inf)
+
+
 class SnapshotView:
     """One snapshot and what is derived from it, computed once and shared by its requests."""
 
@@ -155,9 +161,7 @@ class SnapshotView:
             candidates = self.route(model).candidates
             if pick_pool(candidates, now):
                 routable.append(model)
-            for node in candidates:
-                if node.is_offline(now):
-                    holds_until = min(holds_until, node.offline_until)
+            holds_until = min(holds_until, _first_offline_end(candidates, now))
         self._routable = tuple(routable), holds_until
         return self._routable[0]
 
@@ -181,9 +185,7 @@ class SnapshotView:
             entry = configured.get(name)
             routed = entry.target if entry is not None and entry.target else name
             candidates = self.route(routed).candidates
-            for node in candidates:
-                if node.is_offline(now):
-                    holds_until = min(holds_until, node.offline_until)
+            holds_until = min(holds_until, _first_offline_end(candidates, now))
             if entry is None and not pick_pool(candidates, now):
                 continue
             card: dict[str, Any] = {"id": name, "object": "model", "created": MODEL_CREATED, "owned_by": "cluster"}
