@@ -16,9 +16,12 @@ MAY_IMPORT = {
     "events": {"events", "journal"},
     "transport": {"transport"},
     "controlplane": {"controlplane", "events", "journal", "transport"},
-    "dataplane": {"dataplane", "controlplane", "events", "journal", "transport"},
+    "kvcache": {"kvcache", "events"},
+    "dataplane": {"dataplane", "kvcache", "controlplane", "events", "journal", "transport"},
     "fleet": {"fleet", "controlplane", "events", "journal", "transport"},
-    "interlock": {"interlock", "fleet", "dataplane", "controlplane", "events", "journal", "transport", "fixtures"},
+    "interlock": {
+        "interlock", "fleet", "dataplane", "kvcache", "controlplane", "events", "journal", "transport", "fixtures",
+    },  # fmt: skip
     "fixtures": {"fixtures"},
 }
 PROJECT_PACKAGES = set(MAY_IMPORT) | {"bench", "tests"}
