@@ -273,6 +273,20 @@ class FleetConfig(Struct, frozen=True, kw_only=True):
     stream_replicas: int = 0
     """Copies JetStream keeps of the fleet's streams, set when the first replica creates them;
     0: one per server of the cluster the replica knows, up to three."""
+    user: str = ""
+    password: str = ""
+    """The NATS user and its password (both or neither)."""
+    token: str = ""
+    """A NATS authentication token."""
+    nkey_seed_file: str = ""
+    """A file holding the NKey seed (`SU…`) this replica signs the server's challenge with."""
+    creds_file: str = ""
+    """A NATS credentials file (a user JWT and its NKey seed, as `nsc` writes it)."""
+    tls_ca_file: str = ""
+    """The PEM CA certificates the NATS servers' certificates are checked against; "" = the system's."""
+    tls_certificate: str = ""
+    tls_key: str = ""
+    """The certificate (PEM chain) and key this replica shows the NATS servers (mutual TLS); both or neither."""
 
 
 DEFAULT_TENANT = "default"

@@ -41,6 +41,7 @@ from events.config import FleetConfig
 from events.log import decode_event, decode_events
 from events.types import Event
 from fleet.bridge import AsyncioThread, Delivery, DeliveryOverflowed
+from fleet.credentials import connect_options
 
 OPERATION_SECONDS = 5.0
 """The deadline of one JetStream request (an append, a lease renewal, a lookup)."""
@@ -233,6 +234,7 @@ class FleetLink:
             disconnected_cb=changed,
             reconnected_cb=changed,
             error_cb=error,
+            **connect_options(self._fleet),
         )
         self._js = self._nc.jetstream(timeout=OPERATION_SECONDS)
         if not create:

@@ -32,6 +32,8 @@ class NatsServer:
     advertise: bool = True
     """False: clients learn of no other server of the cluster (`--no_advertise`), so a client
     that lists this server alone is cut off while it is down."""
+    config: Path | None = None
+    """A nats-server config file (`-c`: users, permissions, TLS); the command line's flags win."""
     process: trio.Process | None = None
 
     @property
@@ -43,6 +45,8 @@ class NatsServer:
             required_program("nats-server", "apt-get install nats-server"),
             "-js", "-sd", str(self.store), "-a", "127.0.0.1", "-p", str(self.port), "-n", self.name,
         ]  # fmt: skip
+        if self.config is not None:
+            command += ["-c", str(self.config)]
         if self.clustered:
             command += ["--cluster_name", "interlock-test", "--cluster", f"nats://127.0.0.1:{self.cluster_port}"]
             command += ["--routes", ",".join(f"nats://127.0.0.1:{port}" for port in self.routes)]

@@ -6,6 +6,7 @@ makes, the loader's `ConfigError`, which names the file.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import math
 import re
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from msgspec.structs import replace
 
 from controlplane.infrastructure.gocompat import format_go_seconds, go_quote, parse_listen_address
+from controlplane.infrastructure.small_files import check_small_file
 from controlplane.infrastructure.tlsfiles import check_server_files, client_context
 from events.config import (
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
@@ -440,6 +442,46 @@ def _check_fleet(invalid: Invalid, fleet: FleetConfig | None) -> None:
             "lease_renewal must be greater than zero and at most half the lease "
             f"({format_go_seconds(fleet.lease / 2)})",
         )
+    _check_fleet_credentials(invalid, fleet)
+
+
+MAX_NATS_CREDENTIALS_BYTES = 64 * 1024
+"""The largest NKey seed or credentials file the fleet's connection reads (one is well under a kilobyte)."""
+
+
+def _check_fleet_credentials(invalid: Invalid, fleet: FleetConfig) -> None:
+    """How the replica authenticates to NATS: one way at most (user and password, token, NKey
+    seed, credentials file), its files readable now, and the TLS files a context loads."""
+    if bool(fleet.user) != bool(fleet.password):
+        given, missing = ("user", "password") if fleet.user else ("password", "user")
+        raise invalid(f"fleet.{missing}", f"{given} is set: {missing} must be set too")
+    ways = [key for key in ("user", "token", "nkey_seed_file", "creds_file") if getattr(fleet, key)]
+    if len(ways) > 1:
+        raise invalid(f"fleet.{ways[1]}", f"{ways[0]} and {ways[1]} are two ways to authenticate to NATS: give one")
+    for key in ("nkey_seed_file", "creds_file"):
+        path = getattr(fleet, key)
+        if not path:
+            continue
+        try:
+            check_small_file(path, MAX_NATS_CREDENTIALS_BYTES, "an NKey seed or credentials file")
+        except OSError as error:
+            raise invalid(f"fleet.{key}", f"reading {path}: {error.strerror or error}") from None
+        except ValueError as error:
+            raise invalid(f"fleet.{key}", str(error)) from None
+        if importlib.util.find_spec("nkeys") is None:
+            raise invalid(f"fleet.{key}", "signing with an NKey needs the Python package nkeys, which is not installed")
+    if bool(fleet.tls_certificate) != bool(fleet.tls_key):
+        given, missing = ("tls_certificate", "tls_key") if fleet.tls_certificate else ("tls_key", "tls_certificate")
+        raise invalid(f"fleet.{missing}", f"{given} is set: {missing} must be set too (mutual TLS), or neither")
+    try:
+        client_context(fleet.tls_ca_file, "", "")
+    except ValueError as error:
+        raise invalid("fleet.tls_ca_file", str(error)) from None
+    if fleet.tls_certificate:
+        try:
+            client_context(fleet.tls_ca_file, fleet.tls_certificate, fleet.tls_key)
+        except ValueError as error:
+            raise invalid("fleet.tls_certificate", str(error)) from None
 
 
 def _hosts_overlap(first: str, second: str) -> bool:

@@ -1,0 +1,184 @@
+"""The fleet's connection with NATS credentials, against a real nats-server whose config file
+(written here) asks for them: a replica with a user and password, or a token over mutual TLS,
+joins and leads; one with a wrong password is refused and says so; a user of the same server
+whose publish rights leave out the fleet's subjects (README's account) cannot put a message on
+the events subject. Credentials that cannot work are config errors naming the key and file."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+import trio
+import trustme
+
+from controlplane.infrastructure.config import ConfigError, load_config
+from fixtures.node import SimulatedNode, serve_nodes
+from harness import config_text, node_specs
+from nats_cluster import NatsServer
+from test_cli_serve import readme_block
+from test_fleet import HEALTH_INTERVAL, LEASE, LEASE_RENEWAL, Replica, until
+from test_tls import ca_file, issued
+
+REPLICA_RIGHTS = readme_block("#### NATS credentials, and publish rights that are the replicas' alone", "")
+"""README's account, as written: the replicas' user may publish anywhere, every other user of
+the server not on the fleet's subjects, its buckets, or JetStream's API."""
+
+
+def fleet_config(
+    tmp_path: Path, name: str, nodes: list[SimulatedNode], server: NatsServer, credentials: str
+) -> Replica:
+    """Replica `name` of a fleet on `server`, its [fleet] table ending with `credentials`."""
+    directory = tmp_path / name
+    directory.mkdir()
+    path = directory / "gateway.toml"
+    fleet = (
+        f'[fleet]\nnats = ["{server.url}"]\nreplica = "{name}"\nlease = "{LEASE}"\n'
+        f'lease_renewal = "{LEASE_RENEWAL}"\n{credentials}\n'
+    )
+    path.write_text(config_text(nodes, health_interval=HEALTH_INTERVAL) + fleet)
+    return Replica(name, path, directory / "log.jsonl")
+
+
+async def leading(http: httpx.AsyncClient, replica: Replica) -> None:
+    async def condition() -> bool:
+        health = await replica.health(http)
+        return health is not None and health.seq > 0 and health.leader == replica.name
+
+    await until(condition, f"{replica.name} leads the fleet")
+
+
+async def stop(replicas: list[Replica]) -> None:
+    with trio.CancelScope(shield=True):
+        for replica in replicas:
+            replica.signal(9)
+            if replica.process is not None:
+                await replica.process.wait()
+
+
+async def events_stream_messages(url: str, user: str, password: str) -> int:
+    async def read() -> int:
+        nc = await nats.connect(url, user=user, password=password)
+        try:
+            return (await nc.jetstream().stream_info("interlock-events")).state.messages
+        finally:
+            await nc.close()
+
+    return await trio.to_thread.run_sync(lambda: asyncio.run(read()))
+
+
+async def publish_as(url: str, user: str, password: str, subject: str, data: bytes) -> list[str]:
+    """Publish as `user`; the errors the server sent back (a permissions violation)."""
+
+    async def send() -> list[str]:
+        errors: list[str] = []
+
+        async def error_cb(error: Exception) -> None:
+            errors.append(str(error))
+
+        nc = await nats.connect(url, user=user, password=password, error_cb=error_cb)
+        try:
+            await nc.publish(subject, data)
+            await nc.flush()
+            for _ in range(100):  # the server's -ERR arrives after the flush's PONG at the latest
+                if errors:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await nc.close()
+        return errors
+
+    return await trio.to_thread.run_sync(lambda: asyncio.run(send()))
+
+
+async def test_a_replica_with_user_and_password_leads_and_no_other_user_can_publish_on_the_events_subject(tmp_path):
+    conf = tmp_path / "nats.conf"
+    conf.write_text(REPLICA_RIGHTS)
+    server = NatsServer(name="nats1", store=tmp_path / "store", config=conf)
+    replicas: list[Replica] = []
+    async with serve_nodes(node_specs(1)) as nodes, httpx.AsyncClient() as http:
+        await server.start()
+        try:
+            good = fleet_config(tmp_path, "r1", nodes, server, 'user = "replica"\npassword = "replica-secret"')
+            wrong = fleet_config(tmp_path, "r2", nodes, server, 'user = "replica"\npassword = "not-the-secret"')
+            replicas += [good, wrong]
+            for replica in replicas:
+                await replica.start()
+            await leading(http, good)
+            await until(
+                lambda: trio.to_thread.run_sync(lambda: "authorization violation" in wrong.log_path.read_text().lower()),
+                "the replica with a wrong password says NATS refused it",
+            )
+
+            before = await events_stream_messages(server.url, "replica", "replica-secret")
+            errors = await publish_as(server.url, "observer", "observer-secret", "interlock.events", b"garbage")
+            assert any("permissions violation" in error.lower() for error in errors), errors
+            assert await events_stream_messages(server.url, "replica", "replica-secret") == before
+            assert "a message of the event stream set aside" not in good.messages()
+        finally:
+            await stop(replicas)
+            await server.kill()
+
+
+async def test_a_replica_with_a_token_over_mutual_tls_leads(tmp_path):
+    authority = trustme.CA()
+    server_certificate, server_key = issued(tmp_path, authority, "nats-server", "127.0.0.1")
+    client_certificate, client_key = issued(tmp_path, authority, "replica", "r1")
+    authority_file = ca_file(tmp_path, authority, "ca")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        'authorization { token: "fleet-token" }\n'
+        f'tls {{ cert_file: "{server_certificate}", key_file: "{server_key}", ca_file: "{authority_file}", verify: true }}\n'
+    )
+    server = NatsServer(name="nats1", store=tmp_path / "store", config=conf)
+    credentials = (
+        f'token = "fleet-token"\ntls_ca_file = "{authority_file}"\n'
+        f'tls_certificate = "{client_certificate}"\ntls_key = "{client_key}"'
+    )
+    async with serve_nodes(node_specs(1)) as nodes, httpx.AsyncClient() as http:
+        await server.start()
+        replica = fleet_config(tmp_path, "r1", nodes, server, credentials)
+        try:
+            await replica.start()
+            await leading(http, replica)
+        finally:
+            await stop([replica])
+            await server.kill()
+
+
+@pytest.mark.parametrize(
+    ("credentials", "key", "message"),
+    [
+        ('user = "replica"', "fleet.password", "user is set: password must be set too"),
+        ('user = "a"\npassword = "b"\ntoken = "c"', "fleet.token", "user and token are two ways to authenticate"),
+        ('creds_file = "{missing}"', "fleet.creds_file", "reading {missing}: No such file or directory"),
+        ('tls_ca_file = "{missing}"', "fleet.tls_ca_file", "{missing}"),
+        ('tls_certificate = "{missing}"', "fleet.tls_key", "tls_certificate is set: tls_key must be set too"),
+    ],
+)
+def test_credentials_that_cannot_work_are_refused_naming_the_key_and_the_file(tmp_path, credentials, key, message):
+    missing = tmp_path / "missing.creds"
+    path = tmp_path / "gateway.toml"
+    fleet = '[fleet]\nnats = ["nats://127.0.0.1:4222"]\nreplica = "r1"\n' + credentials.format(missing=missing)
+    path.write_text(config_text(node_specs(1)) + fleet)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert (refused.value.path, refused.value.key) == (str(path), key)
+    assert message.format(missing=missing) in refused.value.message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nkeys") is not None, reason="the nkeys package is installed")
+def test_an_nkey_seed_without_the_nkeys_package_is_refused_naming_what_is_missing(tmp_path):
+    seed = tmp_path / "replica.nk"
+    seed.write_text("SUAMK2FG4MI6UE3ACF3FK3OIQBCEIEZV7NSWFFEW63UXMRLFM2XLAXK4GY\n")
+    path = tmp_path / "gateway.toml"
+    fleet = f'[fleet]\nnats = ["nats://127.0.0.1:4222"]\nreplica = "r1"\nnkey_seed_file = "{seed}"\n'
+    path.write_text(config_text(node_specs(1)) + fleet)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert refused.value.key == "fleet.nkey_seed_file"
+    assert "needs the Python package nkeys" in refused.value.message
