@@ -131,20 +131,9 @@ async def drive(url: str, requests: list[tuple[float, str, dict]], nodes: list[S
                 outcome["error"] = type(error).__name__
             outcomes.append(outcome)
 
-        async def sample_load(stop: trio.Event) -> None:
-            while not stop.is_set():
-                for node in nodes:
-                    try:
-                        load = parse_vllm_load((await http.get(node.url + "/metrics")).content)
-                        samples[node.name].append(load.running + load.waiting)
-                    except (httpx.HTTPError, ProbeError):
-                        pass
-                with trio.move_on_after(LOAD_SAMPLE_INTERVAL):
-                    await stop.wait()
-
         stop = trio.Event()
         async with trio.open_nursery() as sampler:
-            sampler.start_soon(sample_load, stop)
+            sampler.start_soon(sample_load, http, nodes, samples, stop)
             started = trio.current_time()
             async with trio.open_nursery() as senders:
                 for at, request_id, body in requests:
@@ -156,6 +145,21 @@ async def drive(url: str, requests: list[tuple[float, str, dict]], nodes: list[S
             hits += counters.get("vllm:prefix_cache_hits_total", 0.0)
             queries += counters.get("vllm:prefix_cache_queries_total", 0.0)
     return {"outcomes": outcomes, "load_samples": samples, "prefix_hits": hits, "prefix_queries": queries}
+
+
+async def sample_load(
+    http: httpx.AsyncClient, nodes: list[SimulatedNodeProcess], samples: dict[str, list[float]], stop: trio.Event
+) -> None:
+    """Until `stop`, each node's load (running + waiting, from its /metrics) into its samples."""
+    while not stop.is_set():
+        for node in nodes:
+            try:
+                load = parse_vllm_load((await http.get(node.url + "/metrics")).content)
+                samples[node.name].append(load.running + load.waiting)
+            except (httpx.HTTPError, ProbeError):
+                pass
+        with trio.move_on_after(LOAD_SAMPLE_INTERVAL):
+            await stop.wait()
 
 
 def _counters(page: str) -> dict[str, float]:
@@ -205,8 +209,8 @@ def summarize(policy: str, measured: dict, names: list[str]) -> dict:
         "policy": policy,
         "requests": len(outcomes),
         "failed": len(outcomes) - len(served),
-        "ttft_p50_ms": round(1000 * _percentile(ttfts, 0.50), 1) if ttfts else None,
-        "ttft_p99_ms": round(1000 * _percentile(ttfts, 0.99), 1) if ttfts else None,
+        "ttft_p50_ms": round(1000 * percentile(ttfts, 0.50), 1) if ttfts else None,
+        "ttft_p99_ms": round(1000 * percentile(ttfts, 0.99), 1) if ttfts else None,
         "prefix_hit_rate": round(measured["prefix_hits"] / measured["prefix_queries"], 3) if measured["prefix_queries"] else None,
         "share": {name: round(shares[name] / len(served), 3) if served else 0.0 for name in names},
         "mean_load": {name: round(load, 2) for name, load in loads.items()},
@@ -214,7 +218,7 @@ def summarize(policy: str, measured: dict, names: list[str]) -> dict:
     }
 
 
-def _percentile(ordered: list[float], fraction: float) -> float:
+def percentile(ordered: list[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, int(fraction * len(ordered)))]
 
 
@@ -284,15 +288,21 @@ def _shares(shares: dict[str, float]) -> str:
 
 
 def render(runs: dict[str, dict], targets: list[dict]) -> str:
+    lines = render_runs(runs, "prefix_hit_rate")
+    lines += [""] + [f"{target['verdict']:5} {target['target']}: {target['measured']}" for target in targets]
+    return "\n".join(lines)
+
+
+def render_runs(runs: dict[str, dict], hits: str) -> list[str]:
+    """A line per policy's run: requests, failures, TTFT, the hit rate under key `hits`, shares."""
     lines = [f"{'policy':17}{'requests':>9}{'failed':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'hits':>7}  share (mean load)"]
     for run in runs.values():
         shares = "  ".join(f"{name} {share:.0%} ({run['mean_load'][name]:.1f})" for name, share in run["share"].items())
         lines.append(
             f"{run['policy']:17}{run['requests']:>9}{run['failed']:>8}{_ms(run['ttft_p50_ms']):>10}"
-            f"{_ms(run['ttft_p99_ms']):>10}{_rate(run['prefix_hit_rate']):>7}  {shares}"
+            f"{_ms(run['ttft_p99_ms']):>10}{_rate(run[hits]):>7}  {shares}"
         )
-    lines += [""] + [f"{target['verdict']:5} {target['target']}: {target['measured']}" for target in targets]
-    return "\n".join(lines)
+    return lines
 
 
 def _ms(value: float | None) -> str:

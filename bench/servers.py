@@ -213,10 +213,11 @@ def start_simulated_nodes(
     tokens: int,
     roles: Sequence[str] = (),
     scheduling_policy: str = "fcfs",
+    options: Sequence[str] = (),
 ) -> list[SimulatedNodeProcess]:
     """`count` simulated nodes n1, n2, … on 127.0.0.2, 127.0.0.3, …, each a process answering
     its /health; `roles` are the first nodes' disaggregation roles (the others: both);
-    `scheduling_policy` as vLLM's."""
+    `scheduling_policy` as vLLM's; `options` more of `python -m fixtures.node`'s flags."""
     nodes = []
     for index in range(count):
         host = f"127.0.0.{index + 2}"
@@ -226,6 +227,7 @@ def start_simulated_nodes(
             "--metrics-base-port", str(metrics_port), "--name-prefix", f"n{index + 1}-", "--models", model,
             "--ttft", str(ttft), "--tpot", str(tpot), "--tokens", str(tokens),
             "--role", roles[index] if index < len(roles) else "both", "--scheduling-policy", scheduling_policy,
+            *options,
         ]  # fmt: skip
         process = processes.start(f"node-{index + 1}", argv, cores=None, cwd=PROJECT_ROOT)
         wait_until_healthy(host, port, process)
@@ -242,10 +244,13 @@ def gateway_config(
     roles: Sequence[str] = (),
     node_keys: dict[str, object] | None = None,
     tables: str = "",
+    keys_of_node: Sequence[dict[str, object]] = (),
+    model_keys: dict[str, object] | None = None,
 ) -> str:
     """A TOML config for `nodes` serving `model`, with `gateway` keys and a [routing] table;
     `roles` are the first nodes' disaggregation roles, `node_keys` more keys of every node,
-    `tables` more TOML (tables of their own) at the end."""
+    `keys_of_node` more keys of the first nodes, one table each, `model_keys` more keys of the
+    model's entry, `tables` more TOML (tables of their own) at the end."""
     quoted = lambda value: msgspec.json.encode(value).decode()  # noqa: E731 (TOML spells these as JSON does)
     lines = ["[gateway]", f"listen = {quoted(f'{HOST}:{port}')}", f"metrics_listen = {quoted(f'{HOST}:{free_port()}')}"]
     lines += [f"{key} = {quoted(value)}" for key, value in gateway.items()]
@@ -254,9 +259,11 @@ def gateway_config(
         lines += [f"vllm_port = {node.port}", f"metrics_port = {node.metrics_port}"]
         if index < len(roles):
             lines.append(f"role = {quoted(roles[index])}")
-        lines += [f"{key} = {quoted(value)}" for key, value in (node_keys or {}).items()]
+        own = keys_of_node[index] if index < len(keys_of_node) else {}
+        lines += [f"{key} = {quoted(value)}" for key, value in ((node_keys or {}) | own).items()]
     lines += ["[routing]"] + [f"{key} = {quoted(value)}" for key, value in routing.items()]
     lines += ["[models]", f"default = {quoted(model)}", "[[models.available]]", f"name = {quoted(model)}"]
+    lines += [f"{key} = {quoted(value)}" for key, value in (model_keys or {}).items()]
     return "\n".join(lines) + "\n" + tables
 
 
@@ -273,12 +280,18 @@ def start_gateway(
     node_keys: dict[str, object] | None = None,
     tables: str = "",
     workers: int = 1,
+    keys_of_node: Sequence[dict[str, object]] = (),
+    model_keys: dict[str, object] | None = None,
 ) -> Server:
     """`interlock serve` for `nodes` (see `gateway_config`), with `workers` API processes, ready
     once every node is healthy and its models are known."""
     port = free_port()
     config = folder / f"{name}.toml"
-    config.write_text(gateway_config(port, nodes, model, gateway, routing or {}, roles, node_keys, tables))
+    config.write_text(
+        gateway_config(
+            port, nodes, model, gateway, routing or {}, roles, node_keys, tables, keys_of_node, model_keys
+        )
+    )
     argv = [sys.executable, "-m", "interlock.cli", "serve", "--config", str(config)]
     if workers > 1:
         argv += ["--workers", str(workers)]

@@ -301,3 +301,23 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
     assert results["token_run"]["window_opened_at_seconds"] is not None  # the limit refused, then the window
     verdicts = {target["verdict"] for target in results["targets"]}
     assert verdicts <= {"PASS", "MISS"} and "admission" in completed.stdout
+
+
+def test_the_kv_bench_runs_each_policy_on_caching_nodes_and_measures_cpu(tmp_path):
+    completed = run_bench(
+        "bench.kv", "--duration", "2", "--rate", "2", "--turns", "2", "--cpu-requests", "4",
+        "--policies", "round_robin,prefix_affinity", "--out", str(tmp_path / "results"), "--logs", str(tmp_path / "logs"),
+    )  # fmt: skip
+    [path] = (tmp_path / "results").iterdir()
+    results = json.loads(path.read_text())
+    assert [run["policy"] for run in results["runs"]] == ["round_robin", "prefix_affinity"]
+    for run in results["runs"]:
+        assert run["requests"] > 0 and run["failed"] == 0 and sum(run["share"].values()) > 0.99
+        assert run["prompt_blocks"] > 0 and 0 <= run["hit_ratio"] <= 1  # the nodes' own counters
+        assert list_segments(tmp_path / "logs" / run["policy"] / "decisions.jsonl")
+    [cpu] = results["cpu"]
+    assert cpu["policy"] == "prefix_affinity"
+    assert all(cpu[size]["failures"] == 0 for size in ("1000", "8000"))
+    verdicts = [target["verdict"] for target in results["targets"]]
+    assert verdicts == ["n/a", "n/a", "n/a", "", ""]  # kv_aware was not run: its targets are not judged
+    assert "prefix_affinity" in completed.stdout
