@@ -237,6 +237,10 @@ class ModelEntry(Struct, frozen=True, kw_only=True):
     """With `parent`: where vLLM loads the adapter from. The gateway loads it (`POST
     /v1/load_lora_adapter`) onto each healthy node that lists `parent` and not the adapter; "" =
     the gateway loads nothing."""
+    tokenizer: str = ""
+    """A local directory of the model's tokenizer (tokenizer.json, tokenizer_config.json with its
+    chat template): `kv_aware` tokenizes each prompt with it as vLLM does (`kvcache.tokenizer`);
+    "" = its prompts are not tokenized (kv_aware falls back to prefix affinity)."""
     connect_timeout: float | None = None
     first_byte_timeout: float | None = None
     response_timeout: float | None = None

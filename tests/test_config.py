@@ -28,6 +28,7 @@ from events.config import (
     UpstreamTimeouts,
 )
 from interlock.describe import describe_config
+from fixtures.tokenizer_dir import write_tokenizer_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -1108,3 +1109,25 @@ def test_priority_headroom_is_kept_below_every_nodes_max_in_flight(tmp_path: Pat
     error = load_error(tmp_path, ONE_NODE + "[admission]\npriority_headroom = 1\n")
     assert error.key == "admission.priority_headroom"
     assert "set [[nodes]] max_in_flight" in error.message
+
+
+def test_a_models_tokenizer_directory_is_checked_naming_the_entry_and_the_file(tmp_path: Path) -> None:
+    directory = write_tokenizer_dir(tmp_path / "tok")
+    entry = ONE_NODE + '[[models.available]]\nname = "m"\ntokenizer = "{}"\n'
+    config = load_text(tmp_path, entry.format(directory))
+    assert config.models.available[0].tokenizer == str(directory)
+    for name in ("tokenizer_config.json", "tokenizer.json"):
+        (directory / name).unlink()
+        error = load_error(tmp_path, entry.format(directory))
+        assert error.key == "models.available[0].tokenizer"
+        assert f"{directory / name} is missing" in error.message
+    error = load_error(tmp_path, entry.format(tmp_path / "absent"))
+    assert error.key == "models.available[0].tokenizer" and "is not a directory" in error.message
+
+
+def test_a_tokenizer_config_that_is_not_json_is_named(tmp_path: Path) -> None:
+    directory = write_tokenizer_dir(tmp_path / "tok")
+    (directory / "tokenizer_config.json").write_text("{not json")
+    error = load_error(tmp_path, ONE_NODE + f'[[models.available]]\nname = "m"\ntokenizer = "{directory}"\n')
+    assert error.key == "models.available[0].tokenizer"
+    assert f"{directory / 'tokenizer_config.json'}: not JSON" in error.message

@@ -17,6 +17,7 @@ from msgspec.structs import replace
 from controlplane.infrastructure.gocompat import format_go_seconds, go_quote, parse_listen_address
 from controlplane.infrastructure.small_files import check_small_file
 from controlplane.infrastructure.tlsfiles import check_server_files, client_context
+from controlplane.infrastructure.tokenizer_files import read_tokenizer_directory
 from events.config import (
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -241,7 +242,7 @@ def _check_aliases(invalid: Invalid, config: Config) -> None:
                 f"alias {go_quote(model.name)} targets {go_quote(model.target)}, which is an alias itself "
                 "(an alias must name a served model)",
             )
-        for setting in ("ring", "policy", "pipeline_stages", *MODEL_DURATION_KEYS):
+        for setting in ("ring", "policy", "pipeline_stages", "tokenizer", *MODEL_DURATION_KEYS):
             if getattr(model, setting):
                 raise invalid(
                     f"{key}.{setting}",
@@ -276,7 +277,7 @@ def _check_adapters(invalid: Invalid, config: Config) -> None:
 
 
 def _check_routing(invalid: Invalid, config: Config) -> None:
-    """The [routing] table, then each model's policy, in file order. A bound must be finite:
+    """The [routing] table, then each model's policy and tokenizer directory, in file order. A bound must be finite:
     the config is recorded as JSON, which has no infinity."""
     routing = config.routing
     policies = ", ".join(POLICIES)
@@ -298,6 +299,11 @@ def _check_routing(invalid: Invalid, config: Config) -> None:
                 f"models.available[{index}].policy",
                 f'policy must be one of {policies}, or "" for routing.policy (got {go_quote(model.policy)})',
             )
+        if model.tokenizer:
+            try:
+                read_tokenizer_directory(model.tokenizer)
+            except ValueError as error:
+                raise invalid(f"models.available[{index}].tokenizer", f"tokenizer: {error}") from None
 
 
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_in_flight")

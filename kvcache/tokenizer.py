@@ -1,0 +1,228 @@
+"""A request's prompt as the token ids its vLLM node computes, for `kv_aware` routing (the
+index matches them against the blocks each node holds).
+
+Per model, `[[models.available]] tokenizer = "DIR"` names a local model directory
+(`controlplane.infrastructure.tokenizer_files`). A chat request's messages are rendered with the
+model's chat template as transformers' `apply_chat_template` renders them (jinja2's immutable
+sandbox, `trim_blocks` and `lstrip_blocks`, the `loopcontrols` extension, `raise_exception`,
+`strftime_now` and a `tojson` that keeps non-ASCII text; the special tokens of
+tokenizer_config.json and the request's `add_generation_prompt` and `chat_template_kwargs`
+given to the template), then tokenized without adding special tokens, as vLLM tokenizes a
+chat's rendered prompt (the template writes them); a completion's prompt is tokenized with
+them (vLLM's default for completions), and token ids given as the prompt are taken as they are.
+A content given as parts is its text parts joined by newlines (vLLM's "string" content format).
+A request that names its own template, continues its final message, or that the template
+refuses has no tokens: the policy then falls back for it (`controlplane.rules.policies`).
+
+`tokenizers` and jinja2 rather than transformers: transformers' fast tokenizer is this same
+`tokenizers` Tokenizer loaded from the same tokenizer.json, and its `apply_chat_template` this
+same jinja2 rendering, so the tokens are the same; transformers itself would add a large package
+(and its imports) to every gateway process for two calls.
+
+Bounded and off the event loop: a rendered prompt longer than MAX_PROMPT_CHARACTERS is cut
+there, at the last whitespace before it (a token never spans one), so only its first blocks are
+matched; tokenizing runs in worker threads (at most TOKENIZING_THREADS at once); the tokens of
+the last CACHED_PROMPTS prompts are kept, keyed by a digest of the model's directory and the
+request's prompt (its messages or prompt as sent, and the options that change the rendering),
+so a prompt seen again (a retry, a client sending it to several replicas' workers) costs a
+digest. No network: every file is the directory's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import msgspec
+import trio
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from controlplane.infrastructure.small_files import read_small_file
+from controlplane.infrastructure.tokenizer_files import (
+    MAX_TOKENIZER_BYTES,
+    TOKENIZER_CONFIG_FILE,
+    TOKENIZER_FILE,
+    TokenizerFiles,
+    read_tokenizer_directory,
+)
+
+MAX_PROMPT_CHARACTERS = 256 * 1024
+"""Characters of a rendered prompt (or a completion's prompt) tokenized; the rest is not matched."""
+CACHED_PROMPTS = 256
+"""Prompts whose tokens a process keeps, the least recently asked forgotten first."""
+LOADED_TOKENIZERS = 8
+"""Tokenizer directories a process keeps loaded (a reload may name others)."""
+TOKENIZING_THREADS = 2
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+class _Chat(msgspec.Struct):
+    messages: msgspec.Raw = msgspec.Raw(b"")
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: Any = None
+    chat_template_kwargs: msgspec.Raw = msgspec.Raw(b"")
+
+
+class _Completion(msgspec.Struct):
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+
+
+_decode_chat = msgspec.json.Decoder(_Chat).decode
+_decode_completion = msgspec.json.Decoder(_Completion).decode
+
+
+class ModelTokenizer:
+    """One tokenizer directory, loaded: its `tokenizers` Tokenizer and its compiled chat template."""
+
+    def __init__(self, files: TokenizerFiles) -> None:
+        text = read_small_file(files.tokenizer_json, MAX_TOKENIZER_BYTES, "a tokenizer.json").decode("utf-8")
+        self._tokenizer = Tokenizer.from_str(text)
+        self._template = _compile(files.chat_template) if files.chat_template else None
+        self._special_tokens = files.special_tokens
+
+    def chat_tokens(self, messages: list[Any], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int] | None:
+        """The tokens of a chat's rendered prompt; None when the model has no template."""
+        if self._template is None:
+            return None
+        chat = [_with_text_content(message) for message in messages]
+        rendered = self._template.render(
+            **{**kwargs, **self._special_tokens, "messages": chat, "add_generation_prompt": add_generation_prompt}
+        )
+        return self._tokenizer.encode(_capped(rendered), add_special_tokens=False).ids
+
+    def completion_tokens(self, prompt: str) -> list[int]:
+        return self._tokenizer.encode(_capped(prompt), add_special_tokens=True).ids
+
+
+def _compile(template: str) -> jinja2.Template:
+    """The chat template compiled as transformers compiles it (`apply_chat_template`)."""
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    environment.filters["tojson"] = _tojson
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = _strftime_now
+    return environment.from_string(template)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+def _with_text_content(message: Any) -> Any:
+    """A message whose content is given as parts, with the text of its text parts instead,
+    joined by newlines (vLLM's "string" content format)."""
+    if isinstance(message, dict) and isinstance(message.get("content"), list):
+        texts = [part.get("text") for part in message["content"] if isinstance(part, dict)]
+        return {**message, "content": "\n".join(text for text in texts if isinstance(text, str))}
+    return message
+
+
+def _capped(text: str) -> str:
+    """`text`, or its first MAX_PROMPT_CHARACTERS cut back to the last whitespace among them."""
+    if len(text) <= MAX_PROMPT_CHARACTERS:
+        return text
+    cut = text[:MAX_PROMPT_CHARACTERS]
+    end = max(cut.rfind(" "), cut.rfind("\n"))
+    return cut[:end] if end > 0 else cut
+
+
+class PromptTokens:
+    """A process's tokenizing for `kv_aware`: each model directory loaded on first use (in a
+    worker thread), the tokens of recent prompts, and the threads that tokenize."""
+
+    def __init__(self) -> None:
+        self._recent: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._limiter = trio.CapacityLimiter(TOKENIZING_THREADS)
+        self._loaded: OrderedDict[tuple[str, int, int], ModelTokenizer] = OrderedDict()
+        self._loading = threading.Lock()
+
+    async def tokens(self, directory: str, path: str, body: bytes) -> tuple[int, ...] | None:
+        """The token ids of the request's prompt under the tokenizer of `directory` (None: the
+        body has no prompt we tokenize, or the template refused it)."""
+        try:
+            if path == CHAT_PATH:
+                chat = _decode_chat(body)
+                if chat.chat_template is not None or chat.continue_final_message or not chat.messages:
+                    return None
+                options = b"1" if chat.add_generation_prompt else b"0"
+                prompt = bytes(chat.messages) + b"\0" + options + bytes(chat.chat_template_kwargs)
+            else:
+                prompt = bytes(_decode_completion(body).prompt)
+                if not prompt:
+                    return None
+        except msgspec.DecodeError:
+            return None
+        named = f"{directory}\0{path}\0".encode("utf-8", "surrogatepass")
+        key = hashlib.blake2b(named + prompt, digest_size=16).digest()
+        recent = self._recent
+        tokens = recent.get(key)
+        if tokens is not None:
+            recent.move_to_end(key)
+            return tokens
+        tokens = await trio.to_thread.run_sync(self._tokenize, directory, path, body, limiter=self._limiter)
+        if tokens is not None:
+            recent[key] = tokens
+            if len(recent) > CACHED_PROMPTS:
+                recent.popitem(last=False)
+        return tokens
+
+    def _tokenize(self, directory: str, path: str, body: bytes) -> tuple[int, ...] | None:
+        """In a worker thread: the tokens of the body's prompt (the tokenizer loaded first if need be)."""
+        try:
+            tokenizer = self._tokenizer(directory)
+            if path == CHAT_PATH:
+                chat = _decode_chat(body)
+                messages = msgspec.json.decode(chat.messages)
+                kwargs = msgspec.json.decode(chat.chat_template_kwargs) if chat.chat_template_kwargs else {}
+                if not isinstance(messages, list) or not isinstance(kwargs, dict):
+                    return None
+                tokens = tokenizer.chat_tokens(messages, chat.add_generation_prompt, kwargs)
+            else:
+                tokens = _completion_tokens(tokenizer, msgspec.json.decode(_decode_completion(body).prompt))
+        except (msgspec.DecodeError, jinja2.TemplateError, TypeError, ValueError, OSError):
+            return None  # a prompt, template or directory the node would refuse too: no tokens, the policy falls back
+        return tuple(tokens) if tokens is not None else None
+
+    def _tokenizer(self, directory: str) -> ModelTokenizer:
+        """The directory's tokenizer, loaded again when its files changed (a reload, a new model)."""
+        files = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+        key = (directory, *(os.stat(os.path.join(directory, name)).st_mtime_ns for name in files))
+        with self._loading:
+            tokenizer = self._loaded.get(key)
+            if tokenizer is None:
+                tokenizer = self._loaded[key] = ModelTokenizer(read_tokenizer_directory(directory))
+                if len(self._loaded) > LOADED_TOKENIZERS:
+                    self._loaded.popitem(last=False)
+            self._loaded.move_to_end(key)
+            return tokenizer
+
+
+def _completion_tokens(tokenizer: ModelTokenizer, prompt: Any) -> list[int] | None:
+    """A completion's prompt: text tokenized, token ids as given (a batch: its first prompt, the
+    one whose blocks the node computes first)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.completion_tokens(prompt)
+    if isinstance(prompt, list) and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+        return prompt[:MAX_PROMPT_CHARACTERS]
+    return None

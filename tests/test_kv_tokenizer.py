@@ -1,0 +1,131 @@
+"""kvcache/tokenizer.py: a request's prompt as the token ids vLLM computes for it, from a real
+tokenizer directory (`fixtures.tokenizer_dir`), rendered and tokenized in worker threads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+from tokenizers import Tokenizer, processors
+
+from fixtures.tokenizer_dir import BOS, write_tokenizer_dir
+from kvcache.tokenizer import CACHED_PROMPTS, MAX_PROMPT_CHARACTERS, PromptTokens
+
+CHAT = "/v1/chat/completions"
+COMPLETION = "/v1/completions"
+MESSAGES = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Grüße 😀"}]
+
+
+def body(**members) -> bytes:
+    return msgspec.json.encode({"model": "m", **members})
+
+
+@pytest.fixture
+def directory(tmp_path: Path) -> Path:
+    return write_tokenizer_dir(tmp_path / "tok")
+
+
+def adding_bos(directory: Path) -> Tokenizer:
+    """The directory's tokenizer made to add the bos token itself, as Llama's does: a chat's
+    template writes it too, so a chat must not get it twice."""
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    bos = tokenizer.token_to_id(BOS)
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return tokenizer
+
+
+async def test_a_chat_is_rendered_with_the_models_template_and_tokenized_without_special_tokens_twice(directory):
+    tokenizer = adding_bos(directory)
+    tokens = await PromptTokens().tokens(str(directory), CHAT, body(messages=MESSAGES))
+    rendered = "<s><|system|>\nYou are a helpful assistant.</s>\n<|user|>\nGrüße 😀</s>\n<|assistant|>\n"
+    assert tokens == tuple(tokenizer.encode(rendered, add_special_tokens=False).ids)
+    assert tokens.count(tokenizer.token_to_id(BOS)) == 1
+    without_generation = await PromptTokens().tokens(
+        str(directory), CHAT, body(messages=MESSAGES, add_generation_prompt=False)
+    )
+    decoded = tokenizer.decode(list(without_generation), skip_special_tokens=False)
+    assert decoded == rendered.removesuffix("<|assistant|>\n")
+
+
+async def test_a_completions_prompt_is_tokenized_as_is_with_special_tokens(directory):
+    tokenizer = adding_bos(directory)
+    prompts = PromptTokens()
+    text = "The quick brown fox jumps over the lazy dog."
+    tokens = await prompts.tokens(str(directory), COMPLETION, body(prompt=text))
+    assert tokens == tuple(tokenizer.encode(text).ids) and tokens[0] == tokenizer.token_to_id(BOS)
+    batch = body(prompt=[text, "other"])
+    assert await prompts.tokens(str(directory), COMPLETION, batch) == tokens  # a batch: its first prompt
+    assert await prompts.tokens(str(directory), COMPLETION, body(prompt=[5, 6, 7])) == (5, 6, 7)  # token ids as given
+
+
+async def test_content_parts_are_their_text_joined_by_newlines(directory):
+    prompts = PromptTokens()
+    content = [{"type": "text", "text": "one"}, {"type": "image_url"}, {"type": "text", "text": "two"}]
+    parts = [{"role": "user", "content": content}]
+    joined = [{"role": "user", "content": "one\ntwo"}]
+    assert await prompts.tokens(str(directory), CHAT, body(messages=parts)) == await prompts.tokens(
+        str(directory), CHAT, body(messages=joined)
+    )
+
+
+async def test_a_prompt_the_gateway_cannot_tokenize_has_no_tokens(directory):
+    prompts = PromptTokens()
+    assert await prompts.tokens(str(directory), CHAT, b"not json") is None
+    assert await prompts.tokens(str(directory), CHAT, body(messages="a string")) is None
+    assert await prompts.tokens(str(directory), CHAT, body(messages=MESSAGES, chat_template="{{ 1 }}")) is None
+    assert await prompts.tokens(str(directory), CHAT, body(messages=MESSAGES, continue_final_message=True)) is None
+    assert await prompts.tokens(str(directory), COMPLETION, body(prompt={"a": 1})) is None
+    assert await prompts.tokens(str(directory), COMPLETION, body()) is None
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ raise_exception('roles must alternate') }}"
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert await PromptTokens().tokens(str(directory), CHAT, body(messages=MESSAGES)) is None
+    del config["chat_template"]  # a model without a template: vLLM refuses its chats too
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    assert await PromptTokens().tokens(str(directory), CHAT, body(messages=MESSAGES)) is None
+
+
+async def test_a_long_prompt_is_cut_at_the_cap_on_a_whitespace(directory):
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    words = "lighthouse keeper " * (MAX_PROMPT_CHARACTERS // 18 + 100)
+    tokens = await PromptTokens().tokens(str(directory), COMPLETION, body(prompt=words))
+    text = tokenizer.decode(list(tokens))
+    assert len(text) <= MAX_PROMPT_CHARACTERS and words.startswith(text) and text.endswith("keeper")
+
+
+async def test_recent_prompts_tokens_are_kept_and_the_least_recent_forgotten(directory):
+    prompts = PromptTokens()
+    first = await prompts.tokens(str(directory), COMPLETION, body(prompt="prompt 0"))
+    # Kept: the directory's files gone, the same prompt still has its tokens, in another body.
+    (directory / "tokenizer.json").rename(directory / "moved.json")
+    assert await prompts.tokens(str(directory), COMPLETION, body(prompt="prompt 0", max_tokens=3)) == first
+    (directory / "moved.json").rename(directory / "tokenizer.json")
+    for index in range(1, CACHED_PROMPTS + 1):
+        await prompts.tokens(str(directory), COMPLETION, body(prompt=f"prompt {index}"))
+    (directory / "tokenizer.json").rename(directory / "moved.json")
+    assert await prompts.tokens(str(directory), COMPLETION, body(prompt="prompt 0")) is None  # forgotten
+    assert await prompts.tokens(str(directory), COMPLETION, body(prompt=f"prompt {CACHED_PROMPTS}")) is not None
+
+
+async def test_tokenizing_runs_off_the_event_loop(directory):
+    """While a thread tokenizes, the trio thread goes on: a task started alongside runs its
+    turns before the tokens come back."""
+    prompts = PromptTokens()
+    turns = 0
+    done = trio.Event()
+
+    async def count_turns() -> None:
+        nonlocal turns
+        while not done.is_set():
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(count_turns)
+        await prompts.tokens(str(directory), COMPLETION, body(prompt="lighthouse " * 20_000))
+        done.set()
+    assert turns > 1
