@@ -46,7 +46,7 @@ import trio
 from bench.processes import Processes
 from bench.report import busy_note, load_average, machine_details, utc_now, write_results
 from bench.servers import SimulatedNodeProcess, start_gateway, start_simulated_nodes
-from controlplane.rules.policies import LEAST_LOAD, POLICIES, PREFIX_AFFINITY, ROUND_ROBIN
+from controlplane.rules.policies import KV_AWARE, LEAST_LOAD, POLICIES, PREFIX_AFFINITY, ROUND_ROBIN
 from controlplane.effects.probes import ProbeError, parse_vllm_load
 from events.decisions import read_decisions
 from interlock.whatif import what_if
@@ -316,7 +316,11 @@ def _rate(value: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
-    add("--policies", default=",".join(POLICIES), help="policies to run, in order (default: all four)")
+    add(
+        "--policies",
+        default=",".join(policy for policy in POLICIES if policy != KV_AWARE),
+        help="policies to run, in order (default: all but kv_aware, which needs KV events: bench.kv)",
+    )
     add("--duration", type=float, default=40.0, help="seconds of arrivals per policy (default: 40)")
     add("--rate", type=float, default=7.0, help="requests per second, on average (default: 7)")
     add("--prompts", type=int, default=24, help="distinct system prompts (default: 24)")

@@ -38,9 +38,10 @@ LOG_FORMATS = ("json", "text")
 """`gateway.log_format`: plinth's JSON lines, or text for a terminal."""
 
 
-Policy = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity"]
+Policy = Literal["round_robin", "least_load", "power_of_two", "prefix_affinity", "kv_aware"]
 """`routing.policy` and a model's `policy`: how a node is chosen among those routing allows.
-plinth's round robin is the default; the others read load (`LoadScraped`, in-flight counts).
+plinth's round robin is the default; the others read load (`LoadScraped`, in-flight counts);
+`kv_aware` also the blocks of the prompt each node's KV events say it holds (`kvcache`).
 The config's fields are plain strings, checked by the loader (its error names the choices)."""
 POLICIES: tuple[Policy, ...] = get_args(Policy)
 DEFAULT_LOAD_SCRAPE_INTERVAL = 2.0

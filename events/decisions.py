@@ -47,6 +47,20 @@ class AttemptRecord(msgspec.Struct, frozen=True, omit_defaults=True):
     error: str = ""
 
 
+class KvBlocks(msgspec.Struct, frozen=True):
+    """What a node's KV events said of a request's prompt when `kv_aware` scored it (the index's
+    `match`: `kvcache.index`)."""
+
+    matched: int
+    """The prompt's full blocks the node held: the longest chain from the prompt's first block."""
+    total: int
+    """The prompt's full blocks."""
+    seq: int
+    """The index's position for the node: the last sequence number of its events applied."""
+    flowing: bool
+    """Its events were arriving without an unrepaired gap; else the policy fell back for it."""
+
+
 class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     """One candidate of a routing policy's choice: its score inputs and its score (lower is better)."""
 
@@ -69,6 +83,12 @@ class CandidateScore(msgspec.Struct, frozen=True, omit_defaults=True):
     full: bool = False
     """The one rule for a node's room (`controlplane.saturation.room`) found no place on the node
     for the request when it was picked: passed over while another had one (AT_MAX_IN_FLIGHT)."""
+    kv: KvBlocks | None = None
+    """`kv_aware`: the prompt's blocks the node held, by its KV events; None when there was no
+    match for it (a node without `kv_events`, or a prompt without tokens)."""
+    fallback: bool = False
+    """`kv_aware` scored the node as `prefix_affinity` would (no match for it, or its events not
+    flowing: `controlplane.rules.policies`)."""
 
 
 class LegPick(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -265,10 +285,10 @@ def read_decisions_with_gaps(
 
 def missing_inputs(decision: Decision, absent: tuple[str, ...]) -> tuple[str, ...]:
     """Of the inputs a record lacks, those its first picks need: none without a pick; the
-    prompt prefix and the remembered node only under prefix affinity; and a disaggregated
+    prompt prefix and the remembered node only under prefix affinity and kv_aware; and a disaggregated
     record's prefill leg's first pick (`prefill_pick`), from before it was recorded."""
     lacking = absent if absent and decision.attempts else ()
-    if lacking and "policy" not in absent and decision.policy != "prefix_affinity":
+    if lacking and "policy" not in absent and decision.policy not in ("prefix_affinity", "kv_aware"):
         lacking = tuple(name for name in absent if name not in ("prefix", "remembered"))
     if decision.prefill_attempts and decision.prefill_pick is None:
         lacking += ("prefill_pick",)

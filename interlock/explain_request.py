@@ -233,8 +233,11 @@ def _policy(decision: Decision) -> str:
 
 def _candidates_table(candidates: tuple[CandidateScore, ...], heading: str) -> list[str]:
     """A first pick's candidates as the policy scored them, best first, the chosen one marked;
-    for a LoRA adapter, what each node's scrape said of it (LORA)."""
+    for a LoRA adapter, what each node's scrape said of it (LORA); under `kv_aware`, the prompt's
+    blocks each node held (KV BLOCKS: matched of total), its KV index's position (KV SEQ), and
+    whether the policy fell back to prefix affinity's guess for it (NOTE: fallback)."""
     lora = any(candidate.lora for candidate in candidates)
+    kv = any(candidate.kv is not None or candidate.fallback for candidate in candidates)
     rows = [
         [
             ("* " if number == 0 else "  ") + candidate.node,
@@ -244,13 +247,29 @@ def _candidates_table(candidates: tuple[CandidateScore, ...], heading: str) -> l
             _number(candidate.kv_cache_usage),
             "-" if candidate.seconds_per_token is None else f"{1000 * candidate.seconds_per_token:.1f}",
             *([candidate.lora or "-"] if lora else []),
+            *(_kv_columns(candidate) if kv else []),
             _number(candidate.score),
-            candidate.note or ("full" if candidate.full else "-"),
+            _note(candidate),
         ]
         for number, candidate in enumerate(candidates)
     ]
-    headers = [heading, "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "MS/TOKEN", *(["LORA"] if lora else []), "SCORE"]
-    return format_table(headers + ["NOTE"], rows)
+    headers = [heading, "IN FLIGHT", "RUNNING", "WAITING", "KV CACHE", "MS/TOKEN", *(["LORA"] if lora else [])]
+    headers += [*(["KV BLOCKS", "KV SEQ"] if kv else []), "SCORE", "NOTE"]
+    return format_table(headers, rows)
+
+
+def _kv_columns(candidate: CandidateScore) -> list[str]:
+    held = candidate.kv
+    if held is None:
+        return ["-", "-"]
+    return [f"{held.matched}/{held.total}", str(held.seq) + ("" if held.flowing else " (not flowing)")]
+
+
+def _note(candidate: CandidateScore) -> str:
+    notes = [candidate.note or ("full" if candidate.full else "")]
+    if candidate.fallback:
+        notes.append("fallback: prefix affinity" + ("" if candidate.kv else " (no match)"))
+    return ", ".join(note for note in notes if note) or "-"
 
 
 def _number(value: float | None) -> str:

@@ -25,6 +25,12 @@ as recorded when either is unknown). Its time in the first node's queue is scale
 request left where it was keeps its recorded duration: what-if queues are not simulated, so a
 what-if that relieves a crowded node still over-estimates the load it moves.
 
+`--policy kv_aware` takes each candidate's KV match as its record kept it (the prompt's blocks
+the node held when the request was routed): what the what-if world's own picks would have put in
+the nodes' caches is not in the log. A record that kept no match (routed by another policy, or
+without kv_events or a tokenizer) is routed as kv_aware routes a prompt it has no match for, as
+prefix affinity would, and the report counts those (`kv_unmatched`).
+
 For every request with a prompt prefix the report also says whether the node it went to had seen
 that prefix among its last `cache_entries` prefixes: a stand-in for a prefix-cache hit.
 
@@ -46,14 +52,14 @@ from typing import NamedTuple
 import msgspec
 
 from controlplane.rules.balancer import Balancer
-from controlplane.rules.policies import Choice
+from controlplane.rules.policies import KV_AWARE, Choice
 from controlplane.rules.reducer import INITIAL_STATE
 from controlplane.effects.replay import replay_steps
 from controlplane.rules.routing import DECODE, PREFILL, Route, pick_pool
 from controlplane.rules.saturation import priority_headroom, room, scraped_reason
 from dataplane.disaggregation import GENERATION_PATHS
 from events.config import DEFAULT_LOAD_BOUND, POLICIES
-from events.decisions import AttemptOutcome, Decision
+from events.decisions import AttemptOutcome, Decision, KvBlocks
 from events.state import ClusterState, NodeState
 from events.types import Event
 from interlock.render import format_table
@@ -126,6 +132,9 @@ class WhatIfReport(msgspec.Struct, kw_only=True):
     """Of those, the requests whose node had seen their prefix among its last `cache_entries`."""
     cache_entries: int
     share_delta: dict[str, float]
+    kv_unmatched: int = 0
+    """`--policy kv_aware`: picks whose record kept no KV match (routed by another policy, or
+    without kv_events or a tokenizer): kv_aware chose for them as prefix affinity would."""
     """Each node's share of the picks routed again minus its recorded share, in percentage points."""
 
 
@@ -207,7 +216,10 @@ def what_if(
                     load_bound=_load_bound(state),
                     adapter=leg.adapter,
                     full=_full(state, made, what_if_pool, what_if_in_flight),
+                    matches=recorded_matches(made),
                 )  # remembered: the what-if world's memory
+                if policy == KV_AWARE and not any(candidate.kv is not None for candidate in made.candidates):
+                    report.kv_unmatched += 1
             node = choice.node.ip
             if each is not None:
                 each(made, node)
@@ -277,8 +289,8 @@ def recorded_choice(
     """The first pick of `decision` made again from `pool` (not empty) by the data plane's
     picker, under `policy` (None: the one the record names) and with the inputs the record holds
     (round-robin counter, its process's in-flight counts, request id, prompt prefix, remembered
-    node), with a LoRA `adapter`'s affinity (`Route.adapter`), passing over the nodes without room
-    for it (`recorded_full`)."""
+    node, the prompt's blocks each candidate held), with a LoRA `adapter`'s affinity
+    (`Route.adapter`), passing over the nodes without room for it (`recorded_full`)."""
     return balancer.choose(
         pool,
         policy or decision.policy,
@@ -290,7 +302,13 @@ def recorded_choice(
         remembered=decision.remembered,
         adapter=adapter,
         full=recorded_full(decision, pool, state),
+        matches=recorded_matches(decision),
     )
+
+
+def recorded_matches(decision: Decision) -> dict[str, KvBlocks]:
+    """The prompt's blocks each candidate held, as the record kept them (`kv_aware`'s input)."""
+    return {candidate.node: candidate.kv for candidate in decision.candidates if candidate.kv is not None}
 
 
 def recorded_full(decision: Decision, pool: list[NodeState], state: ClusterState) -> set[str]:
@@ -531,6 +549,12 @@ def render_report(report: WhatIfReport) -> str:
     ]
     if report.beyond_log:
         lines.append(f"{report.beyond_log} not routed again: the event log does not hold their snapshot")
+    if report.kv_unmatched:
+        lines.append(
+            f"{report.kv_unmatched} of {routed} picks routed again without a KV match: their records kept none "
+            "(routed by another policy, or without kv_events or a tokenizer), so kv_aware chose as prefix_affinity "
+            "would for them"
+        )
     if report.unpicked:
         statuses = ", ".join(f"{count} answered {status}" for status, count in sorted(report.unpicked.items()))
         lines.append(

@@ -459,7 +459,7 @@ def routing_with(line: str) -> str:
     return f"{ONE_NODE}\n[routing]\n{line}\n"
 
 
-POLICY_CHOICES = "round_robin, least_load, power_of_two, prefix_affinity"
+POLICY_CHOICES = "round_robin, least_load, power_of_two, prefix_affinity, kv_aware"
 
 
 @pytest.mark.parametrize(
@@ -1113,7 +1113,7 @@ def test_priority_headroom_is_kept_below_every_nodes_max_in_flight(tmp_path: Pat
 
 def test_a_models_tokenizer_directory_is_checked_naming_the_entry_and_the_file(tmp_path: Path) -> None:
     directory = write_tokenizer_dir(tmp_path / "tok")
-    entry = ONE_NODE + '[[models.available]]\nname = "m"\ntokenizer = "{}"\n'
+    entry = ONE_NODE + '[[models.available]]\nname = "m"\npolicy = "kv_aware"\ntokenizer = "{}"\n'
     config = load_text(tmp_path, entry.format(directory))
     assert config.models.available[0].tokenizer == str(directory)
     for name in ("tokenizer_config.json", "tokenizer.json"):

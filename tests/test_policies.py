@@ -9,6 +9,7 @@ import pytest
 
 from controlplane.rules.policies import (
     AT_MAX_IN_FLIGHT,
+    KV_AWARE,
     LEAST_LOAD,
     NOT_DRAWN,
     OVER_LOAD_BOUND,
@@ -19,6 +20,7 @@ from controlplane.rules.policies import (
     choose,
     node_loads,
 )
+from events.decisions import KvBlocks
 from events.state import NodeLoad, NodeState
 
 IPS = ("10.0.0.1", "10.0.0.2", "10.0.0.3")
@@ -171,7 +173,7 @@ def test_prefix_memory_forgets_the_least_recently_routed_prefix_first():
     assert [memory.node_of(prefix) for prefix in "abc"] == [IPS[2], "", IPS[0]]
 
 
-@pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])
+@pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY, KV_AWARE])
 def test_every_policy_scores_every_candidate_once_and_picks_the_first(policy):
     nodes = pool((2, 1), None, (0, 3))
     choice = choose(policy, nodes, rotation=5, in_flight={IPS[0]: 1}, request_id="abc", prefix="p")
@@ -179,7 +181,7 @@ def test_every_policy_scores_every_candidate_once_and_picks_the_first(policy):
     assert choice.node.ip == choice.candidates[0].node
 
 
-@pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY])
+@pytest.mark.parametrize("policy", [ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY, KV_AWARE])
 def test_every_policy_passes_over_a_node_without_room_while_another_has_room(policy):
     nodes = pool((0, 0), (0, 0), (0, 0))
     in_flight = {IPS[0]: 2, IPS[1]: 1}
@@ -196,3 +198,64 @@ def test_every_policy_passes_over_a_node_without_room_while_another_has_room(pol
     unbound = choose(policy, nodes, rotation=1, in_flight=in_flight, request_id="x", prefix="p")
     assert every.node == unbound.node
     assert every.candidates == tuple(msgspec.structs.replace(c, full=True) for c in unbound.candidates)
+
+
+def held(matched: int, total: int = 8, flowing: bool = True, seq: int = 7) -> KvBlocks:
+    return KvBlocks(matched=matched, total=total, seq=seq, flowing=flowing)
+
+
+def test_kv_aware_prefers_the_node_holding_the_most_prompt_blocks_and_records_the_match():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    matches = {IPS[0]: held(2), IPS[1]: held(6), IPS[2]: held(0)}
+    choice = choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix="p", matches=matches)
+    assert [c.node for c in choice.candidates] == [IPS[1], IPS[0], IPS[2]]
+    assert choice.candidates[0].kv == held(6) and not any(c.fallback for c in choice.candidates)
+    assert choice.candidates[0].score == pytest.approx(0.25 + 1)  # lacks 2 of 8 blocks; all the work, sent there
+    assert choice.margin == pytest.approx(0.5)
+
+
+def test_kv_aware_weighs_the_blocks_held_against_the_load():
+    nodes = pool((2, 0), (1, 0), (1, 0))
+    # The busy node holds one block more of eight: its share of the work outweighs it.
+    matches = {IPS[0]: held(8), IPS[1]: held(7), IPS[2]: held(0)}
+    assert choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix="p", matches=matches).node.ip == IPS[1]
+    # Holding the whole prompt against nothing outweighs a request more.
+    matches = {IPS[0]: held(8), IPS[1]: held(0), IPS[2]: held(0)}
+    assert choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix="p", matches=matches).node.ip == IPS[0]
+
+
+def test_kv_aware_passes_over_a_node_above_the_load_bound_however_much_it_holds():
+    nodes = pool((6, 0), (1, 0), (1, 0))
+    matches = {IPS[0]: held(8), IPS[1]: held(0), IPS[2]: held(0)}
+    choice = choose(KV_AWARE, nodes, rotation=0, in_flight={IPS[0]: 1}, prefix="p", load_bound=1.25, matches=matches)
+    assert choice.node.ip != IPS[0]
+    assert choice.candidates[-1].node == IPS[0] and choice.candidates[-1].note == OVER_LOAD_BOUND
+
+
+def test_kv_aware_falls_back_to_prefix_affinity_when_no_nodes_events_flow():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    stalled = {ip: held(8, flowing=False) for ip in IPS}
+    for prefix in ("a", "b", "c", "d"):
+        affinity = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix=prefix)
+        for matches in ({}, stalled):
+            choice = choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix=prefix, matches=matches)
+            assert [(c.node, c.score) for c in choice.candidates] == [(c.node, c.score) for c in affinity.candidates]
+            assert all(c.fallback for c in choice.candidates)
+            assert [c.kv for c in choice.candidates] == [matches.get(c.node) for c in choice.candidates]
+
+
+def test_kv_aware_guesses_for_a_node_whose_events_stalled_as_prefix_affinity_does():
+    nodes = pool((0, 0), (0, 0), (0, 0))
+    prefix = "system prompt"
+    first = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix=prefix).node.ip
+    others = [ip for ip in IPS if ip != first]
+    # The prefix's first node, stalled, is guessed to hold the prompt: it beats one holding half.
+    matches = {first: held(0, flowing=False), others[0]: held(4), others[1]: held(0)}
+    choice = choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix=prefix, matches=matches)
+    assert choice.node.ip == first and choice.candidates[0].fallback
+    assert [c.fallback for c in choice.candidates[1:]] == [False, False]
+    # Another node, stalled, is guessed to hold nothing.
+    matches = {first: held(0), others[0]: held(4), others[1]: held(8, flowing=False)}
+    choice = choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix=prefix, matches=matches)
+    assert choice.node.ip == others[0]
+    assert {c.node for c in choice.candidates if c.fallback} == {others[1]}

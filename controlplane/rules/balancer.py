@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-from controlplane.rules.policies import PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
+from controlplane.rules.policies import KV_AWARE, PREFIX_AFFINITY, ROUND_ROBIN, Choice, PrefixMemory, choose
 from events.config import Policy
+from events.decisions import KvBlocks
 from events.state import NodeState
 
 
@@ -19,7 +20,7 @@ class Balancer:
     The counter starts at 0 and advances on every pick, whatever the policy (round robin, and
     the ties of the others, follow it). `in_flight` counts the attempts this process has in
     progress to each node (the data plane's `Occupancy` keeps it). `prefixes` remembers where prefix
-    affinity sent each prefix last (retries included). The data plane runs in one trio thread,
+    affinity (and kv_aware) sent each prefix last (retries included). The data plane runs in one trio thread,
     so none of them needs a lock.
     """
 
@@ -43,6 +44,7 @@ class Balancer:
         load_bound: float,
         adapter: str = "",
         full: Collection[str] = (),
+        matches: Mapping[str, KvBlocks] = {},
     ) -> Choice:
         """The data plane's pick from `pool` (not empty), with every candidate's score (`scored`,
         any policy but round robin, a LoRA `adapter`'s affinity, or nodes `full` for the request;
@@ -61,6 +63,7 @@ class Balancer:
             load_bound=load_bound,
             adapter=adapter,
             full=full,
+            matches=matches,
         )
 
     def choose(
@@ -76,12 +79,14 @@ class Balancer:
         remembered: str | None = None,
         adapter: str = "",
         full: Collection[str] = (),
+        matches: Mapping[str, KvBlocks] = {},
     ) -> Choice:
         """`policy`'s choice from `pool` (not empty), scored, with a LoRA `adapter`'s affinity
-        when given, passing over the nodes `full` for the request while another has room. Prefix
-        affinity starts from the node the prefix last went to (`remembered` when given: a
-        recorded pick's), and remembers the one it chose."""
-        affine = policy == PREFIX_AFFINITY and bool(prefix)
+        when given, passing over the nodes `full` for the request while another has room, with the
+        prompt's blocks each node holds (`matches`, kv_aware's). Prefix affinity and kv_aware
+        start from the node the prefix last went to (`remembered` when given: a recorded pick's),
+        and remember the one they chose."""
+        affine = policy in (PREFIX_AFFINITY, KV_AWARE) and bool(prefix)
         if remembered is None:
             remembered = self.prefixes.node_of(prefix) if affine else ""
         choice = choose(
@@ -95,6 +100,7 @@ class Balancer:
             remembered=remembered,
             adapter=adapter,
             full=full,
+            matches=matches,
         )
         if affine:
             self.prefixes.remember(prefix, choice.node.ip)

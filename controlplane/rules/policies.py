@@ -3,8 +3,9 @@
 The pool is what routing leaves (`controlplane.rules.routing`: ring, model list, offline, dead, and
 healthy before degraded), minus the nodes a request already tried; a policy only chooses within
 it. Each policy is a pure function of the pool, the load the snapshot holds, the in-flight counts
-of the process that routes, the round-robin rotation, the request id, the prompt prefix and the
-node that process last sent the prefix to, so the data plane and `interlock whatif` choose the
+of the process that routes, the round-robin rotation, the request id, the prompt prefix, the
+node that process last sent the prefix to and the prompt's blocks each node holds (`matches`,
+an input like load, which the record keeps), so the data plane and `interlock whatif` choose the
 same way from the same inputs.
 
 Every candidate gets a score, lower is better, and the choice lists them best first:
@@ -30,6 +31,20 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
     none is known). A node 3× slower is passed over once it holds a third of the requests: counted
     in requests, the bound would let its queue run long, each of its requests staying 3× as long.
     The bound is rounded up to whole requests of the node.
+- `kv_aware`: by what each node's cache really holds, from its KV events (`kvcache`): the
+  prompt's full blocks it holds (`matches`: the longest chain from the prompt's first block, of
+  the prompt's full blocks, kept in the record per candidate, `CandidateScore.kv`). The score is
+  the share of the prompt's blocks the node lacks (0 to 1; 1 when the prompt has no full block)
+  plus its share of the pool's work were the request sent to it (its load, this request
+  included, times its cost, as prefix affinity weighs them), ties in the prefix's order; a
+  node over prefix affinity's load bound is passed over (OVER_LOAD_BOUND), so a hot prefix
+  cannot pile onto the nodes that hold it, and the room rule below holds as for every policy
+  (its scrape's KV use among it).
+  - A node whose events are not flowing, or without a match (no `kv_events`, or a prompt the
+    gateway could not tokenize), is scored by prefix affinity's guess, marked `fallback`: it
+    lacks nothing when it is the first of the prefix's order (the node the prefix last went
+    to, else the rendezvous hash's first), everything otherwise. When no candidate's events
+    flow, the choice is prefix affinity's, every candidate marked `fallback`.
 
 A request for a LoRA adapter (`routing.Route.adapter`) has affinity under every policy: the
 candidates are ranked by what their scrape says of the adapter (`lora_standing`: running it,
@@ -57,10 +72,10 @@ from typing import NamedTuple
 import msgspec
 
 from events.config import DEFAULT_LOAD_BOUND, POLICIES, Policy
-from events.decisions import CandidateScore
+from events.decisions import CandidateScore, KvBlocks
 from events.state import NodeState
 
-ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY = POLICIES
+ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY, KV_AWARE = POLICIES
 
 NOT_DRAWN = "not drawn"
 OVER_LOAD_BOUND = "load bound"
@@ -120,10 +135,12 @@ def choose(
     remembered: str = "",
     adapter: str = "",
     full: Collection[str] = (),
+    matches: Mapping[str, KvBlocks] = {},
 ) -> Choice:
     """The node `policy` picks from `pool` (non-empty, in routing's order), with every
     candidate's score; an unknown policy name is round robin (a config names only known ones).
-    `remembered` is the node the prefix last went to (prefix affinity's only). A request for a
+    `remembered` is the node the prefix last went to (prefix affinity's and kv_aware's);
+    `matches` the prompt's blocks each node holds (kv_aware's, by node IP). A request for a
     LoRA `adapter` is picked among the candidates of the best standing (`lora_standing`), the
     others listed after them, passed over (LORA_AVOIDED), each with its standing. Before that,
     the candidates in `full` (no room for the request, `saturation.room`) are passed over
@@ -131,7 +148,7 @@ def choose(
     if full:
         inputs = dict(
             rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix, load_bound=load_bound,
-            remembered=remembered, adapter=adapter,
+            remembered=remembered, adapter=adapter, matches=matches,
         )  # fmt: skip
         with_room = [node for node in pool if node.ip not in full]
         if len(with_room) < len(pool) and with_room:
@@ -143,7 +160,7 @@ def choose(
     if adapter:
         return _with_lora_affinity(
             policy, pool, adapter, rotation=rotation, in_flight=in_flight, request_id=request_id, prefix=prefix,
-            load_bound=load_bound, remembered=remembered,
+            load_bound=load_bound, remembered=remembered, matches=matches,
         )  # fmt: skip
     if policy == LEAST_LOAD:
         return _least_load(pool, rotation, in_flight)
@@ -151,6 +168,8 @@ def choose(
         return _power_of_two(pool, rotation, in_flight, request_id)
     if policy == PREFIX_AFFINITY:
         return _prefix_affinity(pool, in_flight, prefix, load_bound, remembered)
+    if policy == KV_AWARE:
+        return _kv_aware(pool, in_flight, prefix, load_bound, remembered, matches)
     return _round_robin(pool, rotation, in_flight)
 
 
@@ -255,19 +274,9 @@ def _power_of_two(pool: Sequence[NodeState], rotation: int, in_flight: Mapping[s
 def _prefix_affinity(
     pool: Sequence[NodeState], in_flight: Mapping[str, int], prefix: str, load_bound: float, remembered: str
 ) -> Choice:
-    order = sorted(range(len(pool)), key=lambda i: _rendezvous_weight(prefix, pool[i].ip), reverse=True)
-    first = next((i for i in order if pool[i].ip == remembered), None)
-    if first is not None:
-        order.remove(first)
-        order.insert(0, first)
+    order, first = _prefix_order(pool, prefix, remembered)
     loads = node_loads(pool, in_flight)
-    costs = _costs(pool)
-    work = sum(load * cost for load, cost in zip(loads, costs))
-    # The most requests each node may hold, this one included, for its work to stay within the bound.
-    allowed = [math.ceil(load_bound * (work + cost) / len(pool) / cost) for cost in costs]
-    over = {i for i in order if loads[i] + 1 > allowed[i]}
-    if len(over) == len(order):  # loads in fractions can leave none under
-        over.discard(min(order, key=lambda i: (loads[i] + 1) * costs[i]))
+    over = _over_load_bound(pool, loads, load_bound, order)
     ranks = [0.0] * len(pool)
     for rank, index in enumerate(order):
         ranks[index] = float(rank)
@@ -275,6 +284,70 @@ def _prefix_affinity(
     passed_over = [i for i in order if i in over]
     choice = _ranked(pool, chosen + passed_over, ranks, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
     return choice._replace(remembered=remembered if first is not None else "")
+
+
+def _prefix_order(pool: Sequence[NodeState], prefix: str, remembered: str) -> tuple[list[int], int | None]:
+    """The candidates in the prefix's order (rendezvous hashing, the `remembered` node first),
+    and the remembered node's index (None: not in the pool)."""
+    order = sorted(range(len(pool)), key=lambda i: _rendezvous_weight(prefix, pool[i].ip), reverse=True)
+    first = next((i for i in order if pool[i].ip == remembered), None)
+    if first is not None:
+        order.remove(first)
+        order.insert(0, first)
+    return order, first
+
+
+def _over_load_bound(pool: Sequence[NodeState], loads: list[float], load_bound: float, order: list[int]) -> set[int]:
+    """The candidates whose work, with this request, is above `load_bound` times the pool's mean
+    (see the module's doc); never all of them."""
+    costs = _costs(pool)
+    work = sum(load * cost for load, cost in zip(loads, costs))
+    # The most requests each node may hold, this one included, for its work to stay within the bound.
+    allowed = [math.ceil(load_bound * (work + cost) / len(pool) / cost) for cost in costs]
+    over = {i for i in order if loads[i] + 1 > allowed[i]}
+    if len(over) == len(order):  # loads in fractions can leave none under
+        over.discard(min(order, key=lambda i: (loads[i] + 1) * costs[i]))
+    return over
+
+
+def _kv_aware(
+    pool: Sequence[NodeState],
+    in_flight: Mapping[str, int],
+    prefix: str,
+    load_bound: float,
+    remembered: str,
+    matches: Mapping[str, KvBlocks],
+) -> Choice:
+    """See the module's doc: the share of the prompt's blocks a node lacks plus its share of the
+    pool's work, within prefix affinity's load bound; prefix affinity's guess for a node whose
+    events are not flowing, and prefix affinity's choice when no node's are."""
+    held = [matches.get(node.ip) for node in pool]
+    flowing = [match is not None and match.flowing for match in held]
+    if not any(flowing):
+        choice = _prefix_affinity(pool, in_flight, prefix, load_bound, remembered)
+        return choice._replace(candidates=tuple(_kv_scored(c, matches.get(c.node), True) for c in choice.candidates))
+    order, first = _prefix_order(pool, prefix, remembered)
+    affine = order[0]
+    lacked = [
+        (1.0 - match.matched / match.total if match.total else 1.0) if flowing[i] else (0.0 if i == affine else 1.0)
+        for i, match in enumerate(held)
+    ]
+    loads = node_loads(pool, in_flight)
+    costs = _costs(pool)
+    work = sum(load * cost for load, cost in zip(loads, costs))
+    scores = [lacked[i] + (loads[i] + 1) * costs[i] / (work + costs[i]) for i in range(len(pool))]
+    ranked = sorted(order, key=lambda i: scores[i])  # ties in the prefix's order
+    over = _over_load_bound(pool, loads, load_bound, ranked)
+    chosen = [i for i in ranked if i not in over]
+    passed_over = [i for i in ranked if i in over]
+    choice = _ranked(pool, chosen + passed_over, scores, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
+    fell_back = {pool[i].ip for i in range(len(pool)) if not flowing[i]}
+    candidates = tuple(_kv_scored(c, matches.get(c.node), c.node in fell_back) for c in choice.candidates)
+    return choice._replace(candidates=candidates, remembered=remembered if first is not None else "")
+
+
+def _kv_scored(candidate: CandidateScore, match: KvBlocks | None, fallback: bool) -> CandidateScore:
+    return msgspec.structs.replace(candidate, kv=match, fallback=fallback)
 
 
 def _costs(pool: Sequence[NodeState]) -> list[float]:
