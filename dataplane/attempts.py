@@ -192,6 +192,7 @@ class Attempts:
             load_bound=config.load_bound,
             adapter=ledger.route.adapter,
             full=self._occupancy.full(view, pool, ledger.ticket.rank) if bounded else (),
+            matches=ledger.matches,
         )
         ledger.picked(choice, rotation)
         return choice.node

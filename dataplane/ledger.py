@@ -3,8 +3,8 @@ request's end does.
 
 A `Ledger` is one request's state on the snapshot it is routed on, opened by the planning stage
 (`dataplane.planning`): the request as it came (`Exchange`), its admission (`Ticket`), its route,
-policy and prompt prefix, its picks and attempts. `attempt_ended` is the one place that records
-how an attempt ended (its log line, its metrics, what the control plane learns about the node,
+policy, prompt prefix and, under `kv_aware`, the prompt's blocks each candidate holds, its picks
+and attempts. `attempt_ended` is the one place that records how an attempt ended (its log line, its metrics, what the control plane learns about the node,
 the in-flight counts, the decision record's entry); `request_ended` (or `client_left`), called by
 the finish stage or by a committed body's relay, the request's one end: its duration and status
 in the metrics, its admission settled, its decision record. Where all of it goes (metrics, log,
@@ -28,7 +28,7 @@ from dataplane.exchange import Exchange, Outcome, UpstreamTimeout
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotView
 from events.config import Policy
-from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion, LegPick
+from events.decisions import AttemptOutcome, AttemptRecord, Decision, Exclusion, KvBlocks, LegPick
 from events.types import UpstreamFailed, UpstreamRecovered
 from transport.http11 import WriteFailed
 
@@ -70,7 +70,7 @@ class Ledger:
     they end, and its end."""
 
     __slots__ = (
-        "_books", "exchange", "view", "route", "policy", "prefix", "metric_model", "attempts", "passed",
+        "_books", "exchange", "view", "route", "policy", "prefix", "matches", "metric_model", "attempts", "passed",
         "first_choice", "rotation", "attempt_started", "leg", "prefill_attempts", "prefill_pick", "ticket", "ended",
     )  # fmt: skip
 
@@ -95,6 +95,8 @@ class Ledger:
         self.policy = policy
         self.prefix = prefix
         """The prompt prefix's hash (`controlplane.rules.prefix`), when the policy or the decision log needs it."""
+        self.matches: dict[str, KvBlocks] = {}
+        """`kv_aware`: the prompt's blocks each candidate holds, by its KV events (`Planning.match`)."""
         self.metric_model = view.metric_model(exchange.model)
         self.attempts: list[AttemptRecord] = []
         self.passed: list[Exclusion] = []

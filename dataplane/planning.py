@@ -4,7 +4,12 @@ prompt prefix when the policy or the decision log needs it), then its plan (`pla
 to attempt, each with the candidates it picks from and the balancer that picks (a whole request
 one leg; a disaggregated generation its prefill leg, then its decode leg), or the gateway's
 answer when no node may serve it (404 for a model nobody serves, 503 while none is healthy or
-while the gateway loads the adapter asked for).
+while the gateway loads the adapter asked for); and, for a request routed by `kv_aware`
+(`match`), the prompt's blocks each candidate holds: its prompt tokenized with its model's
+tokenizer (`kvcache.tokenizer`, in worker threads) and matched against each node's KV index
+(`kvcache.index`), the picks' input the record keeps. A model without a tokenizer, a prompt
+without tokens, or a process without KV events matches nothing: the policy falls back. Nothing
+of it runs for another policy's request.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import trio
 
 from controlplane.infrastructure.logs import JsonLog, Throttle, clipped
 from controlplane.rules.balancer import Balancer
-from controlplane.rules.policies import PREFIX_AFFINITY
+from controlplane.rules.policies import KV_AWARE, PREFIX_AFFINITY
 from controlplane.rules.prefix import prompt_prefix
 from controlplane.rules.routing import DECODE, PREFILL, rings_listing
 from dataplane.admission.ticket import Ticket
@@ -31,7 +36,9 @@ from dataplane.exchange import Exchange
 from dataplane.ledger import Books, Ledger
 from dataplane.metrics import RequestMetrics
 from dataplane.views import SnapshotView
+from events.decisions import KvBlocks
 from events.state import NodeState
+from kvcache.index import KvIndex
 
 UNSERVED_WARNING_INTERVAL = 1.0
 """Seconds between two `no node serves requested model` warnings; those in between are counted."""
@@ -64,9 +71,20 @@ class Planning:
     legs (its own counter and prefix memory: a prefix's KV cache is on the prefill node)."""
 
     def __init__(
-        self, books: Books, balancer: Balancer, prefill_balancer: Balancer, metrics: RequestMetrics, log: JsonLog
+        self,
+        books: Books,
+        balancer: Balancer,
+        prefill_balancer: Balancer,
+        metrics: RequestMetrics,
+        log: JsonLog,
+        kv_index: KvIndex | None = None,
     ) -> None:
         self._books = books
+        self._kv_index = kv_index
+        """The process's KV index, when some node has `kv_events`."""
+        self._prompt_tokens = None
+        """The tokenizing (`kvcache.tokenizer.PromptTokens`), made at the first request that needs
+        it: a gateway without `kv_aware` never loads `tokenizers`."""
         self._balancer = balancer
         self._prefill_balancer = prefill_balancer
         self._metrics = metrics
@@ -80,7 +98,7 @@ class Planning:
         policy = config.model_policies.get(exchange.model, config.cluster_policy)
         prefix = (
             prompt_prefix(exchange.path, exchange.body, messages=config.prefix_messages, limit=config.prefix_bytes)
-            if policy == PREFIX_AFFINITY or config.decision_log
+            if policy == PREFIX_AFFINITY or policy == KV_AWARE or config.decision_log
             else ""
         )
         return Ledger(self._books, exchange, view, route, policy, prefix, ticket)
@@ -108,6 +126,27 @@ class Planning:
         if not prefill_nodes or not decode_nodes:
             return refusal(NO_HEALTHY_NODE, exchange.request_id)
         return Plan((Leg(PREFILL, prefill_nodes, self._prefill_balancer), Leg(DECODE, decode_nodes, self._balancer)), body)
+
+    async def match(self, ledger: Ledger, plan: Plan) -> None:
+        """`kv_aware`: the prompt's blocks each candidate of the plan holds, in `ledger.matches`."""
+        exchange = ledger.exchange
+        index = self._kv_index
+        directory = ledger.view.config.tokenizers.get(exchange.model)
+        if index is None or directory is None:
+            return
+        if self._prompt_tokens is None:
+            from kvcache.tokenizer import PromptTokens
+
+            self._prompt_tokens = PromptTokens()
+        tokens = await self._prompt_tokens.tokens(directory, exchange.path, plan.body)
+        if not tokens:
+            return
+        matches = ledger.matches
+        for leg in plan.legs:
+            for node in leg.candidates:
+                found = index.match(node.ip, tokens)
+                if found is not None:
+                    matches[node.ip] = KvBlocks(found.matched, found.total, found.seq, found.flowing)
 
     def _warn_unserved(self, exchange: Exchange) -> None:
         """plinth's warning, at most once per UNSERVED_WARNING_INTERVAL (a client can ask for

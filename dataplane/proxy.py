@@ -7,7 +7,9 @@ each in its own module and each returning a value to it:
    its model's pool has no room: `Admitted` (the snapshot to route on, the body to forward) or
    a `Refusal`;
 2. planning (`dataplane.planning`): its books on that snapshot (`Ledger`: route, policy, prompt
-   prefix), then the legs to attempt: a `Plan` or a `Refusal`;
+   prefix), then the legs to attempt: a `Plan` or a `Refusal`; under `kv_aware`, then the
+   prompt's blocks each candidate holds (`Planning.match`: the one stage that waits, for the
+   prompt's tokens);
 3. attempts (`dataplane.attempts`): one loop for every leg (pick, send, relay): the client's
    reply, complete or committed and flowing (`dataplane.relay`), or a `Refusal`;
 4. finish (`dataplane.finish`): the reply, and the request's end in its books.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import trio
 
+from controlplane.rules.policies import KV_AWARE
 from dataplane.admission.admit import Admission
 from dataplane.attempts import Attempts
 from dataplane.errors import Refusal, Reply
@@ -57,6 +60,8 @@ class Proxy:
             plan = self._planning.plan(ledger, admitted.body)
             if isinstance(plan, Refusal):
                 return finish.reply(ledger, plan)
+            if ledger.policy == KV_AWARE:
+                await self._planning.match(ledger, plan)
             return finish.reply(ledger, await self._attempts.run(ledger, plan))
         except trio.Cancelled:
             finish.client_left(ledger)

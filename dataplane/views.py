@@ -51,6 +51,13 @@ class ConfigView:
         routing = config.routing
         self.cluster_policy = routing.policy
         self.model_policies = {model.name: config.model_policy(model.name) for model in config.models.available}
+        self.tokenizers = {
+            model.name: model.tokenizer
+            for model in config.models.available
+            if model.tokenizer and self.model_policies[model.name] == "kv_aware"
+        }
+        """The tokenizer directory of each model routed by `kv_aware` that has one: only their
+        prompts are tokenized and matched against the nodes' KV events (`kvcache`)."""
         self.prefix_messages = routing.prefix_messages
         self.prefix_bytes = routing.prefix_bytes
         self.load_bound = routing.load_bound

@@ -67,6 +67,7 @@ from events.decisions import Decision
 from fleet.jetstream import NameHeld
 from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
+from kvcache.index import KvIndex
 from journal.writer import LogInUse
 from transport.http11 import HttpClient
 
@@ -186,17 +187,19 @@ def new_proxy(
     *,
     quota: Quota | None = None,
     views: SnapshotViews | None = None,
+    kv_index: KvIndex | None = None,
 ) -> Proxy:
     """The request path's parts, built once per process and handed to the proxy: the in-flight
     counts the queue and the picks share (`Occupancy`), the two balancers (the prefill leg's
     own), the admission queue, the books every request writes to, and the four stages. `quota`:
-    where tenants' quota is taken (by default this process holds it)."""
+    where tenants' quota is taken (by default this process holds it); `kv_index`: the
+    process's KV index, which `kv_aware` matches prompts against (None: no node has `kv_events`)."""
     views = views if views is not None else SnapshotViews(control_plane)
     occupancy = Occupancy(views)
     queue = AdmissionQueue(control_plane, views, occupancy, metrics)
     books = Books(control_plane, metrics, log, occupancy, decisions, queue)
     admission = Admission(Limits(quota or LocalQuota(), metrics), queue, views)
-    planning = Planning(books, Balancer(occupancy.in_flight), Balancer(occupancy.in_flight), metrics, log)
+    planning = Planning(books, Balancer(occupancy.in_flight), Balancer(occupancy.in_flight), metrics, log, kv_index)
     attempts = Attempts(control_plane, upstream_pool, metrics, log, occupancy)
     return Proxy(admission, planning, attempts, Finish(log))
 
