@@ -260,3 +260,18 @@ async def test_cli_nodes_print_their_kv_event_endpoints_and_answer_replay(tokeni
     finally:
         process.kill()
         await process.wait()
+
+
+async def test_content_parts_render_as_their_joined_text_and_the_generation_prompt_is_the_requests(tokenizer_dir):
+    async with kv_node(tokenizer_dir) as (node, client):
+        parts = [{"type": "text", "text": "What is the capital"}, {"type": "image_url"}, {"type": "text", "text": "of France?"}]
+        as_parts = {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": parts}]}
+        as_text = chat("What is the capital\nof France?")
+        assert (await client.post("/v1/chat/completions", json=as_parts)).status_code == 200
+        first = node.kv_state()
+        assert (await client.post("/v1/chat/completions", json=as_text)).status_code == 200
+        state = node.kv_state()
+        assert state["hit_blocks"] == first["prompt_blocks"] == state["prompt_blocks"] // 2  # the same tokens
+        without = as_text | {"add_generation_prompt": False}
+        rendered = node._prompt_tokenizer.render(without)
+        assert rendered.endswith("of France?</s>\n") and node._prompt_tokenizer.render(as_text) == rendered + "<|assistant|>\n"
