@@ -9,8 +9,10 @@ worker's follower and a fleet replica each hold one and hand it to the data plan
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from typing import Protocol
 
+from events.config import Config
 from events.state import ClusterState
 from events.types import Event
 
@@ -40,6 +42,10 @@ class ControlPlaneView(Protocol):
     def stale_reason(self) -> str:
         """Why this process may not be routing on the current state, "" when it is: the one
         place `/ready` asks (a load balancer then sends its requests to another replica)."""
+
+    @property
+    def config_listeners(self) -> list[Callable[[Config], None]]:
+        """Called with each config this process takes up (see `HeldState`)."""
 
     def fleet_headers(self) -> dict[str, str]:
         """`/health`'s headers naming this replica and the fleet's leader (none off a fleet)."""

@@ -49,6 +49,9 @@ DEFAULT_LOAD_SCRAPE_INTERVAL = 2.0
 `routing.load_scrape_interval` is not set."""
 DEFAULT_PREFIX_BYTES = 512
 DEFAULT_LOAD_BOUND = 1.25
+DEFAULT_KV_INDEX_BLOCKS = 100_000
+"""The KV index's bound per node: a few million tokens of cache at vLLM's block sizes, more
+than one GPU holds."""
 
 DEFAULT_FLEET_NAME = "interlock"
 DEFAULT_FLEET_LEASE = 3.0
@@ -179,6 +182,9 @@ class RoutingConfig(Struct, frozen=True, kw_only=True):
     """`prefix_affinity`: a node whose work (load weighed by its time between tokens) is above
     this factor times the pool's mean is passed over for the next node in the prefix's order
     (consistent hashing with bounded loads)."""
+    kv_index_blocks: int = DEFAULT_KV_INDEX_BLOCKS
+    """The KV index (nodes with `kv_events`): the most blocks it keeps per node, the oldest
+    stored forgotten first."""
 
 
 class NodeConfig(Struct, frozen=True, kw_only=True):
@@ -205,6 +211,14 @@ class NodeConfig(Struct, frozen=True, kw_only=True):
     max_in_flight: int | None = None
     """The admission queue: the node counts as saturated while this gateway process has this many
     requests in flight to it (`AdmissionConfig`); None = no such bound. Needs the queue on."""
+    kv_events: str = ""
+    """Where the node publishes its KV events, "tcp://HOST:PORT" (vLLM's `--kv-events-config`
+    `endpoint`, as the gateway reaches it); "" = none: the gateway knows nothing of its cache."""
+    kv_events_replay: str = ""
+    """The node's replay socket, "tcp://HOST:PORT" (vLLM's `replay_endpoint`), asked for the
+    batches a gap lost; "" = none: a gap clears the node's index."""
+    kv_events_topic: str = ""
+    """The topic the node publishes on (vLLM's `topic`); "" = any."""
     scheduling: str = "fcfs"
     """One of SCHEDULING, as the node's vLLM `--scheduling-policy`: "priority" = the gateway sends
     each request's rank (`saturation.rank`: its admission priority, and ahead within it for a

@@ -69,6 +69,7 @@ from fleet.replica import FleetControlPlane
 from interlock.workers import WorkerMetrics, WorkerPool, WorkerSamples, usable_cores
 from kvcache.index import KvIndex
 from journal.writer import LogInUse
+from kvcache.subscriptions import following_kv_events
 from transport.http11 import HttpClient
 
 EXIT_OK = 0
@@ -214,12 +215,18 @@ async def api_application(
     quota: Quota | None = None,
     registry: CollectorRegistry | None = None,
 ) -> AsyncIterator[ApiApp]:
-    """The API listener's application on a control plane (the gateway's own, or a worker's
-    follower), with its connections to the nodes, open until the block ends. `quota`: where
-    tenants' quota is taken (a worker's leases; by default this process holds it)."""
-    async with new_upstream_pool() as upstream_pool:
+    """The API listener's application on a control plane (the gateway's own, a worker's
+    follower, a fleet replica's), with its connections to the nodes and its subscriptions to the
+    nodes' KV events, open until the block ends. `quota`: where tenants' quota is taken (a
+    worker's leases; by default this process holds it)."""
+    registry = registry if registry is not None else CollectorRegistry()
+    config = control_plane.snapshot.config
+    async with (
+        new_upstream_pool() as upstream_pool,
+        following_kv_events(control_plane.config_listeners, config, registry, log),
+    ):
         views = SnapshotViews(control_plane)
-        metrics = RequestMetrics(registry if registry is not None else CollectorRegistry())
+        metrics = RequestMetrics(registry)
         numbered = NumberedRecords(decisions, worker) if decisions is not None else None
         proxy = new_proxy(control_plane, upstream_pool, metrics, log, numbered, quota=quota, views=views)
         yield ApiApp(control_plane, proxy, views, worker)

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import msgspec
 
 from kvcache.blocks import chain_hashes
+from kvcache.wire import BlockRemoved, BlockStored, KvBatch
 
 DEFAULT_BLOCK_SIZE = 16
 """vLLM's default `--block-size`: what a prompt is cut by until the node's first `BlockStored`
@@ -56,9 +57,10 @@ class NodeBlocks:
         self._held: dict[int, int] = {}
         """Our hash → how many of vLLM's hashes stand for it (its tokens stored under more
         than one vLLM hash, e.g. with another cache salt)."""
-        self.unchained = 0
-        """Blocks stored whose parent the index did not hold (missed or forgotten): not indexed,
-        since no prompt's chain from its start could reach them."""
+        self.unindexed = 0
+        """Blocks stored that the index left out: those of a LoRA adapter (a prompt's match is
+        the base model's), and those whose parent it did not hold (missed, forgotten, an
+        adapter's), which no prompt's chain from its start could reach."""
 
     def __len__(self) -> int:
         return len(self._ours)
@@ -79,6 +81,26 @@ class NodeBlocks:
                 return count
         return len(hashes)
 
+    def apply(self, batch: KvBatch) -> int:
+        """A batch's events in order, and its seq as the index's position; returns how many
+        events it could not apply (a `BlockStored` whose tokens do not fill its blocks)."""
+        rejected = 0
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                if event.lora_id is not None or event.lora_name is not None:
+                    self.unindexed += len(event.block_hashes)
+                    continue
+                try:
+                    self.store(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size)
+                except ValueError:
+                    rejected += 1
+            elif isinstance(event, BlockRemoved):
+                self.remove(event.block_hashes)
+            else:
+                self.clear()
+        self.seq = batch.seq
+        return rejected
+
     def store(
         self, their_hashes: Sequence[int | bytes], their_parent: int | bytes | None, token_ids: Sequence[int],
         block_size: int,
@@ -92,7 +114,7 @@ class NodeBlocks:
         if their_parent is not None:
             parent = self._ours.get(their_parent)
             if parent is None:
-                self.unchained += len(their_hashes)
+                self.unindexed += len(their_hashes)
                 return
         self.block_size = block_size
         ours, held = self._ours, self._held

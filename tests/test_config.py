@@ -720,6 +720,9 @@ def test_builtins_round_trip(tmp_path: Path) -> None:
         "client_certificate": "",
         "client_key": "",
         "max_in_flight": None,
+        "kv_events": "",
+        "kv_events_replay": "",
+        "kv_events_topic": "",
         "scheduling": "fcfs",
     }
     assert msgspec.convert(builtins, Config) == config

@@ -91,7 +91,7 @@ def test_past_its_capacity_the_oldest_block_is_forgotten_first() -> None:
 def test_a_block_whose_parent_the_index_lacks_is_not_indexed() -> None:
     blocks = NodeBlocks(capacity=100)
     blocks.store([11, 12], QWEN3_CHAT_BLOCK_VLLM_HASH, FOLLOW_UP, 16)
-    assert (len(blocks), blocks.unchained) == (0, 2)
+    assert (len(blocks), blocks.unindexed) == (0, 2)
 
 
 def test_tokens_that_do_not_fill_the_blocks_are_refused() -> None:

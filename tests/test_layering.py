@@ -16,7 +16,7 @@ MAY_IMPORT = {
     "events": {"events", "journal"},
     "transport": {"transport"},
     "controlplane": {"controlplane", "events", "journal", "transport"},
-    "kvcache": {"kvcache", "controlplane", "events"},
+    "kvcache": {"kvcache", "controlplane", "events", "journal", "transport"},
     "dataplane": {"dataplane", "kvcache", "controlplane", "events", "journal", "transport"},
     "fleet": {"fleet", "controlplane", "events", "journal", "transport"},
     "interlock": {

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from controlplane.infrastructure.keyfiles import UpstreamKeys
 from controlplane.rules.reducer import INITIAL_STATE, reduce
 from controlplane.rules.transitions import Step
+from events.config import Config
 from events.state import ClusterState
 from events.types import Event
 
@@ -45,6 +46,9 @@ class HeldState:
         """Why the holder may not be routing on the current state ("" when it is)."""
         self.fleet_headers = fleet_headers
         """`/health`'s headers naming the replica and the fleet's leader (none off a fleet)."""
+        self.config_listeners: list[Callable[[Config], None]] = []
+        """Called with each config the state takes up, on the thread that applies it: the parts
+        of a process that follow the config in force (its KV event subscribers). Never raise."""
 
     @property
     def upstream_authorizations(self) -> dict[str, bytes]:
@@ -63,4 +67,7 @@ class HeldState:
         self.snapshot, step = reduce(before, event)
         if self.snapshot.config is not before.config:
             self.upstream_keys.take_up(self.snapshot.config)
+            if self.snapshot.config is not None:
+                for listener in self.config_listeners:
+                    listener(self.snapshot.config)
         return step

@@ -122,6 +122,7 @@ def validate(invalid: Invalid, config: Config) -> Config:
     _check_aliases(invalid, config)
     _check_adapters(invalid, config)
     _check_routing(invalid, config)
+    _check_kv_events(invalid, config)
     _check_fleet(invalid, config.fleet)
     _check_admission(invalid, config)
     gateway = replace(
@@ -304,6 +305,32 @@ def _check_routing(invalid: Invalid, config: Config) -> None:
                 read_tokenizer_directory(model.tokenizer)
             except ValueError as error:
                 raise invalid(f"models.available[{index}].tokenizer", f"tokenizer: {error}") from None
+
+
+_TCP_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9.-]*):([0-9]{1,5})")
+
+
+def _check_kv_events(invalid: Invalid, config: Config) -> None:
+    """Each node's KV event sockets (ZeroMQ endpoints the gateway connects to), then the index's bound."""
+    for index, node in enumerate(config.nodes):
+        for key in ("kv_events", "kv_events_replay"):
+            endpoint = getattr(node, key)
+            found = _TCP_ENDPOINT.fullmatch(endpoint)
+            if endpoint and not (found and 1 <= int(found[1]) <= 65535):
+                raise invalid(
+                    f"nodes[{index}].{key}", f'{key} must be "tcp://HOST:PORT" (got {go_quote(endpoint)})'
+                )
+        for key in ("kv_events_replay", "kv_events_topic"):
+            if getattr(node, key) and not node.kv_events:
+                raise invalid(
+                    f"nodes[{index}].{key}", f"{key} is set but kv_events is not: set where the node publishes"
+                )
+        if node.kv_events and node.kv_events == node.kv_events_replay:
+            raise invalid(
+                f"nodes[{index}].kv_events_replay", "kv_events_replay must be another socket than kv_events"
+            )
+    if config.routing.kv_index_blocks < 1:
+        raise invalid("routing.kv_index_blocks", "kv_index_blocks must be at least 1")
 
 
 _LIMITS = ("requests_per_minute", "tokens_per_minute", "max_in_flight")
