@@ -8,16 +8,19 @@ message on an inproc socket the thread polls with the others, and the join happe
 What the thread does with what comes:
 - a batch numbered one past the last applied: applied;
 - one further on (a gap: batches lost on the way, or while the connection was down): the
-  replay socket is asked for everything from the first missing one; when its answer holds them
-  all, the gap is repaired, else (no replay socket, no answer within REPLAY_SECONDS, its buffer
-  no longer reaching back) the index is cleared, since removals may be among what was lost,
-  and the gap counted;
+  replay socket is asked for what was missed; when its answer holds it all, the gap is
+  repaired, else (no replay socket, no answer within REPLAY_SECONDS, its buffer no longer
+  reaching back) the index is cleared, since removals may be among what was lost, and the gap
+  counted;
 - one at or below the last applied: already applied (it came again by replay) when it is not
   newer than the last; a newer one means the node started again and numbers from 0: the index is
   cleared (the node's cache went with its process) and the restart counted;
 - each time the connection is made (at start, after the node came back), the replay socket is
-  asked for what it still holds after the last applied batch, from 0 at first: the index learns
-  what an idle node holds without waiting for its next event;
+  asked for what it still holds, from 0 at first: the index learns what an idle node holds
+  without waiting for its next event.
+A replay asks from the last batch applied, not the one after: the node's answer for it is the
+same batch (the same time stamp) unless the node started again meanwhile and numbered past it,
+which a restart while the connection was down would hide otherwise;
 - a message that is not a batch: counted as garbage; one whose sequence number is readable clears
   the index (what it held is unknown), an event of an unknown type in a batch is skipped.
 Each kind of trouble is logged the first time, then only counted; none ends the thread.
@@ -30,6 +33,7 @@ nothing, so silence alone is no sign of trouble.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from enum import Enum
@@ -42,6 +46,10 @@ from controlplane.infrastructure.logs import JsonLog
 from kvcache.index import NodeBlocks
 from kvcache.subscriptions import KvSource
 from kvcache.wire import MAX_BATCH_BYTES, KvBatch, WireError, decode_payload, decode_replayed, read_seq, replay_request
+
+JOIN_SECONDS = 10.0
+"""How long the end of a process waits for a subscriber's thread (it ends at once unless a
+write of its log blocks: then it is left behind, a daemon thread)."""
 
 REPLAY_SECONDS = 3.0
 """How long a replay may take from the request to its end marker; past it the gap is not repaired."""
@@ -62,6 +70,9 @@ _DRAIN = 64
 """Batches taken at one wake-up before the thread looks at its other sockets again."""
 
 _stop_endpoints = itertools.count()
+
+_MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+"""A worker's metrics go to prometheus_client's multiprocess files (as prometheus_client decides)."""
 
 
 class KvMetrics:
@@ -107,8 +118,13 @@ class KvMetrics:
         )  # fmt: skip
 
     def forget(self, node: str) -> None:
-        """A node no longer subscribed: its gauges go (its counters stay, as counters do)."""
+        """A node no longer subscribed (or subscribed anew): its gauges go (its counters stay,
+        as counters do). A worker's stay at 0 instead, until it exits: prometheus_client's
+        multiprocess mode cannot remove a series."""
         for gauge in (self.blocks, self.bytes, self.flowing):
+            if _MULTIPROCESS:
+                gauge.labels(node).set(0)
+                continue
             try:
                 gauge.remove(node)
             except KeyError:
@@ -123,6 +139,9 @@ class _Replay(Enum):
     cleared before the first it held."""
     FAILED = "failed"
     """No replay socket, or no end marker within REPLAY_SECONDS."""
+    RESTARTED = "restarted"
+    """The node numbered past the last batch applied since it started again: the index was
+    cleared and the replay asked again from 0."""
 
 
 class _Stopped(Exception):
@@ -145,7 +164,12 @@ class NodeSubscriber:
         self._stop_endpoint = f"inproc://interlock-kv-stop-{next(_stop_endpoints)}"
         self._stopper = context.socket(zmq.PAIR)
         self._stopper.bind(self._stop_endpoint)
+        self._gauges_lock = threading.Lock()
+        self._retired = False
+        """Asked to stop: its gauges are gone and the thread writes them no more (a subscriber
+        that replaces it writes its own)."""
         self._last_ts = 0.0
+        """The time stamp of the last batch applied: a replayed batch carries the same."""
         self._applied_any = False
         self._connected = False
         self._down = False
@@ -156,20 +180,25 @@ class NodeSubscriber:
 
     def start(self) -> None:
         self._set_flowing(False)
-        self._metrics.blocks.labels(self.node).set(0)
-        self._metrics.bytes.labels(self.node).set(self.blocks.memory_bytes())
+        self._count_blocks()
         self.thread.start()
 
     def stop(self) -> None:
-        """Asks the thread to end (it closes its sockets); `join` waits for it."""
+        """Asks the thread to end (it closes its sockets) and drops the node's gauges; `join`
+        waits for the thread."""
+        with self._gauges_lock:
+            self._retired = True
+            self._metrics.forget(self.node)
         try:
             self._stopper.send(b"", zmq.NOBLOCK)
         except zmq.Again:
             pass  # a stop is queued already
 
-    def join(self) -> None:
-        self.thread.join()
+    def join(self) -> bool:
+        """Waits for the thread (blocking); False when it is still running after JOIN_SECONDS."""
+        self.thread.join(JOIN_SECONDS)
         self._stopper.close(linger=0)
+        return not self.thread.is_alive()
 
     # --- the thread -------------------------------------------------------------------------
 
@@ -200,8 +229,7 @@ class NodeSubscriber:
             if monitor is not None:
                 sub.disable_monitor()
                 monitor.close(linger=0)
-            if self._dealer is not None:
-                self._dealer.close(linger=0)
+            self._drop_dealer()
             sub.close(linger=0)
             stop.close(linger=0)
 
@@ -226,9 +254,10 @@ class NodeSubscriber:
     def _on_connection(self, event: int, stop: zmq.Socket) -> None:
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._connected = True
-            self._catch_up(stop)
-            self._set_flowing(True)
             self._down = False
+            if self._replay(stop) is _Replay.HOLE:
+                self._gap_cleared()
+            self._set_flowing(True)
         elif not self._down:  # lost (EVENT_DISCONNECTED) or not reached (EVENT_CONNECT_RETRIED): once each time
             self._connected = False
             self._down = True
@@ -248,7 +277,7 @@ class NodeSubscriber:
             return
         try:
             batch = decode_payload(seq, frames[2])
-        except WireError as error:
+        except WireError as error:  # what it changed is unknown: nothing held before is vouched for
             self._garbage(error)
             self._forget()
             self.blocks.seq = seq
@@ -257,10 +286,10 @@ class NodeSubscriber:
         if self._applied_any and batch.seq <= self.blocks.seq:
             if batch.ts <= self._last_ts:
                 return  # applied already (it came by replay first)
-            self._restarted(stop)
+            self._restarted()
         if not self._applied_any:
             if batch.seq > 0:
-                self._replay(0, stop)  # the start of the node's history, when its buffer still holds it
+                self._replay(stop)  # the start of the node's history, when its buffer still holds it
         elif batch.seq > self.blocks.seq + 1:
             self._repair_gap(batch.seq, stop)
         self._take(batch)
@@ -275,46 +304,48 @@ class NodeSubscriber:
         self._applied_any = True
         self._last_ts = batch.ts
         self._metrics.batches.labels(self.node).inc()
-        self._metrics.blocks.labels(self.node).set(len(self.blocks))
-        self._metrics.bytes.labels(self.node).set(self.blocks.memory_bytes())
+        self._count_blocks()
 
     def _repair_gap(self, next_seq: int, stop: zmq.Socket) -> None:
-        """Batches from the last applied one to `next_seq` were lost: replayed, or the index cleared."""
+        """Batches between the last applied one and `next_seq` were lost: replayed, or the index cleared."""
         self._set_flowing(False)
-        outcome = self._replay(self.blocks.seq + 1, stop)
-        if outcome is _Replay.WHOLE and self.blocks.seq >= next_seq - 1:
+        outcome = self._replay(stop)
+        if outcome is _Replay.RESTARTED:
+            pass  # counted as a restart, the index cleared and replayed from 0
+        elif outcome is _Replay.WHOLE and self.blocks.seq >= next_seq - 1:
             self._metrics.gaps.labels(self.node, "replayed").inc()
         else:
             if outcome is _Replay.FAILED or self.blocks.seq < next_seq - 1:
                 self._forget()
                 self.blocks.seq = next_seq - 1
-            self._metrics.gaps.labels(self.node, "cleared").inc()
-            self._log_once("gap", "kv events: a gap the replay could not fill; the node's index was cleared")
+            self._gap_cleared()
         self._set_flowing(self._connected)
 
-    def _catch_up(self, stop: zmq.Socket) -> None:
-        """On each connection: what the replay socket still holds after the last batch applied."""
-        if self.source.replay:
-            start = self.blocks.seq + 1 if self._applied_any else 0
-            if self._replay(start, stop) is _Replay.HOLE:
-                self._metrics.gaps.labels(self.node, "cleared").inc()
-                self._log_once("gap", "kv events: a gap the replay could not fill; the node's index was cleared")
+    def _gap_cleared(self) -> None:
+        self._metrics.gaps.labels(self.node, "cleared").inc()
+        self._log_once("gap", "kv events: a gap the replay could not fill; the node's index was cleared")
 
-    def _restarted(self, stop: zmq.Socket) -> None:
+    def _restarted(self) -> None:
         self._metrics.restarts.labels(self.node).inc()
         self._log_once("restart", "kv events: the node numbers its events from the start again (restarted)")
         self._forget()
         self._applied_any = False
 
-    def _replay(self, start: int, stop: zmq.Socket) -> _Replay:
-        """Asks the replay socket for every batch from `start` on and applies what continues the
-        index. A hole at the start of its answer (its buffer no longer reaches back) clears the
-        index first, unless the index has nothing yet."""
+    def _replay(self, stop: zmq.Socket) -> _Replay:
+        """Asks the replay socket for every batch it holds from the last applied on (from 0 when
+        none is) and applies what continues the index. A hole at the start of its answer (its
+        buffer no longer reaches back) clears the index first; another batch in the place of the
+        last applied is a restart."""
         if not self.source.replay:
             return _Replay.FAILED
-        dealer = self._replay_socket()
+        if self._dealer is None:
+            self._dealer = self._context.socket(zmq.DEALER)
+            self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 64)
+            self._dealer.connect(self.source.replay)
+        dealer = self._dealer
         try:
-            dealer.send_multipart(replay_request(start), zmq.NOBLOCK)
+            dealer.send_multipart(replay_request(self.blocks.seq if self._applied_any else 0), zmq.NOBLOCK)
         except zmq.Again:
             return _Replay.FAILED
         deadline = time.monotonic() + REPLAY_SECONDS
@@ -335,35 +366,43 @@ class NodeSubscriber:
                 continue
             if batch is None:
                 return outcome
+            if self._applied_any and batch.seq == self.blocks.seq and batch.ts != self._last_ts:
+                self._restarted()
+                self._drop_dealer()  # the rest of this answer is of the same new run, from the wrong place
+                self._replay(stop)
+                return _Replay.RESTARTED
             if self._applied_any and batch.seq > self.blocks.seq + 1:
                 outcome = _Replay.HOLE
                 self._forget()
             self._take(batch)
-        self._dealer = None  # answers still on their way would be taken for the next request's
-        dealer.close(linger=0)
+        self._drop_dealer()  # answers still on their way would be taken for the next request's
         return _Replay.FAILED
 
-    def _replay_socket(self) -> zmq.Socket:
-        if self._dealer is None:
-            self._dealer = self._context.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.LINGER, 0)
-            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 64)
-            self._dealer.connect(self.source.replay)
-        return self._dealer
+    def _drop_dealer(self) -> None:
+        if self._dealer is not None:
+            self._dealer.close(linger=0)
+            self._dealer = None
 
     def _forget(self) -> None:
         """The index can no longer vouch for what it holds: it holds nothing."""
         self.blocks.clear()
-        self._metrics.blocks.labels(self.node).set(0)
-        self._metrics.bytes.labels(self.node).set(self.blocks.memory_bytes())
+        self._count_blocks()
 
     def _garbage(self, error: WireError, count: int = 1) -> None:
         self._metrics.garbage.labels(self.node).inc(count)
         self._log_once("garbage", "kv events: a message that is not vLLM's KV events", error=str(error))
 
+    def _count_blocks(self) -> None:
+        with self._gauges_lock:
+            if not self._retired:
+                self._metrics.blocks.labels(self.node).set(len(self.blocks))
+                self._metrics.bytes.labels(self.node).set(self.blocks.memory_bytes())
+
     def _set_flowing(self, flowing: bool) -> None:
         self.blocks.flowing = flowing
-        self._metrics.flowing.labels(self.node).set(1 if flowing else 0)
+        with self._gauges_lock:
+            if not self._retired:
+                self._metrics.flowing.labels(self.node).set(1 if flowing else 0)
 
     def _log_once(self, kind: str, msg: str, **fields: object) -> None:
         if kind not in self._logged:

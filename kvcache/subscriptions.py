@@ -64,7 +64,6 @@ class KvSubscriptions:
             if sources.get(node) != subscriber.source:
                 subscriber.stop()
                 self._stopped.append(self._running.pop(node))
-                self._metrics.forget(node)
         for node, source in sources.items():
             if node in self._running:
                 self._running[node].blocks.capacity = capacity  # the thread forgets the excess at its next store
@@ -81,12 +80,13 @@ class KvSubscriptions:
         self._stopped.extend(self._running.values())
         self._running.clear()
         self.index.nodes = {}
-        for subscriber in self._stopped:
-            subscriber.join()
+        left = [subscriber.node for subscriber in self._stopped if not subscriber.join()]
         self._stopped.clear()
-        if self._context is not None:
+        if left:  # a thread that never ended keeps its sockets: terminating the context would wait for ever
+            self._log.error("kv events: subscribers did not stop", nodes=left)
+        elif self._context is not None:
             self._context.term()
-            self._context = None
+        self._context = None
 
 
 def kv_sources(config: Config) -> dict[str, KvSource]:

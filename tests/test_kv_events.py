@@ -251,6 +251,8 @@ class Publisher:
             self.router.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
+        if self.context.closed:
+            return
         self._stop.set()
         self._thread.join()
         self.pub.close()
@@ -402,6 +404,25 @@ async def test_a_restarted_node_clears_its_index() -> None:
         await kv.until(lambda: kv.index.match(NODE, PROMPT).seq == 0)
         assert (kv.matched(), kv.matched(NEXT_BLOCK)) == (0, 1)
         assert kv.sample("interlock_kv_events_gaps_total", repair="cleared") is None
+
+
+async def test_a_node_restarted_while_the_connection_was_down_is_told_by_its_replay() -> None:
+    """The node came back and numbered past the last batch applied before the subscriber saw
+    any of its new batches: the replay's batch in the place of the last applied is another."""
+    async with publisher() as before, subscribed(config_for(node_of(before))) as kv:
+        await before.subscribed()
+        await kv.until(lambda: kv.index.match(NODE, PROMPT).flowing)
+        for _ in range(3):
+            before.publish([stored([QWEN3_HASH], None, QWEN3_BLOCK)])
+        await kv.until(lambda: kv.index.match(NODE, PROMPT).seq == 2)
+        before.close()
+        async with publisher(endpoint=before.endpoint, replay=before.replay_endpoint) as after:
+            for _ in range(6):  # none reaches the subscriber but by the replay at its connection
+                after.publish([stored([31], None, NEXT_BLOCK)], send=False)
+            await kv.until(lambda: kv.index.match(NODE, PROMPT).seq == 5)
+            assert (kv.matched(), kv.matched(NEXT_BLOCK)) == (0, 1)
+            assert kv.sample("interlock_kv_events_restarts_total") == 1
+            await kv.until(lambda: kv.index.match(NODE, PROMPT).flowing)
 
 
 async def test_garbage_is_counted_and_the_events_after_it_applied() -> None:
