@@ -194,7 +194,8 @@ def new_proxy(
     counts the queue and the picks share (`Occupancy`), the two balancers (the prefill leg's
     own), the admission queue, the books every request writes to, and the four stages. `quota`:
     where tenants' quota is taken (by default this process holds it); `kv_index`: the
-    process's KV index, which `kv_aware` matches prompts against (None: no node has `kv_events`)."""
+    process's KV index, which `kv_aware` matches prompts against (its nodes: those with
+    `kv_events` in the config in force; None: none ever)."""
     views = views if views is not None else SnapshotViews(control_plane)
     occupancy = Occupancy(views)
     queue = AdmissionQueue(control_plane, views, occupancy, metrics)
@@ -223,12 +224,14 @@ async def api_application(
     config = control_plane.snapshot.config
     async with (
         new_upstream_pool() as upstream_pool,
-        following_kv_events(control_plane.config_listeners, config, registry, log),
+        following_kv_events(control_plane.config_listeners, config, registry, log) as kv_index,
     ):
         views = SnapshotViews(control_plane)
         metrics = RequestMetrics(registry)
         numbered = NumberedRecords(decisions, worker) if decisions is not None else None
-        proxy = new_proxy(control_plane, upstream_pool, metrics, log, numbered, quota=quota, views=views)
+        proxy = new_proxy(
+            control_plane, upstream_pool, metrics, log, numbered, quota=quota, views=views, kv_index=kv_index
+        )
         yield ApiApp(control_plane, proxy, views, worker)
 
 
