@@ -84,22 +84,8 @@ class KVEventBatch(EventBatch):
 # Since vLLM #42892 the events are tagged maps (the batch stays an array).
 
 
-class MapKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+class MapBlockStored(VllmBlockStored, array_like=False):
     pass
-
-
-class MapBlockStored(MapKVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
 
 
 class MapKVEventBatch(EventBatch):
@@ -146,7 +132,9 @@ def test_a_batch_of_vllm_0_23_decodes() -> None:
 def test_a_batch_of_map_encoded_events_decodes() -> None:
     """vLLM after #42892, as a v0.26 node sent it (its fields by name, newer ones ignored)."""
     event = MapBlockStored([QWEN3_HASH], None, QWEN3_BLOCK, 16, None, "GPU", None, [None], 0, "full_attention")
-    batch = decode_payload(0, encode(MapKVEventBatch(1789095808.8378847, [event], 0)))
+    payload = encode(MapKVEventBatch(1789095808.8378847, [event], 0))
+    assert msgspec.msgpack.decode(payload)[1][0]["type"] == "BlockStored"  # a map in an array
+    batch = decode_payload(0, payload)
     [decoded] = batch.events
     assert isinstance(decoded, BlockStored)
     assert (decoded.block_hashes, decoded.token_ids, decoded.medium) == ([QWEN3_HASH], QWEN3_BLOCK, "GPU")
