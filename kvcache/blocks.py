@@ -10,9 +10,9 @@ little-endian token ids: the same value in every process, on every host and run 
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from collections.abc import Sequence
+from hashlib import blake2b
 
 HASH_BYTES = 8
 TOKEN_ID_LIMIT = 1 << 32
@@ -36,8 +36,9 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent: int | None =
         raise ValueError(f"a token id outside 0 to {TOKEN_ID_LIMIT - 1}") from None
     width = block_size * 4
     previous = b"" if parent is None else parent.to_bytes(HASH_BYTES, "big")
-    hashes = []
+    hashes: list[int] = []
+    append, as_int = hashes.append, int.from_bytes  # a prompt's blocks are hashed on each request
     for start in range(0, blocks * width, width):
-        previous = hashlib.blake2b(previous + packed[start : start + width], digest_size=HASH_BYTES).digest()
-        hashes.append(int.from_bytes(previous, "big"))
+        previous = blake2b(previous + packed[start : start + width], digest_size=HASH_BYTES).digest()
+        append(as_int(previous, "big"))
     return hashes
