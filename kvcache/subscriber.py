@@ -169,7 +169,10 @@ class NodeSubscriber:
         """Asked to stop: its gauges are gone and the thread writes them no more (a subscriber
         that replaces it writes its own)."""
         self._last_ts = 0.0
-        """The time stamp of the last batch applied: a replayed batch carries the same."""
+        """The newest time stamp applied: a batch numbered no further and no newer came again."""
+        self._seq_ts: float | None = None
+        """The time stamp of the batch at the index's seq (None: not applied, skipped over): the
+        replay's batch in its place must carry the same."""
         self._applied_any = False
         self._connected = False
         self._down = False
@@ -281,6 +284,7 @@ class NodeSubscriber:
             self._garbage(error)
             self._forget()
             self.blocks.seq = seq
+            self._seq_ts = None
             self._applied_any = True
             return
         if self._applied_any and batch.seq <= self.blocks.seq:
@@ -302,7 +306,7 @@ class NodeSubscriber:
         if rejected:
             self._garbage(WireError(f"{rejected} events of batch {batch.seq} could not be applied"), rejected)
         self._applied_any = True
-        self._last_ts = batch.ts
+        self._last_ts = self._seq_ts = batch.ts
         self._metrics.batches.labels(self.node).inc()
         self._count_blocks()
 
@@ -318,6 +322,7 @@ class NodeSubscriber:
             if outcome is _Replay.FAILED or self.blocks.seq < next_seq - 1:
                 self._forget()
                 self.blocks.seq = next_seq - 1
+                self._seq_ts = None
             self._gap_cleared()
         self._set_flowing(self._connected)
 
@@ -330,6 +335,7 @@ class NodeSubscriber:
         self._log_once("restart", "kv events: the node numbers its events from the start again (restarted)")
         self._forget()
         self._applied_any = False
+        self._seq_ts = None
 
     def _replay(self, stop: zmq.Socket) -> _Replay:
         """Asks the replay socket for every batch it holds from the last applied on (from 0 when
@@ -366,7 +372,7 @@ class NodeSubscriber:
                 continue
             if batch is None:
                 return outcome
-            if self._applied_any and batch.seq == self.blocks.seq and batch.ts != self._last_ts:
+            if self._seq_ts is not None and batch.seq == self.blocks.seq and batch.ts != self._seq_ts:
                 self._restarted()
                 self._drop_dealer()  # the rest of this answer is of the same new run, from the wrong place
                 self._replay(stop)
