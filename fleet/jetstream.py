@@ -61,6 +61,8 @@ READ_BATCH = 256
 
 CHECKPOINT_MESSAGE_HEADER = "Interlock-Message-Seq"
 """A checkpoint's header: the event stream's last message whose events its state includes."""
+CHECKPOINT_STREAM_HEADER = "Interlock-Events-Created"
+"""A checkpoint's header: when the event stream it is of was created (a new store makes a new one)."""
 
 LEASE_KEY = "leader"
 WRONG_LAST_SEQUENCE = 10071
@@ -122,6 +124,8 @@ class StoredCheckpoint:
 
     line: bytes
     message_seq: int
+    events_created: str = ""
+    """When the event stream it is of was created (`FleetLink.events_created`, as text); "" unknown."""
 
 
 UNDECODABLE = "undecodable"
@@ -149,6 +153,17 @@ def continuing_events(message: bytes, expected: int) -> list[Event]:
         got = ",".join(str(event.seq) for event in events[:3]) + (",…" if len(events) > 3 else "")
         raise MessageSetAside(OUT_OF_SEQUENCE, f"events {got} where event {expected} was next")
     return events
+
+
+def stored_checkpoint(data: bytes, headers: dict[str, str] | None) -> StoredCheckpoint:
+    """A message of the checkpoint stream as a `StoredCheckpoint`; ValueError when its header
+    is not a number, or, without one, its event does not decode."""
+    headers = headers or {}
+    created = headers.get(CHECKPOINT_STREAM_HEADER, "")
+    if CHECKPOINT_MESSAGE_HEADER in headers:
+        return StoredCheckpoint(data, int(headers[CHECKPOINT_MESSAGE_HEADER]), created)
+    # written before a message held a batch: one event a message, its sequence the event's
+    return StoredCheckpoint(data, decode_event(data).seq, created)
 
 
 @dataclass(frozen=True)
@@ -455,7 +470,10 @@ class FleetLink:
     # --- checkpoints and observations -----------------------------------------------------
 
     async def publish_checkpoint(self, checkpoint: StoredCheckpoint) -> None:
+        """Publish `checkpoint`, naming the event stream it is of as last read here."""
         headers = {CHECKPOINT_MESSAGE_HEADER: str(checkpoint.message_seq)}
+        if self.events_created is not None:
+            headers[CHECKPOINT_STREAM_HEADER] = str(self.events_created)
         await self._call(self._js.publish, self.names.subject("checkpoints"), checkpoint.line, headers=headers)
 
     async def newest_checkpoint(self) -> StoredCheckpoint | None:
@@ -463,11 +481,17 @@ class FleetLink:
             message = await self._call(self._js.get_last_msg, self.names.checkpoints, self.names.subject("checkpoints"))
         except nats.js.errors.NotFoundError:
             return None
-        headers = message.headers or {}
-        if CHECKPOINT_MESSAGE_HEADER in headers:
-            return StoredCheckpoint(message.data, int(headers[CHECKPOINT_MESSAGE_HEADER]))
-        # written before a message held a batch: one event a message, its sequence the event's
-        return StoredCheckpoint(message.data, decode_event(message.data).seq)
+        return stored_checkpoint(message.data, message.headers)
+
+    async def receive_checkpoints(self, delivery: Delivery[tuple[bytes, dict[str, str] | None]]):
+        """Subscribe to the checkpoints as the leader publishes them, each put in `delivery` as
+        its data and headers (`stored_checkpoint` reads them; a `lossy` delivery: a checkpoint
+        missed is one comparison less); the subscription."""
+
+        async def on_message(msg) -> None:
+            delivery.put((msg.data, msg.headers))
+
+        return await self._call(self._nc.subscribe, self.names.subject("checkpoints"), cb=on_message)
 
     def publish_observation(self, line: bytes) -> None:
         """Send a data-plane observation to the leader; never blocks (at most once)."""

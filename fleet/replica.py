@@ -67,6 +67,7 @@ from controlplane.infrastructure.logs import JsonLog
 from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
+from fleet.agreement import StateAgreement
 from fleet.bridge import DeliveryOverflowed, open_asyncio_thread
 from fleet.decisions import FleetDecisions
 from fleet.jetstream import (
@@ -79,6 +80,7 @@ from fleet.jetstream import (
     NameHolder,
     StoredCheckpoint,
     continuing_events,
+    stored_checkpoint,
 )
 
 CONNECT_RETRY_SECONDS = 1.0
@@ -94,6 +96,10 @@ reads the stream again from its last whole message."""
 OBSERVATION_BUFFER = 1024
 """Replicas' observations on their way to the leader's queue; beyond that they are dropped
 and counted (`interlock_observations_dropped_total`), as the queue's own overflow is."""
+
+CHECKPOINTS_WAITING = 4
+"""Checkpoints received and not yet compared with this replica's state; beyond that they are
+dropped (one comparison less)."""
 
 OUT_OF_SEQUENCE_RETRIES = 3
 OUT_OF_SEQUENCE_FIRST_PAUSE = 0.25
@@ -140,7 +146,8 @@ class FleetMetrics:
         self.degraded = prometheus_client.Gauge(
             "interlock_fleet_degraded",
             "1 while this replica, ready, routes on state that may be behind the fleet's (X-Interlock-Degraded says why: "
-            "not connected to NATS, behind the stream, no leader, a message out of sequence)",
+            "not connected to NATS, behind the stream, no leader, a message out of sequence, a state disagreeing "
+            "with the leader's checkpoint)",
             registry=registry,
         )
         self.degraded.set_function(lambda: 1.0 if replica.degraded_reason() else 0.0)
@@ -254,6 +261,8 @@ class FleetControlPlane:
         self.fleet_metrics = FleetMetrics(self.registry, self)
         self.decisions = FleetDecisions(self.replica, self.log, self.registry)
         """Where this replica's decision records go: the fleet's decision stream."""
+        self.agreement = StateAgreement(self.registry)
+        """Whether this replica's state agrees with the leader's checkpoints (`_compare_checkpoints`)."""
 
     # --- what serve and the data plane see --------------------------------------------------
 
@@ -281,6 +290,8 @@ class FleetControlPlane:
         if self._out_of_sequence is not None:
             message, reads, reason = self._out_of_sequence
             return f"message {message} of the fleet's event stream is out of sequence ({reason}); read {reads} times"
+        if self.agreement.disagreement:
+            return self.agreement.disagreement
         lease = self.fleet.lease
         now = time.monotonic()
         if self._behind_since is not None and now - self._behind_since > lease:
@@ -328,6 +339,7 @@ class FleetControlPlane:
                         nursery.start_soon(self._connect)
                         nursery.start_soon(self._follow)
                         nursery.start_soon(self._watch)
+                        nursery.start_soon(self._compare_checkpoints)
                         nursery.start_soon(self._campaign, client)
                         nursery.start_soon(self.decisions.run, self._link)
                         task_status.started()
@@ -541,6 +553,7 @@ class FleetControlPlane:
         self._applied_message_seq = message_seq
         if self._out_of_sequence is not None and self._out_of_sequence[0] <= message_seq:
             self._out_of_sequence = None
+        self.agreement.followed(message_seq, self.view.snapshot)
         self._followed.set()
         self._followed = trio.Event()
 
@@ -555,6 +568,39 @@ class FleetControlPlane:
         self._applied_at = time.monotonic()
         self._applied.set()
         self._applied = trio.Event()
+
+    async def _compare_checkpoints(self) -> None:
+        """Compare each checkpoint the leader publishes with this replica's state after the
+        same message (`fleet.agreement`), for good. One of another event stream than the one
+        followed (NATS lost its store, and one side has not seen it yet) is not compared; one
+        that does not decode is set aside (logged, counted)."""
+        checkpoints = self._link.delivery(CHECKPOINTS_WAITING, on_drop=lambda: None, lossy=True)
+        while True:
+            await self._link.connected.wait()
+            try:
+                subscription = await self._link.receive_checkpoints(checkpoints)
+                break
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: subscribing to the checkpoints failed; again", error=described(error))
+                await trio.sleep(CONNECT_RETRY_SECONDS)
+        try:
+            while True:
+                data, headers = await checkpoints.receive()
+                try:
+                    stored = stored_checkpoint(data, headers)
+                    checkpoint = decode_event(stored.line)
+                    if not isinstance(checkpoint, Checkpoint):
+                        raise ValueError(f"a {type(checkpoint).__name__}, not a checkpoint")
+                except ValueError as error:  # msgspec's DecodeError is one
+                    self.fleet_metrics.messages_set_aside.labels("checkpoints", "undecodable").inc()
+                    self.log.warn("fleet: a checkpoint set aside, not compared", error=str(error))
+                    continue
+                if not self._new_store and stored.events_created == str(self._followed_created):
+                    self.agreement.checkpoint(checkpoint, stored.message_seq)
+        finally:
+            checkpoints.close()
+            with trio.CancelScope(shield=True):
+                await self._link.unsubscribe(subscription)
 
     async def _watch(self) -> None:
         """Every `lease_renewal`, read the stream's last message sequence and the lease holder:
@@ -643,6 +689,7 @@ class FleetControlPlane:
         )
         self._new_store = True
         self._applied_message_seq = 0
+        self.agreement.new_epoch()
         if self._following is not None:
             self._following.cancel()
 
