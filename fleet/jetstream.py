@@ -39,7 +39,7 @@ from nats.js.api import StreamConfig
 
 from events.config import FleetConfig
 from events.log import decode_event, decode_events
-from events.types import Event
+from events.types import Checkpoint, Event
 from fleet.bridge import AsyncioThread, Delivery, DeliveryOverflowed
 from fleet.credentials import connect_options
 
@@ -153,6 +153,15 @@ def continuing_events(message: bytes, expected: int) -> list[Event]:
         got = ",".join(str(event.seq) for event in events[:3]) + (",…" if len(events) > 3 else "")
         raise MessageSetAside(OUT_OF_SEQUENCE, f"events {got} where event {expected} was next")
     return events
+
+
+def checkpoint_in(line: bytes) -> Checkpoint:
+    """The checkpoint a message of the checkpoint stream holds; ValueError (msgspec's
+    DecodeError is one) when it does not decode or holds another event."""
+    checkpoint = decode_event(line)
+    if not isinstance(checkpoint, Checkpoint):
+        raise ValueError(f"a {type(checkpoint).__name__}, not a checkpoint")
+    return checkpoint
 
 
 def stored_checkpoint(data: bytes, headers: dict[str, str] | None) -> StoredCheckpoint:

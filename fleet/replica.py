@@ -79,6 +79,7 @@ from fleet.jetstream import (
     NameHeld,
     NameHolder,
     StoredCheckpoint,
+    checkpoint_in,
     continuing_events,
     stored_checkpoint,
 )
@@ -508,23 +509,17 @@ class FleetControlPlane:
         """The message to follow from: the one after the last applied whole, or after the
         newest checkpoint's when this replica has no fleet state yet or retention removed the
         messages it needs (events of that message the checkpoint includes are skipped)."""
+        applied = self._applied_message_seq
         first, last = await self._link.message_seqs()
-        self._note_new_store(last)
+        self._note_new_store(last, applied)
         self._followed_created = self._link.events_created
         if self._new_store:
             return await self._starting_seq_on_a_new_store()
         if self._applied_message_seq > 0 and first <= self._applied_message_seq + 1:
             return self._applied_message_seq + 1
-        try:
-            stored = await self._link.newest_checkpoint()
-            checkpoint = None if stored is None else decode_event(stored.line)
-            if checkpoint is not None and not isinstance(checkpoint, Checkpoint):
-                raise ValueError(f"a {type(checkpoint).__name__}, not a checkpoint")
-        except ValueError as error:  # msgspec's DecodeError is one
-            self.fleet_metrics.messages_set_aside.labels("checkpoints", "undecodable").inc()
-            self.log.warn("fleet: the newest checkpoint set aside", error=str(error))
-            checkpoint = None
-        if checkpoint is not None and checkpoint.seq >= self.view.snapshot.seq:
+        newest = await self._newest_checkpoint()
+        if newest is not None and newest[1].seq >= self.view.snapshot.seq:
+            stored, checkpoint = newest
             await self._apply_fleet_events([checkpoint])
             self._message_followed(stored.message_seq)
             self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
@@ -533,14 +528,28 @@ class FleetControlPlane:
     async def _starting_seq_on_a_new_store(self) -> int:
         """The message after the newest checkpoint of a new store, once the leader has published
         one (this replica's own, when it leads), its state taken whatever its seq."""
-        while (stored := await self._link.newest_checkpoint()) is None:
+        while (newest := await self._newest_checkpoint()) is None:
             await trio.sleep(self.fleet.lease_renewal)
-        checkpoint = decode_event(stored.line)
+        stored, checkpoint = newest
         await self._apply_fleet_events([checkpoint])
         self._new_store = False
         self._message_followed(stored.message_seq)
         self.log.info("fleet: starting from a checkpoint", seq=checkpoint.seq, message_seq=stored.message_seq)
         return stored.message_seq + 1
+
+    async def _newest_checkpoint(self) -> tuple[StoredCheckpoint, Checkpoint] | None:
+        """The newest checkpoint and the state it holds; None when there is none, or when it
+        does not decode (set aside: logged, counted)."""
+        try:
+            stored = await self._link.newest_checkpoint()
+            return None if stored is None else (stored, checkpoint_in(stored.line))
+        except ValueError as error:  # msgspec's DecodeError is one
+            self._checkpoint_set_aside("fleet: the newest checkpoint set aside", error)
+            return None
+
+    def _checkpoint_set_aside(self, what: str, error: ValueError) -> None:
+        self.fleet_metrics.messages_set_aside.labels("checkpoints", "undecodable").inc()
+        self.log.warn(what, error=str(error))
 
     def _reads_of(self, message_seq: int) -> int:
         """The times the follower has found message `message_seq` out of sequence."""
@@ -588,12 +597,9 @@ class FleetControlPlane:
                 data, headers = await checkpoints.receive()
                 try:
                     stored = stored_checkpoint(data, headers)
-                    checkpoint = decode_event(stored.line)
-                    if not isinstance(checkpoint, Checkpoint):
-                        raise ValueError(f"a {type(checkpoint).__name__}, not a checkpoint")
+                    checkpoint = checkpoint_in(stored.line)
                 except ValueError as error:  # msgspec's DecodeError is one
-                    self.fleet_metrics.messages_set_aside.labels("checkpoints", "undecodable").inc()
-                    self.log.warn("fleet: a checkpoint set aside, not compared", error=str(error))
+                    self._checkpoint_set_aside("fleet: a checkpoint set aside, not compared", error)
                     continue
                 if not self._new_store and stored.events_created == str(self._followed_created):
                     self.agreement.checkpoint(checkpoint, stored.message_seq)
@@ -612,13 +618,14 @@ class FleetControlPlane:
         leader_read_at = time.monotonic()
         while True:
             await trio.sleep(self.fleet.lease_renewal)
+            applied = self._applied_message_seq
             read = await self._read_stream_state() if self._link.connected.is_set() else None
             if read is None:
                 if time.monotonic() - leader_read_at > self.fleet.lease:
                     self.leader = ""
                 continue
             last, holder = read
-            self._note_new_store(last)
+            self._note_new_store(last, applied)
             now = leader_read_at = time.monotonic()
             self._stream_last_message_seq = last
             behind = max(0, last - self._applied_message_seq)
@@ -667,25 +674,27 @@ class FleetControlPlane:
         """The stream's end once this replica has followed it there: its last message, and the
         last event this replica applied (a message set aside numbers nothing). On a new store
         (`_note_new_store`), at once: this replica's state is the new epoch's start."""
+        applied = self._applied_message_seq
         _, message_seq = await self._link.message_seqs()
-        self._note_new_store(message_seq)
+        self._note_new_store(message_seq, applied)
         while not self._new_store and self._applied_message_seq < message_seq:
             await self._followed.wait()
         return StreamEnd(message_seq, self.view.snapshot.seq)
 
-    def _note_new_store(self, stream_last: int) -> None:
+    def _note_new_store(self, stream_last: int, applied_before_read: int) -> None:
         """A stream created after the one this replica follows, or whose last message is before
-        the last it applied, is a new one (NATS came back without its store): the replica
+        the last it had applied when the read began (the follower may have applied more since),
+        is a new one (NATS came back without its store): the replica
         follows it from the newest checkpoint its leader publishes there, whatever its seq (the
         new epoch's state is the leader's)."""
         created = self._link.events_created
         recreated = self._followed_created is not None and created != self._followed_created
-        if self._new_store or not (recreated or stream_last < self._applied_message_seq):
+        if self._new_store or not (recreated or stream_last < applied_before_read):
             return
         self.log.warn(
             "fleet: the event stream is new (NATS lost its store); following it from its first checkpoint",
             stream_last_message=stream_last,
-            applied_message=self._applied_message_seq,
+            applied_message=applied_before_read,
         )
         self._new_store = True
         self._applied_message_seq = 0
