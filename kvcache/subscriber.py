@@ -212,7 +212,7 @@ class NodeSubscriber:
         try:
             stop.connect(self._stop_endpoint)
             for option, value in (
-                (zmq.LINGER, 0), (zmq.RCVHWM, RECEIVE_QUEUE), (zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 64),
+                (zmq.LINGER, 0), (zmq.IPV6, 1), (zmq.RCVHWM, RECEIVE_QUEUE), (zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 64),
                 (zmq.HEARTBEAT_IVL, HEARTBEAT_MS), (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
                 (zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS),
             ):  # fmt: skip
@@ -347,6 +347,7 @@ class NodeSubscriber:
         if self._dealer is None:
             self._dealer = self._context.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            self._dealer.setsockopt(zmq.IPV6, 1)  # either family, as the endpoint names it
             self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES + 64)
             self._dealer.connect(self.source.replay)
         dealer = self._dealer

@@ -28,8 +28,9 @@ MAX_BATCH_BYTES = 16 * 1024 * 1024
 """The largest batch accepted (vLLM's batches are one engine step's events)."""
 
 SEQ_BYTES = 8
-REPLAY_END = -1
-"""The sequence number of the replay socket's last answer to a request (with an empty payload)."""
+REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+"""The sequence number frame of the replay socket's last answer to a request (with an empty
+payload): -1, where batches are numbered from 0 up, unsigned."""
 
 BlockHash = int | Annotated[bytes, msgspec.Meta(max_length=64)]
 """vLLM's hash of a block: an int, or (vLLM's `ExternalBlockHash` without
@@ -134,19 +135,12 @@ def read_seq(frame: bytes) -> int:
     """A batch's sequence number from its frame. Raises WireError unless it is 8 bytes."""
     if len(frame) != SEQ_BYTES:
         raise WireError(f"a sequence number of {len(frame)} bytes, not {SEQ_BYTES}")
-    return int.from_bytes(frame, "big", signed=True)
-
-
-def decode_published(frames: list[bytes]) -> KvBatch:
-    """A batch from the PUB socket: `[topic, seq, payload]`."""
-    if len(frames) != 3:
-        raise WireError(f"a message of {len(frames)} frames, not 3 (topic, seq, payload)")
-    return decode_payload(read_seq(frames[1]), frames[2])
+    return int.from_bytes(frame, "big")
 
 
 def replay_request(start_seq: int) -> list[bytes]:
     """What a DEALER socket sends the replay socket for every batch from `start_seq` on."""
-    return [b"", start_seq.to_bytes(SEQ_BYTES, "big", signed=True)]
+    return [b"", start_seq.to_bytes(SEQ_BYTES, "big")]
 
 
 def decode_replayed(frames: list[bytes]) -> KvBatch | None:
@@ -154,7 +148,6 @@ def decode_replayed(frames: list[bytes]) -> KvBatch | None:
     None for the end of the replay."""
     if len(frames) != 3 or frames[0]:
         raise WireError(f"a replay answer of {len(frames)} frames, not 3 (empty, seq, payload)")
-    seq = read_seq(frames[1])
-    if seq == REPLAY_END:
+    if frames[1] == REPLAY_END:
         return None
-    return decode_payload(seq, frames[2])
+    return decode_payload(read_seq(frames[1]), frames[2])

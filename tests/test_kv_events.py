@@ -178,10 +178,12 @@ class Publisher:
         self.topic = topic
         self.pub = self.context.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.setsockopt(zmq.IPV6, 1)
         self.pub.bind(endpoint)
         self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.IPV6, 1)
         self.router.bind(replay)
         self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self.buffer: dict[int, bytes] = {}
@@ -370,8 +372,9 @@ async def test_without_a_replay_socket_a_gap_clears_the_index() -> None:
         assert published.replays == 0
 
 
-async def test_an_idle_node_is_learned_from_its_replay_at_connection() -> None:
-    async with publisher() as published:
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+async def test_an_idle_node_is_learned_from_its_replay_at_connection(host: str) -> None:
+    async with publisher(endpoint=f"tcp://{host}:*", replay=f"tcp://{host}:*") as published:
         published.publish([stored([QWEN3_HASH], None, QWEN3_BLOCK)])
         published.publish([stored([22], QWEN3_HASH, NEXT_BLOCK)])
         async with subscribed(config_for(node_of(published))) as kv:
