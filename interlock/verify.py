@@ -7,7 +7,10 @@ functions the data plane routes with: `routing.Route` (ring, ring pool, the mode
 exclusions), `routing.pick_pool` at the request's arrival (dead and offline candidates passed
 over, healthy before degraded), then the first pick under the record's policy with the record's
 own inputs (`whatif.recorded_choice`: the round-robin counter, its process's in-flight counts,
-request id, prompt prefix, remembered node). What a routing process keeps for itself (counter,
+request id, prompt prefix, remembered node, and under `kv_aware` the prompt's blocks each
+candidate held). A match is an input as load is: the scores are made again from it, so a
+match changed in the record is named where it changes a score; the index's seq it names is
+shown by `explain`, not checked (the nodes' KV events are not in the event log). What a routing process keeps for itself (counter,
 in-flight counts, prefix memory) is in each record, so records of several workers and replicas,
 over several files, are verified alike; the report counts them per (replica, worker).
 

@@ -116,6 +116,16 @@ def test_prefix_affinity_would_send_each_prompt_back_to_a_node_that_saw_it(capsy
     assert (recorded["prefix_seen_before"], affinity["prefix_seen_after"]) == (0, 2)
 
 
+def test_kv_aware_on_records_that_kept_no_match_says_so_and_routes_as_prefix_affinity(capsys, round_robin_run):
+    kv = report(capsys, round_robin_run, "--policy", "kv_aware")
+    affinity = report(capsys, round_robin_run, "--policy", "prefix_affinity")
+    assert kv["kv_unmatched"] == kv["routed_again"] == 12 and affinity["kv_unmatched"] == 0
+    assert kv["after"] == affinity["after"]
+    code, out, _ = whatif(capsys, round_robin_run, "--policy", "kv_aware")
+    assert code == 0
+    assert "12 of 12 picks routed again without a KV match: their records kept none" in out
+
+
 def test_the_report_is_the_same_every_time_and_reads_as_a_table(capsys, round_robin_run):
     options = ("--policy", "power_of_two")
     first, second = whatif(capsys, round_robin_run, "--json", *options), whatif(capsys, round_robin_run, "--json", *options)
