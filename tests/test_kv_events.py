@@ -479,7 +479,7 @@ async def test_a_new_config_starts_and_stops_subscribers() -> None:
         assert kv.index.nodes == {}
 
 
-def test_without_kv_events_nothing_starts(tmp_path) -> None:
+def test_without_kv_events_nothing_starts() -> None:
     registry = CollectorRegistry()
     subscriptions = KvSubscriptions(registry, CapturedLog())
     subscriptions.follow(config_for(NodeConfig(ip=NODE)))
@@ -627,15 +627,20 @@ async def test_without_kv_events_the_gateway_loads_no_zeromq(tmp_path: Path) -> 
 
 async def test_each_worker_subscribes_itself(tmp_path: Path, tokenizer_dir: Path) -> None:
     """`serve --workers 2`: both workers subscribe to the node, each builds its index, and the
-    leader's /metrics shows the node's (the largest a worker holds; flowing in every worker)."""
+    leader's /metrics shows the node's (the largest a worker holds; flowing in every worker);
+    after a SIGHUP that drops the node's kv_events, the workers' subscribers stop (a worker's
+    gauges cannot be removed: they stay at 0)."""
     async with serve_nodes([kv_spec(tokenizer_dir)]) as [node]:
         assert node.kv_events is not None
         api_port, metrics_port = free_port(), free_port()
-        text = config_text([node], node_settings=kv_settings(node), workers=2)
-        text = text.replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{api_port}"', 1)
-        text = text.replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"')
+
+        def gateway_toml(node_settings: dict[str, dict[str, object]]) -> str:
+            text = config_text([node], node_settings=node_settings, workers=2)
+            text = text.replace('listen = "127.0.0.1:0"', f'listen = "127.0.0.1:{api_port}"', 1)
+            return text.replace('metrics_listen = "127.0.0.1:0"', f'metrics_listen = "127.0.0.1:{metrics_port}"')
+
         config = tmp_path / "gateway.toml"
-        config.write_text(text)
+        config.write_text(gateway_toml(kv_settings(node)))
         async with serve_process(config) as gateway, httpx.AsyncClient(timeout=WAIT, trust_env=False) as http:
             await gateway.wait_for_log("api server listening")
             metrics = f"http://127.0.0.1:{metrics_port}/metrics"
@@ -650,6 +655,12 @@ async def test_each_worker_subscribes_itself(tmp_path: Path, tokenizer_dir: Path
             blocks = f'interlock_kv_index_blocks{{node="{node.host}"}} {float(held)}'
             with trio.fail_after(WAIT):
                 while blocks not in (await http.get(metrics)).text:
+                    await trio.sleep(0.05)
+            config.write_text(gateway_toml({}))
+            gateway.process.send_signal(signal.SIGHUP)  # the workers follow the leader's reload
+            stopped = f'interlock_kv_events_flowing{{node="{node.host}"}} 0.0'
+            with trio.fail_after(WAIT):
+                while stopped not in (await http.get(metrics)).text:
                     await trio.sleep(0.05)
             gateway.process.send_signal(signal.SIGTERM)
             code, _, errors = await gateway.exit()
