@@ -9,7 +9,7 @@ counts).
 from __future__ import annotations
 
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import msgspec
@@ -82,16 +82,18 @@ class LineSink(Protocol):
 
 
 class DecisionFanOut:
-    """A replica's recorder with several destinations: each record is named after the replica,
+    """A replica's recorder with several destinations: each record is named after the replica
+    and the partition it was routed in, if any (`partition_of(seq)`, `fleet.partition`),
     encoded once, and handed to every sink (a fleet's replica: its decision log's appender and
     the fleet's decision stream, `fleet.decisions`)."""
 
-    def __init__(self, replica: str, sinks: Sequence[LineSink]) -> None:
+    def __init__(self, replica: str, sinks: Sequence[LineSink], partition_of: Callable[[int], str]) -> None:
         self.replica = replica
         self._sinks = tuple(sinks)
+        self._partition_of = partition_of
 
     def record(self, decision: Decision) -> None:
-        line = encode_decision(decision, self.replica)
+        line = encode_decision(decision, self.replica, self._partition_of(decision.seq))
         for sink in self._sinks:
             sink.submit(line)
 
@@ -99,9 +101,10 @@ class DecisionFanOut:
 _encode = msgspec.json.Encoder().encode
 
 
-def encode_decision(decision: Decision, replica: str) -> bytes:
-    """The decision log's line for `decision`, naming `replica` as the gateway that routed it."""
-    return _encode(msgspec.structs.replace(decision, replica=replica)) + b"\n"
+def encode_decision(decision: Decision, replica: str, partition: str = "") -> bytes:
+    """The decision log's line for `decision`, naming `replica` as the gateway that routed it
+    (and the replica's `partition` it was routed in)."""
+    return _encode(msgspec.structs.replace(decision, replica=replica, partition=partition)) + b"\n"
 
 
 def open_decision_log(gateway: GatewayConfig, log: JsonLog, registry: CollectorRegistry) -> DecisionLog | None:

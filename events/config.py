@@ -56,6 +56,10 @@ than one GPU holds."""
 DEFAULT_FLEET_NAME = "interlock"
 DEFAULT_FLEET_LEASE = 3.0
 DEFAULT_FLEET_LEASE_RENEWAL = 1.0
+PARTITION_AFTER_INTERVALS = 3
+"""`fleet.partition_after`'s default, in health intervals: a few probe rounds missed."""
+DEFAULT_PARTITION_DIR = "partitions"
+DEFAULT_DECISION_SPOOL_BYTES = 32 * 1024 * 1024
 
 Workers = int | Literal["auto"]
 """`gateway.workers`: a count of processes, or "auto"."""
@@ -306,6 +310,16 @@ class FleetConfig(Struct, frozen=True, kw_only=True):
     tls_certificate: str = ""
     tls_key: str = ""
     """The certificate (PEM chain) and key this replica shows the NATS servers (mutual TLS); both or neither."""
+    partition_after: float = 0.0
+    """Seconds without the fleet's stream after which this replica enters a partition: it probes
+    the nodes and numbers its own events (`fleet.partition`); the loader's default:
+    PARTITION_AFTER_INTERVALS health intervals."""
+    partition_dir: str = ""
+    """Where this replica writes each partition's records, a directory per partition (the
+    loader's default: DEFAULT_PARTITION_DIR, in the working directory)."""
+    decision_spool_bytes: int = 0
+    """The bound of this replica's encoded decision records waiting for the fleet's decision
+    stream (`fleet.decisions`; the loader's default: DEFAULT_DECISION_SPOOL_BYTES)."""
 
 
 DEFAULT_TENANT = "default"

@@ -221,6 +221,10 @@ class Decision(msgspec.Struct, frozen=True):
     """Its place among the records of its routing process (replica and worker), from 1, so
     that `verify` sees a record missing, repeated or out of order; 0 in records from before
     records were numbered. A process started again counts from 1 again."""
+    partition: str = ""
+    """The partition of its replica whose own events it was routed on (`fleet.partition`: its
+    seq is then that partition's, in the partition's event log); "" for the fleet's events, a
+    gateway's own, and records from before partitions."""
 
     def prefill_leg(self) -> Decision:
         """The record as its prefill leg's: that leg's attempts and first pick in the place of

@@ -3,12 +3,15 @@
 The replica's recorder (`dataplane.decisions.DecisionFanOut`, set up by `interlock.serve`) names
 every record its data plane makes after the replica (its own, and its workers', which come up
 their socketpairs to the replica's process), encodes it once, and hands the line to the local
-decision log, when one is configured, and here. Submitting never waits: the queue is bounded
-(DECISION_BACKLOG_BYTES; beyond that a record is dropped and counted), and a task sends what is
-queued every BATCH_SECONDS, as one message of JSON Lines per up to BATCH_BYTES. A batch stays
-queued until JetStream has acknowledged it; one sent again after an unknown outcome carries the
-same message id, which JetStream's duplicate window drops. So a replica cut off from NATS keeps
-its newest records (up to the bound) and sends them when it is back.
+decision log, when one is configured, and here. Submitting never waits: the queue, the spool
+of records waiting for the stream, is bounded (`fleet.decision_spool_bytes`, in memory; beyond
+that a record is dropped and counted), and a task sends what is queued every BATCH_SECONDS, as
+one message of JSON Lines per up to BATCH_BYTES. A batch stays queued until JetStream has
+acknowledged it; one sent again after an unknown outcome carries the same message id, which
+JetStream's duplicate window drops. So a replica cut off from NATS keeps every record up to the
+bound (those routed in a partition among them, `Decision.partition`) and sends them when it is
+back; what it dropped is counted (`interlock_fleet_decisions_dropped_total`), what waits is in
+`interlock_fleet_decision_spool_bytes` beside its bound.
 
 `interlock fleet export DIR` writes the stream as `DIR/decisions.jsonl`, the decision log that
 `explain --request-id`, `timeline` and `whatif` read.
@@ -32,17 +35,19 @@ BATCH_BYTES = 512 * 1024
 """The most one message carries (NATS refuses a message over its max_payload, 1 MiB by
 default); a single record longer than this is dropped and counted."""
 
-DECISION_BACKLOG_BYTES = 32 * 1024 * 1024
-"""Encoded records waiting for the stream; beyond that the newest are dropped (and counted)."""
-
 
 class FleetDecisions:
     """The queue of a replica's decision records for the fleet's stream (module docstring);
     `run` sends the batches."""
 
-    def __init__(self, replica: str, log: JsonLog, registry: prometheus_client.CollectorRegistry) -> None:
+    def __init__(
+        self, replica: str, log: JsonLog, registry: prometheus_client.CollectorRegistry, *, spool_bytes: int
+    ) -> None:
+        """`spool_bytes`: the most encoded records waiting for the stream (the newest beyond
+        it are dropped, and counted)."""
         self.replica = replica
         self._log = log
+        self._spool_bytes = spool_bytes
         self._queued: deque[bytes] = deque()
         self._queued_bytes = 0
         self._process = secrets.token_hex(6)
@@ -51,7 +56,8 @@ class FleetDecisions:
         self._failing = False
         self.dropped = prometheus_client.Counter(
             "interlock_fleet_decisions_dropped_total",
-            "Decision records not sent to the fleet's decision stream: the backlog was full, or the record too long",
+            "Decision records not sent to the fleet's decision stream: its spool was full "
+            "(fleet.decision_spool_bytes), or the record too long",
             registry=registry,
         )
         self.publish_errors = prometheus_client.Counter(
@@ -59,10 +65,29 @@ class FleetDecisions:
             "Failed sends of a batch of decision records to the fleet's decision stream (the batch is sent again)",
             registry=registry,
         )
+        self.spooled_bytes = prometheus_client.Gauge(
+            "interlock_fleet_decision_spool_bytes",
+            "Encoded decision records waiting for the fleet's decision stream (sent once it acknowledges them)",
+            registry=registry,
+        )
+        self.spooled_bytes.set_function(lambda: self._queued_bytes)
+        self.spooled_records = prometheus_client.Gauge(
+            "interlock_fleet_decision_spool_records",
+            "Decision records waiting for the fleet's decision stream",
+            registry=registry,
+        )
+        self.spooled_records.set_function(lambda: len(self._queued))
+        self.spool_limit = prometheus_client.Gauge(
+            "interlock_fleet_decision_spool_limit_bytes",
+            "The bound of the decision records waiting for the fleet's stream (fleet.decision_spool_bytes); "
+            "beyond it records are dropped (interlock_fleet_decisions_dropped_total)",
+            registry=registry,
+        )
+        self.spool_limit.set(spool_bytes)
 
     def submit(self, line: bytes) -> None:
         """Queue one encoded decision record (a JSON line); never blocks."""
-        if len(line) > BATCH_BYTES or self._queued_bytes + len(line) > DECISION_BACKLOG_BYTES:
+        if len(line) > BATCH_BYTES or self._queued_bytes + len(line) > self._spool_bytes:
             self.dropped.inc()
             return
         self._queued.append(line)

@@ -7,6 +7,14 @@ the messages' events in order; a message that does not continue them (`continuin
 set aside, as every replica sets it aside, and named on stderr. When retention has removed the
 stream's first events (the first message's first event is not seq 1), the file starts with the
 newest checkpoint the remaining events follow, as a later log segment does.
+
+A replica's partitions (`fleet.partition`) are not on the stream: each is a directory of the
+replica's `partition_dir`, which the export is given (`--partitions`, one per replica or a
+directory they share) and writes beside the stream's as `DIR/partitions/<name>/events.jsonl`
+and `partition.json`. The records routed in a partition are in `DIR/decisions.jsonl` with the
+others (so each routing process's numbering is whole), each naming its partition; `explain` and
+`verify` read them against the partition's events with `--partition <name>`. A partition that
+records name and no given directory holds is named on stderr: its events are not in the export.
 """
 
 from __future__ import annotations
@@ -15,14 +23,19 @@ import os
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 
 import trio
 
+import msgspec
+
 from events.config import FleetConfig
-from events.log import decode_event, decode_events, encode_event
+from events.log import decode_event, decode_events, encode_event, read_events
 from fleet.bridge import open_asyncio_thread
 from fleet.jetstream import FleetLink, MessageSetAside, continuing_events
+from fleet.partition import PARTITION_EVENTS, PARTITION_RECORD, PartitionRecord
+from journal.segments import LogFileError, list_segments
 
 
 class ExportError(Exception):
@@ -89,6 +102,49 @@ async def export_decisions(fleet: FleetConfig, directory: Path) -> tuple[Path, i
     return path, sum(batch.count(b"\n") for batch in batches)
 
 
+class _RoutedIn(msgspec.Struct):
+    """Of a decision record, only the partition it was routed in."""
+
+    partition: str = ""
+
+
+def partitions_named(decisions: Path) -> set[str]:
+    """The partitions the records of the exported decision log were routed in."""
+    decoder = msgspec.json.Decoder(_RoutedIn)
+    with decisions.open("rb") as lines:
+        return {name for line in lines if line.strip() and (name := decoder.decode(line).partition)}
+
+
+def export_partitions(sources: list[Path], directory: Path) -> list[PartitionRecord]:
+    """Write every partition the `sources` (replicas' `partition_dir`s) hold as
+    `directory/partitions/<name>/`: its events (the segments as one log; a torn last line left
+    out, named on stderr) and its `partition.json`; the partitions written."""
+    written = []
+    for source in sources:
+        if not source.is_dir():
+            raise ExportError(f"{source}: no such directory of partitions")
+        for found in sorted(source.iterdir()):
+            if not (found / PARTITION_RECORD).is_file():
+                continue
+            try:
+                record = msgspec.json.decode((found / PARTITION_RECORD).read_bytes(), type=PartitionRecord)
+            except msgspec.DecodeError as error:
+                raise ExportError(f"{found / PARTITION_RECORD}: {error}") from None
+            target = directory / "partitions" / record.partition
+            target.mkdir(parents=True, exist_ok=True)
+            lines = []
+            if list_segments(found / PARTITION_EVENTS):  # none until its first event
+                warn = partial(print, file=sys.stderr)
+                try:
+                    lines = [encode_event(event) for event in read_events([found / PARTITION_EVENTS], warn=warn)]
+                except LogFileError as error:
+                    raise ExportError(str(error)) from None
+            _write(target / PARTITION_EVENTS, b"".join(lines))
+            _write(target / PARTITION_RECORD, (found / PARTITION_RECORD).read_bytes())
+            written.append(record)
+    return written
+
+
 @asynccontextmanager
 async def _reading(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
     """A link to the fleet's JetStream that finds its streams (creates nothing)."""
@@ -108,7 +164,7 @@ async def _reading(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
 def _write(path: Path, data: bytes) -> Path:
     """Write `path` whole or not at all."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".jsonl.tmp")
+    temporary = path.with_suffix(path.suffix + ".tmp")
     temporary.write_bytes(data)
     os.replace(temporary, path)
     return path

@@ -38,7 +38,9 @@ events are numbered by the fleet's leader, not by itself. Its tasks (children of
   at once. A checkpoint follows every CHECKPOINT_SECONDS.
 
 A replica's data-plane observations go to the leader over NATS; the leader numbers them like
-any event.
+any event. After `partition_after` without the stream, a replica that does not lead enters a
+partition (`fleet.partition`: it probes and numbers its own events) until the stream answers
+again (the watch's read, the follower's next message, a term's start).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ from fleet.jetstream import (
     continuing_events,
     stored_checkpoint,
 )
+from fleet.partition import Partitions
 
 CONNECT_RETRY_SECONDS = 1.0
 """The pause between attempts to reach NATS (the replica serves on meanwhile)."""
@@ -260,10 +263,21 @@ class FleetControlPlane:
         self._name_refused = ""
         """Why this replica may not serve as its name ("" unless a live replica holds it)."""
         self.fleet_metrics = FleetMetrics(self.registry, self)
-        self.decisions = FleetDecisions(self.replica, self.log, self.registry)
+        self.decisions = FleetDecisions(
+            self.replica, self.log, self.registry, spool_bytes=self.fleet.decision_spool_bytes
+        )
         """Where this replica's decision records go: the fleet's decision stream."""
         self.agreement = StateAgreement(self.registry)
         """Whether this replica's state agrees with the leader's checkpoints (`_compare_checkpoints`)."""
+        self.partitions = Partitions(
+            self.fleet,
+            view=self.view,
+            applier=self.applier,
+            log=self.log,
+            registry=self.registry,
+            may_partition=lambda: not self.is_leader,
+        )
+        """Its partitions: routing on its own probes while the stream is away (`fleet.partition`)."""
 
     # --- what serve and the data plane see --------------------------------------------------
 
@@ -286,6 +300,9 @@ class FleetControlPlane:
         """Why this replica, ready, may be routing on state behind the fleet's ("" when it is
         not), from what the follower and the watch last saw, never waiting on NATS: it goes on
         serving, and says so (`X-Interlock-Degraded`, `interlock_fleet_degraded`)."""
+        if partition := self.partitions.current():
+            cut_off = "not connected to NATS; " if self._link is None or not self._link.is_connected else ""
+            return f"{cut_off}partitioned ({partition.interval()}): routing on this replica's own probes"
         if self._link is None or not self._link.is_connected:
             return "not connected to NATS"
         if self._out_of_sequence is not None:
@@ -311,10 +328,17 @@ class FleetControlPlane:
             headers["X-Interlock-Stale"] = stale
         if degraded := self.degraded_reason():
             headers["X-Interlock-Degraded"] = degraded
+        if partition := self.partitions.current():
+            headers["X-Interlock-Partition"] = partition.interval()
+        elif partition := self.partitions.last:
+            headers["X-Interlock-Last-Partition"] = partition.interval()
         return headers
 
     def _observe(self, event: Event) -> None:
-        """A data-plane observation, sent to the leader to be numbered; never blocks."""
+        """A data-plane observation, sent to the leader to be numbered (numbered here in a
+        partition); never blocks."""
+        if self.partitions.observe(event):
+            return
         if self._link is not None:
             self._link.publish_observation(encode_event(event))
 
@@ -343,6 +367,7 @@ class FleetControlPlane:
                         nursery.start_soon(self._compare_checkpoints)
                         nursery.start_soon(self._campaign, client)
                         nursery.start_soon(self.decisions.run, self._link)
+                        nursery.start_soon(self.partitions.run, client)
                         task_status.started()
                         await self._stopped.wait()
                         nursery.cancel_scope.cancel()
@@ -486,6 +511,7 @@ class FleetControlPlane:
                         message_seq=self._applied_message_seq + 1,
                     )
                     return
+                self.partitions.stream_reached()
                 try:
                     events = continuing_events(message.data, self.view.snapshot.seq + 1)
                 except MessageSetAside as aside:
@@ -511,6 +537,7 @@ class FleetControlPlane:
         messages it needs (events of that message the checkpoint includes are skipped)."""
         applied = self._applied_message_seq
         first, last = await self._link.message_seqs()
+        self.partitions.stream_reached()
         self._note_new_store(last, applied)
         self._followed_created = self._link.events_created
         if self._new_store:
@@ -625,6 +652,7 @@ class FleetControlPlane:
                     self.leader = ""
                 continue
             last, holder = read
+            self.partitions.stream_reached()
             self._note_new_store(last, applied)
             now = leader_read_at = time.monotonic()
             self._stream_last_message_seq = last
@@ -676,6 +704,7 @@ class FleetControlPlane:
         (`_note_new_store`), at once: this replica's state is the new epoch's start."""
         applied = self._applied_message_seq
         _, message_seq = await self._link.message_seqs()
+        self.partitions.stream_reached()
         self._note_new_store(message_seq, applied)
         while not self._new_store and self._applied_message_seq < message_seq:
             await self._followed.wait()

@@ -332,7 +332,7 @@ def decision_recorder(control_plane: ControlPlane, decisions: DecisionLog | None
     if not isinstance(control_plane, FleetControlPlane):
         return decisions
     sinks = [control_plane.decisions] if decisions is None else [decisions.appender, control_plane.decisions]
-    return DecisionFanOut(control_plane.replica, sinks)
+    return DecisionFanOut(control_plane.replica, sinks, control_plane.partitions.partition_of)
 
 
 def _discard(decision: Decision) -> None:

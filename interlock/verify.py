@@ -96,6 +96,10 @@ class VerifyReport(msgspec.Struct, kw_only=True):
     """Records per routing process (`replica/worker`)."""
     numbering: Numbering
     """Records missing, repeated or out of order, by their numbers (`Decision.number`)."""
+    routed_elsewhere: dict[str, int] = {}
+    """Records routed on other events than the log's, by partition ("" the fleet's): those of a
+    replica's partition are verified against its event log with `--partition`, the others
+    without. Only their numbers are followed here."""
     allow_unverified: bool = False
     """Records not verified do not fail the run (`--allow-unverified`)."""
 
@@ -132,6 +136,7 @@ def verify(
     skip_invalid: Callable[[str], None] | None = None,
     allow_unverified: bool = False,
     window: int = REORDER_RECORDS,
+    partition: str = "",
 ) -> VerifyReport:
     """Make every record (with the policy inputs its line lacks: `read_decisions_with_gaps`)
     arriving in [since, until] again on the states of `event_logs`, and compare; the numbers
@@ -140,12 +145,16 @@ def verify(
     The records are read as the event log is folded, in one pass, through a `window` of records
     that lets them out by seq, then arrival; those the fold has passed are made again in a
     second fold. So memory holds the window and the routing processes' numbering,
-    not the log (and the records that came too late for the window, normally none)."""
+    not the log (and the records that came too late for the window, normally none).
+
+    `event_logs` are the events of `partition` (a fleet replica's, `fleet.partition`; "" for
+    the fleet's or a gateway's own): records routed elsewhere are numbered, not made again."""
     numbers = RecordNumbers(shown)
+    elsewhere: Counter[str] = Counter()
     checker = _Checker(shown, allow_unverified)
     states = States(replay_steps(event_logs, warn=warn, skip_invalid=skip_invalid))
     late: list[tuple[Decision, tuple[str, ...], str]] = []
-    for record in _by_seq(decisions, numbers, since, until, window):
+    for record in _by_seq(_routed_in(partition, decisions, numbers, elsewhere), numbers, since, until, window):
         if record[0].seq < states.state.seq:
             late.append(record)
         else:
@@ -155,7 +164,24 @@ def verify(
         states = States(replay_steps(event_logs, skip_invalid=_told if skip_invalid is not None else None))
         for record in late:
             checker.check(*record, states)
-    return checker.report(numbers.finish())
+    report = checker.report(numbers.finish())
+    report.routed_elsewhere = dict(sorted(elsewhere.items()))
+    return report
+
+
+def _routed_in(
+    partition: str,
+    decisions: Iterable[tuple[Decision, tuple[str, ...]]],
+    numbers: RecordNumbers,
+    elsewhere: Counter[str],
+) -> Iterator[tuple[Decision, tuple[str, ...]]]:
+    """The records routed on `partition`'s events; the others numbered and counted by where."""
+    for decision, absent in decisions:
+        if decision.partition == partition:
+            yield decision, absent
+        else:
+            numbers.add(decision, f"{decision.replica}/{decision.worker}")
+            elsewhere[decision.partition] += 1
 
 
 def _by_seq(
@@ -378,6 +404,11 @@ def render_report(report: VerifyReport) -> str:
             f"{report.beyond_log} records not verified: the event log does not hold their snapshot: "
             + _names(report.beyond_log_ids, report.beyond_log)
         )
+    for partition, count in report.routed_elsewhere.items():
+        where = f"in partition {partition} (verify with its events and --partition {partition})" if partition else (
+            "on the fleet's events (verify without --partition)"
+        )
+        lines.append(f"{count} records routed {where}: only their numbers checked")
     lines += _numbering_lines(report.numbering)
     if report.divergent:
         shown = len(report.divergences)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from controlplane.infrastructure.config import ConfigError, Overrides, UnknownKey, load_config
 from controlplane.infrastructure.gocompat import format_go_duration, go_quote, parse_go_duration, parse_listen_address
 from events.config import (
+    DEFAULT_HEALTH_INTERVAL,
     DEFAULT_LOAD_SCRAPE_INTERVAL,
     DEFAULT_MAX_BUFFERED_RESPONSE_BYTES,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -983,14 +984,27 @@ def test_without_a_fleet_table_there_is_no_fleet(tmp_path: Path) -> None:
 def test_fleet_defaults(tmp_path: Path) -> None:
     fleet = load_text(tmp_path, ONE_NODE + '[fleet]\nnats = ["nats://10.0.0.9:4222"]\n').fleet
     assert fleet == FleetConfig(
-        nats=("nats://10.0.0.9:4222",), name="interlock", replica=socket.gethostname(), lease=3.0, lease_renewal=1.0
+        nats=("nats://10.0.0.9:4222",),
+        name="interlock",
+        replica=socket.gethostname(),
+        lease=3.0,
+        lease_renewal=1.0,
+        partition_after=3 * DEFAULT_HEALTH_INTERVAL,  # a few probe rounds
+        partition_dir="partitions",
+        decision_spool_bytes=32 * 1024 * 1024,
     )
+
+
+def test_partition_after_defaults_to_three_health_intervals(tmp_path: Path) -> None:
+    text = '[gateway]\nhealth_interval = "2s"\n' + ONE_NODE + '[fleet]\nnats = ["nats://a:1"]\n'
+    assert load_text(tmp_path, text).fleet.partition_after == 6.0
 
 
 def test_fleet_durations_and_names(tmp_path: Path) -> None:
     text = ONE_NODE + (
         '[fleet]\nnats = ["nats://a:4222", "tls://b:4222"]\nname = "prod-eu"\nreplica = "gw-2.example"\n'
-        'lease = "10s"\nlease_renewal = "2500ms"\nstream_replicas = 5\n'
+        'lease = "10s"\nlease_renewal = "2500ms"\nstream_replicas = 5\npartition_after = "45s"\n'
+        'partition_dir = "/var/lib/interlock/partitions"\ndecision_spool_bytes = 1048576\n'
     )
     assert load_text(tmp_path, text).fleet == FleetConfig(
         nats=("nats://a:4222", "tls://b:4222"),
@@ -999,6 +1013,9 @@ def test_fleet_durations_and_names(tmp_path: Path) -> None:
         lease=10.0,
         lease_renewal=2.5,
         stream_replicas=5,
+        partition_after=45.0,
+        partition_dir="/var/lib/interlock/partitions",
+        decision_spool_bytes=1048576,
     )
 
 
@@ -1026,6 +1043,18 @@ def test_serve_fleet_sets_the_servers_with_or_without_a_table(tmp_path: Path) ->
             "lease_renewal must be greater than zero and at most half the lease (1s)",
         ),
         ('nats = ["nats://a:1"]\nstream_replicas = 6', "fleet.stream_replicas", "stream_replicas must be 1 to 5"),
+        ('nats = ["nats://a:1"]\npartition_after = "soon"', "fleet.partition_after", "parsing partition_after"),
+        (
+            'nats = ["nats://a:1"]\npartition_after = "-5s"',
+            "fleet.partition_after",
+            "partition_after must be a duration greater than zero",
+        ),
+        (
+            'nats = ["nats://a:1"]\ndecision_spool_bytes = -1',
+            "fleet.decision_spool_bytes",
+            "decision_spool_bytes must be a number of bytes greater than zero (got -1)",
+        ),
+        ('nats = ["nats://a:1"]\npartition_dir = 3', "fleet.partition_dir", "Expected `str`, got `int`"),
     ],
 )
 def test_fleet_errors_name_the_key(tmp_path: Path, lines: str, key: str, message: str) -> None:

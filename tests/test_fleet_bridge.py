@@ -226,6 +226,7 @@ async def test_a_replica_whose_nats_error_callback_fails_serves_on(tmp_path):
     log.stream = WarningsFail()
     async with nats_servers(tmp_path) as [server], serve_nodes(node_specs(1)) as nodes:
         fleet = f'[fleet]\nnats = ["{server.url}"]\nname = "bridged"\nreplica = "solo"\nlease = "2s"\n'
+        fleet += f'partition_dir = "{tmp_path / "partitions"}"\n'
         async with running_gateway(tmp_path, nodes, health_interval="1s", extra=fleet, log=log) as gateway:
 
             async def answered() -> int:

@@ -40,7 +40,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess:
 def test_the_alert_rules_pass_promtool_check():
     checked = promtool("check", "rules", str(ALERTS))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 13 rules found" in checked.stdout
+    assert "SUCCESS: 15 rules found" in checked.stdout
 
 
 def test_the_alert_rules_pass_their_unit_tests():
@@ -198,7 +198,7 @@ async def test_every_dashboard_query_has_data_per_instance_from_a_real_prometheu
                 assert sorted(listed) == sorted(instances)
                 rules = (await http.get(prometheus_url + "/api/v1/rules")).json()["data"]["groups"][0]["rules"]
                 assert {rule["name"]: rule["health"] for rule in rules} == {rule["name"]: "ok" for rule in rules}
-                assert len(rules) == 13
+                assert len(rules) == 15
                 firing = {rule["name"] for rule in rules if rule["alerts"]}
                 assert not firing & {"InterlockGatewayDown", "InterlockGatewayAbsent"}
                 nursery.cancel_scope.cancel()

@@ -50,7 +50,7 @@ from events.config import Config, GatewayConfig
 from events.log import encode_event, last_seq
 from events.state import ClusterState
 from events.types import Checkpoint, ConfigReloaded, Event, ReloadRejected, RunStarted, RunStopped
-from journal.writer import LogAppender
+from journal.writer import LogAppender, SegmentedFile
 
 REDUCER_BATCH = 64
 """Queued events the reducer applies in a row before it lets other tasks run."""
@@ -161,14 +161,7 @@ class ControlPlane:
         and continue its numbering."""
         file = await trio.to_thread.run_sync(open_configured_log, gateway, "event_log", "event log")
         self._seq = await trio.to_thread.run_sync(_last_seq_or_zero, gateway.event_log)
-        return LogAppender(
-            file,
-            log=self.log,
-            write_errors=self.metrics.event_log_write_errors,
-            dropped=self.metrics.event_log_dropped_events,
-            backlog_limit=EVENT_LOG_BACKLOG,
-            head=segment_head,
-        )
+        return event_log_appender(file, self.log, self.metrics)
 
     async def stop(self) -> None:
         """Stop probing, apply RunStopped, flush and close the event log; idempotent. Probes
@@ -231,6 +224,20 @@ class ControlPlane:
     def _apply(self, event: Event) -> None:
         self._seq += 1
         self.applier.apply(msgspec.structs.replace(event, seq=self._seq))
+
+
+def event_log_appender(file: SegmentedFile, log: JsonLog, metrics: ControlPlaneMetrics) -> LogAppender:
+    """An event log's appender (the gateway's, or a fleet replica's partition's): batched off
+    the trio thread, bounded by EVENT_LOG_BACKLOG, each segment opening with a checkpoint of
+    the state before its first event."""
+    return LogAppender(
+        file,
+        log=log,
+        write_errors=metrics.event_log_write_errors,
+        dropped=metrics.event_log_dropped_events,
+        backlog_limit=EVENT_LOG_BACKLOG,
+        head=segment_head,
+    )
 
 
 def segment_head(state: ClusterState) -> bytes:

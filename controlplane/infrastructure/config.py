@@ -34,6 +34,7 @@ from controlplane.infrastructure.gocompat import go_quote, join_host_port, parse
 from controlplane.infrastructure.keyfiles import NOT_A_DIGEST, SHA256_HEX, read_key_digests, read_upstream_key
 from events.config import (
     DEFAULT_DECISION_LOG_MAX_BYTES,
+    DEFAULT_DECISION_SPOOL_BYTES,
     DEFAULT_EVENT_LOG_MAX_BYTES,
     DEFAULT_FLEET_LEASE,
     DEFAULT_FLEET_LEASE_RENEWAL,
@@ -42,11 +43,13 @@ from events.config import (
     DEFAULT_LISTEN,
     DEFAULT_METRICS_LISTEN,
     DEFAULT_METRICS_PORT,
+    DEFAULT_PARTITION_DIR,
     DEFAULT_TENANT_QUEUE_SIZE,
     DEFAULT_VLLM_PORT,
     GATEWAY_TENANT,
     LOG_FORMATS,
     LOG_LEVELS,
+    PARTITION_AFTER_INTERVALS,
     POLICIES,
     AdmissionConfig,
     Config,
@@ -165,7 +168,7 @@ _DURATION_KEYS = {
         "shutdown_grace",
     ),
     "routing": ("load_scrape_interval",),
-    "fleet": ("lease", "lease_renewal"),
+    "fleet": ("lease", "lease_renewal", "partition_after"),
 }
 """The keys, by table, that hold Go duration strings in the file and float seconds in the schema."""
 _MODEL_ENTRY = re.compile(r"models\.available\[(\d+)\]")
@@ -381,9 +384,18 @@ def _apply_loader_defaults(path: str, config: Config, duration_texts: dict[str, 
     )
     fleet = config.fleet
     if fleet is not None:
-        lease = {"lease": DEFAULT_FLEET_LEASE, "lease_renewal": DEFAULT_FLEET_LEASE_RENEWAL} | durations["fleet"]
+        timing = {
+            "lease": DEFAULT_FLEET_LEASE,
+            "lease_renewal": DEFAULT_FLEET_LEASE_RENEWAL,
+            "partition_after": PARTITION_AFTER_INTERVALS * gateway.health_interval,
+        } | durations["fleet"]
         fleet = replace(
-            fleet, name=fleet.name or DEFAULT_FLEET_NAME, replica=fleet.replica or socket.gethostname(), **lease
+            fleet,
+            name=fleet.name or DEFAULT_FLEET_NAME,
+            replica=fleet.replica or socket.gethostname(),
+            partition_dir=fleet.partition_dir or DEFAULT_PARTITION_DIR,
+            decision_spool_bytes=fleet.decision_spool_bytes or DEFAULT_DECISION_SPOOL_BYTES,
+            **timing,
         )
     available = tuple(
         replace(model, **model_durations.get(index, {})) for index, model in enumerate(config.models.available)

@@ -475,6 +475,13 @@ def _check_fleet(invalid: Invalid, fleet: FleetConfig | None) -> None:
             "lease_renewal must be greater than zero and at most half the lease "
             f"({format_go_seconds(fleet.lease / 2)})",
         )
+    if not 0 < fleet.partition_after < math.inf:
+        raise invalid("fleet.partition_after", "partition_after must be a duration greater than zero")
+    if fleet.decision_spool_bytes <= 0:
+        raise invalid(
+            "fleet.decision_spool_bytes",
+            f"decision_spool_bytes must be a number of bytes greater than zero (got {fleet.decision_spool_bytes})",
+        )
     _check_fleet_credentials(invalid, fleet)
 
 

@@ -101,6 +101,16 @@ def add_decision_logs(parser: argparse.ArgumentParser, *, required: bool = True)
     )
 
 
+def add_partition(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--partition",
+        default="",
+        metavar="NAME",
+        help="the logs are the events of this partition of a fleet replica (a fleet export's "
+        "DIR/partitions/NAME/events.jsonl): the records routed in it are the ones read against them",
+    )
+
+
 def replay_logs(args: argparse.Namespace, **limits: float | int | None) -> ReplayResult:
     """`replay` of the command's logs: warnings on stderr; with --skip-invalid, each invalid line
     is reported as it is skipped, and their count at the end."""

@@ -10,6 +10,7 @@ from interlock.commands.common import (
     EXIT_NO_NODE,
     EXIT_OK,
     add_log_arguments,
+    add_partition,
     add_skip_invalid,
     bad_input,
     print_json,
@@ -29,6 +30,7 @@ def add_explain(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", metavar="M", help="the requested model, exactly as sent (unless --request-id)")
     parser.add_argument("--request-id", metavar="ID", help="explain this recorded request instead")
     parser.add_argument("--decisions", metavar="FILE", help="the decision log (gateway.decision_log) to find it in")
+    add_partition(parser)
     add_skip_invalid(parser)
     parser.set_defaults(run=run_explain)
 
@@ -36,8 +38,9 @@ def add_explain(commands: argparse._SubParsersAction) -> None:
 def run_explain(args: argparse.Namespace) -> int:
     if args.request_id is not None:
         return _explain_request(args)
-    if args.decisions is not None:
-        return bad_input(args, "argument --decisions: only allowed with --request-id")
+    for given, name in ((args.decisions, "--decisions"), (args.partition, "--partition")):
+        if given:
+            return bad_input(args, f"argument {name}: only allowed with --request-id")
     if args.model is None:
         return bad_input(args, "the following arguments are required: --model")
     if not args.logs:
@@ -63,6 +66,8 @@ def _explain_request(args: argparse.Namespace) -> int:
     if not records:
         return bad_input(args, f"no request with id {args.request_id!r} in the decision log {args.decisions}")
     *earlier, decision = records
+    if args.logs and decision.partition != args.partition:
+        return bad_input(args, _routed_elsewhere(args.request_id, decision.partition, decision.replica))
     # The control plane as the request saw it: the log replayed up to the snapshot it was routed on.
     result = replay_logs(args, until_seq=decision.seq) if args.logs else None
     if args.json:
@@ -77,3 +82,14 @@ def _explain_request(args: argparse.Namespace) -> int:
             text += "\n\n" + render_saturation(decision, saturated)
         print(text)
     return EXIT_OK
+
+
+def _routed_elsewhere(request_id: str, partition: str, replica: str) -> str:
+    """Why a request is not explained against the events given: it was routed on others."""
+    if partition:
+        return (
+            f"request {request_id!r} was routed in partition {partition} of replica {replica}, on its own events: "
+            f"explain it with that partition's event log (a fleet export's DIR/partitions/{partition}/events.jsonl) "
+            f"and --partition {partition}"
+        )
+    return f"request {request_id!r} was routed on the fleet's events, not a partition's: explain it without --partition"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from events.config import DEFAULT_FLEET_NAME, FleetConfig
@@ -21,16 +22,32 @@ def add_fleet(commands: argparse._SubParsersAction) -> None:
         "--fleet", required=True, type=argument_type(parse_nats_urls), metavar="URL[,URL…]", help="the NATS servers"
     )
     export.add_argument("--name", default=DEFAULT_FLEET_NAME, help=f"the fleet's name (default: {DEFAULT_FLEET_NAME})")
+    export.add_argument(
+        "--partitions",
+        type=Path,
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="PARTITION_DIR",
+        help="replicas' [fleet] partition_dir: their partitions' events are written as DIR/partitions/NAME/",
+    )
     export.set_defaults(run=run_fleet_export)
 
 
 def run_fleet_export(args: argparse.Namespace) -> int:
-    from fleet.export import ExportError, run_export, run_export_decisions  # NATS, imported only for the fleet
+    from fleet.export import (  # NATS, imported only for the fleet
+        ExportError,
+        export_partitions,
+        partitions_named,
+        run_export,
+        run_export_decisions,
+    )
 
     fleet = FleetConfig(nats=args.fleet, name=args.name, replica="export", lease=1.0, lease_renewal=0.5)
     try:
         path, count = run_export(fleet, args.dir)
         decisions_path, decisions = run_export_decisions(fleet, args.dir)
+        partitions = export_partitions(args.partitions, args.dir)
     except ExportError as error:
         return bad_input(args, str(error))
     except Exception as error:  # NATS unreachable, a stream missing: one line, no traceback
@@ -38,4 +55,13 @@ def run_fleet_export(args: argparse.Namespace) -> int:
         return bad_input(args, f"cannot read the fleet {args.name!r} from {servers}: {error or repr(error)}")
     print(f"wrote {count} events to {path}")
     print(f"wrote {decisions} decision records to {decisions_path}")
+    for partition in partitions:
+        where = args.dir / "partitions" / partition.partition
+        print(f"wrote partition {partition.partition} ({partition.interval()}) to {where}")
+    for name in sorted(partitions_named(decisions_path) - {partition.partition for partition in partitions}):
+        print(
+            f"interlock: fleet export: records were routed in partition {name}, whose events are not in the export "
+            "(give its replica's partition_dir with --partitions)",
+            file=sys.stderr,
+        )
     return 0

@@ -12,6 +12,7 @@ from interlock.commands.common import (
     EXIT_OK,
     add_decision_logs,
     add_log_arguments,
+    add_partition,
     add_skip_invalid,
     add_span,
     bad_input,
@@ -30,6 +31,7 @@ def add_verify(commands: argparse._SubParsersAction) -> None:
     )
     add_log_arguments(parser, moment=False)
     add_decision_logs(parser)
+    add_partition(parser)
     add_span(parser)
     parser.add_argument(
         "--show",
@@ -62,6 +64,7 @@ def run_verify(args: argparse.Namespace) -> int:
         warn=warn,
         skip_invalid=skip,
         allow_unverified=args.allow_unverified,
+        partition=args.partition,
     )
     if report.numbering.unnumbered:
         warn(unnumbered_warning(report.numbering))

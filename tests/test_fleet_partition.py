@@ -1,0 +1,185 @@
+"""A NATS outage longer than `[fleet] partition_after`, with real processes: a `nats-server`
+stopped and started again, three replicas (`interlock serve` subprocesses), two simulated nodes.
+
+Each replica enters a partition (`fleet.partition`): it probes the nodes itself, so a node killed
+during the outage is excluded by every replica; its decision records wait in its spool. When
+NATS is back each replica leaves its partition and follows the stream again (no event of a
+partition is on it), and the spooled records reach the decision stream. `fleet export
+--partitions` writes each partition's events beside the stream's; `verify` passes over the
+stream's records and, with `--partition`, over each partition's, and `explain` traces a request
+routed in a partition to the partition's own events.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+import msgspec
+import trio
+
+from events.decisions import read_decisions
+from events.log import read_events
+from events.types import Checkpoint, HealthProbed
+from fixtures.node import serve_nodes
+from harness import MODEL, PROJECT_ROOT, chat, node_specs
+from nats_cluster import nats_servers
+from test_fleet import Observed, Replica, agreed, assert_gapless, events_in, fleet_events, fleet_of, until
+
+PARTITION_AFTER = "2s"
+
+
+async def health(http: httpx.AsyncClient, replica: Replica) -> httpx.Response:
+    return await http.get(replica.url + "/health", timeout=5)
+
+
+async def node_status(http: httpx.AsyncClient, replica: Replica, ip: str) -> str:
+    [status] = [node["status"] for node in (await health(http, replica)).json()["details"] if node["ip"] == ip]
+    return status
+
+
+async def cli(*arguments: str) -> trio.CompletedProcess:
+    return await trio.run_process(
+        [sys.executable, "-m", "interlock.cli", *arguments],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        cwd=PROJECT_ROOT,
+    )
+
+
+async def served(http: httpx.AsyncClient, replica: Replica, request_id: str) -> str:
+    """Send a request through `replica`; the node that answered it."""
+    response = await http.post(
+        replica.url + "/v1/chat/completions", json=chat(MODEL), headers={"X-Request-Id": request_id}, timeout=10
+    )
+    assert response.status_code == 200, (replica.name, response.text)
+    return response.headers["X-Interlock-Node"]
+
+
+async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verified(tmp_path):
+    async with (
+        nats_servers(tmp_path) as [server],
+        serve_nodes(node_specs(2)) as nodes,
+        fleet_of(tmp_path, nodes, [server], fleet_keys=f'partition_after = "{PARTITION_AFTER}"\n') as replicas,
+        httpx.AsyncClient() as http,
+    ):
+        killed, alive = nodes
+        observed = Observed()
+        await agreed(http, replicas, observed)
+        for replica in replicas:
+            await served(http, replica, f"before-{replica.name}")
+
+        await server.kill()
+
+        async def all_partitioned() -> bool:
+            return all(["X-Interlock-Partition" in (await health(http, replica)).headers for replica in replicas])
+
+        await until(all_partitioned, "every replica in a partition")
+        for replica in replicas:
+            status, body = await replica.ready(http)
+            assert status == 200, body  # a partition serves, and stays in the balancer's rotation
+            headers = (await health(http, replica)).headers
+            assert headers["X-Interlock-Partition"].startswith(f"{replica.name} from fleet seq ")
+            assert "partitioned" in headers["X-Interlock-Degraded"]
+            assert await replica.metric(http, "interlock_fleet_partitioned") == 1
+
+        killed.behaviour.refuse = True
+
+        async def excluded_everywhere() -> bool:
+            return all([await node_status(http, replica, killed.host) == "dead" for replica in replicas])
+
+        await until(excluded_everywhere, "the node killed during the outage dead on every replica")
+        for replica in replicas:
+            assert await served(http, replica, f"during-{replica.name}") == alive.name
+
+        async def spooled() -> bool:  # a record is made as its request ends, after the answer
+            return all([await replica.metric(http, "interlock_fleet_decision_spool_records") > 0 for replica in replicas])
+
+        await until(spooled, "the records made during the outage in every replica's spool")
+
+        await server.start()
+
+        async def all_back() -> bool:
+            answers = [(await health(http, replica)).headers for replica in replicas]
+            return all("X-Interlock-Partition" not in answer and "X-Interlock-Last-Partition" in answer for answer in answers)
+
+        await until(all_back, "every replica out of its partition, following the stream")
+        await agreed(http, replicas, observed)
+
+        async def spools_sent() -> bool:
+            return all([await replica.metric(http, "interlock_fleet_decision_spool_records") == 0 for replica in replicas])
+
+        await until(spools_sent, "every replica's spooled records sent")
+        for replica in replicas:
+            assert await replica.metric(http, "interlock_fleet_decisions_dropped_total") == 0
+            assert await replica.metric(http, "interlock_fleet_partitioned") == 0
+        stream = await fleet_events(server.url)
+        assert_gapless(stream)  # nothing of the partitions was published as the fleet's
+        fleet_seqs = [event.seq for event in events_in(stream)]
+
+        export = tmp_path / "export"
+        exported = await cli(
+            "fleet", "export", str(export), "--fleet", server.url,
+            "--partitions", *(str(replica.config_path.parent / "partitions") for replica in replicas),
+        )  # fmt: skip
+        assert exported.returncode == 0, exported.stderr.decode()
+        assert exported.stderr == b""  # every partition the records name is in the export
+        records = {record.request_id: record for record in read_decisions(export / "decisions.jsonl")}
+        partitions = {}
+        for replica in replicas:
+            assert records[f"before-{replica.name}"].partition == ""
+            during = records[f"during-{replica.name}"]
+            assert during.partition.startswith(f"{replica.name}-from-")
+            directory = export / "partitions" / during.partition
+            partition = msgspec.json.decode((directory / "partition.json").read_bytes())
+            assert partition["replica"] == replica.name
+            assert partition["ended_at"] > partition["started_at"]
+            assert partition["from_seq"] in fleet_seqs
+            events = list(read_events([directory / "events.jsonl"]))
+            assert isinstance(events[0], Checkpoint) and events[0].seq == partition["from_seq"]
+            assert [event.seq for event in events[1:]] == list(range(partition["from_seq"] + 1, partition["last_seq"] + 1))
+            assert any(isinstance(event, HealthProbed) for event in events)  # probed by the replica itself
+            assert partition["from_seq"] < during.seq <= partition["last_seq"]
+            partitions[replica.name] = during.partition
+            assert f"wrote partition {during.partition}" in exported.stdout.decode()
+
+        without = await cli("fleet", "export", str(tmp_path / "without"), "--fleet", server.url)
+        assert without.returncode == 0
+        for name in partitions.values():  # records of a partition whose events were not given
+            assert f"records were routed in partition {name}, whose events are not in the export" in without.stderr.decode()
+
+        decisions = str(export / "decisions.jsonl")
+        verified = await cli("verify", str(export / "events.jsonl"), "--decisions", decisions, "--json")
+        assert verified.returncode == 0, verified.stdout.decode()
+        report = msgspec.json.decode(verified.stdout)
+        assert report["passed"] and report["verified"] >= len(replicas)
+        assert report["routed_elsewhere"] == {name: records_in(records, name) for name in partitions.values()}
+        for name in partitions.values():
+            partition_events = str(export / "partitions" / name / "events.jsonl")
+            verified = await cli("verify", partition_events, "--decisions", decisions, "--partition", name, "--json")
+            assert verified.returncode == 0, verified.stdout.decode()
+            report = msgspec.json.decode(verified.stdout)
+            assert report["passed"] and report["verified"] == records_in(records, name)
+            assert report["numbering"]["missing"] == 0  # the records of every routing process whole
+
+        name = partitions["r1"]
+        partition_events = str(export / "partitions" / name / "events.jsonl")
+        result = await cli("explain", partition_events, "--request-id", "during-r1", "--decisions", decisions,
+                           "--partition", name, "--json")  # fmt: skip
+        assert result.returncode == 0, result.stderr.decode()
+        explained = msgspec.json.decode(result.stdout)
+        assert [attempt["node"] for attempt in explained["attempts"]] == [alive.host]
+        [cause] = explained["causes"]
+        assert cause["node"] == killed.host and cause["reason"] in ("dead", "expired")  # its health or its listing
+        partition = msgspec.json.decode((export / "partitions" / name / "partition.json").read_bytes())
+        assert int(cause["last_change"]["seq"]) > partition["from_seq"]  # excluded by the partition's own probes
+
+        wrong = await cli("explain", str(export / "events.jsonl"), "--request-id", "during-r1", "--decisions", decisions)
+        assert wrong.returncode != 0
+        assert f"routed in partition {name} of replica r1" in wrong.stderr.decode()
+
+
+def records_in(records: dict, partition: str) -> int:
+    return sum(1 for record in records.values() if record.partition == partition)
+
