@@ -7,7 +7,8 @@ NATS is back each replica leaves its partition and follows the stream again (no 
 partition is on it), and the spooled records reach the decision stream. `fleet export
 --partitions` writes each partition's events beside the stream's; `verify` passes over the
 stream's records and, with `--partition`, over each partition's, and `explain` traces a request
-routed in a partition to the partition's own events.
+routed in a partition to the partition's own events. A spool bounded below what the outage
+brings drops the newest records, counted, and sends the others.
 """
 
 from __future__ import annotations
@@ -183,3 +184,67 @@ async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verif
 def records_in(records: dict, partition: str) -> int:
     return sum(1 for record in records.values() if record.partition == partition)
 
+
+
+async def test_a_full_spool_drops_the_newest_records_and_counts_them(tmp_path):
+    """`decision_spool_bytes` bounds the records waiting for the stream while NATS is away: the
+    ones beyond it are dropped and counted, every one within it reaches the stream once NATS is
+    back, and the records' numbers show exactly the ones dropped."""
+    spool = 4096
+    async with (
+        nats_servers(tmp_path) as [server],
+        serve_nodes(node_specs(1)) as nodes,
+        fleet_of(
+            tmp_path, nodes, [server], count=1, fleet_keys=f'decision_spool_bytes = {spool}\npartition_after = "1h"\n'
+        ) as [replica],
+        httpx.AsyncClient() as http,
+    ):
+        await agreed(http, [replica], Observed())
+        await server.kill()
+
+        async def cut_off() -> bool:
+            return (await health(http, replica)).headers.get("X-Interlock-Degraded") == "not connected to NATS"
+
+        await until(cut_off, "the replica cut off from NATS")
+        made = 0
+
+        async def every_record_spooled_or_dropped() -> bool:
+            spooled = await replica.metric(http, "interlock_fleet_decision_spool_records")
+            return spooled + await replica.metric(http, "interlock_fleet_decisions_dropped_total") == made
+
+        while made < 200 and await replica.metric(http, "interlock_fleet_decisions_dropped_total") < 3:
+            await served(http, replica, f"outage-{made}")
+            made += 1
+            await until(every_record_spooled_or_dropped, "the request's record spooled or dropped")
+        dropped = await replica.metric(http, "interlock_fleet_decisions_dropped_total")
+        spooled = await replica.metric(http, "interlock_fleet_decision_spool_records")
+        assert dropped == 3 and spooled > 0
+        assert await replica.metric(http, "interlock_fleet_decision_spool_bytes") <= spool
+        assert await replica.metric(http, "interlock_fleet_decision_spool_limit_bytes") == spool
+
+        await server.start()
+
+        async def spool_sent() -> bool:
+            return await replica.metric(http, "interlock_fleet_decision_spool_records") == 0
+
+        await until(spool_sent, "the spooled records sent")
+        await served(http, replica, "after")  # numbered after the ones dropped: they show as missing
+        export = tmp_path / "export"
+        with trio.fail_after(60):
+            while True:
+                exported = await cli("fleet", "export", str(export), "--fleet", server.url)
+                assert exported.returncode == 0, exported.stderr.decode()
+                ids = [record.request_id for record in read_decisions(export / "decisions.jsonl")]
+                if "after" in ids:
+                    break
+                await trio.sleep(0.2)
+        assert ids == [f"outage-{index}" for index in range(int(spooled))] + ["after"]  # every one within the bound
+        verified = await cli(
+            "verify", str(export / "events.jsonl"), "--decisions", str(export / "decisions.jsonl"), "--json"
+        )
+        report = msgspec.json.decode(verified.stdout)
+        assert report["numbering"]["missing"] == dropped  # the ones dropped, named by their numbers
+        assert report["numbering"]["gaps"] == [
+            {"process": "r1/0", "first": int(spooled) + 1, "last": int(spooled + dropped)}
+        ]
+        assert not report["passed"]
