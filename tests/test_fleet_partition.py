@@ -34,9 +34,12 @@ async def health(http: httpx.AsyncClient, replica: Replica) -> httpx.Response:
     return await http.get(replica.url + "/health", timeout=5)
 
 
-async def node_status(http: httpx.AsyncClient, replica: Replica, ip: str) -> str:
-    [status] = [node["status"] for node in (await health(http, replica)).json()["details"] if node["ip"] == ip]
-    return status
+async def node_status(http: httpx.AsyncClient, replica: Replica, ip: str) -> tuple[str, str]:
+    """The worker that answered (a new connection each time, so any of a replica's workers may)
+    and the status of node `ip` in its `/health`."""
+    response = await http.get(replica.url + "/health", headers={"Connection": "close"}, timeout=5)
+    [status] = [node["status"] for node in response.json()["details"] if node["ip"] == ip]
+    return response.headers["X-Interlock-Worker"], status
 
 
 async def cli(*arguments: str) -> trio.CompletedProcess:
@@ -62,7 +65,9 @@ async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verif
     async with (
         nats_servers(tmp_path) as [server],
         serve_nodes(node_specs(2)) as nodes,
-        fleet_of(tmp_path, nodes, [server], fleet_keys=f'partition_after = "{PARTITION_AFTER}"\n') as replicas,
+        fleet_of(
+            tmp_path, nodes, [server], gateway=[{}, {}, {"workers": 2}], fleet_keys=f'partition_after = "{PARTITION_AFTER}"\n'
+        ) as replicas,
         httpx.AsyncClient() as http,
     ):
         killed, alive = nodes
@@ -87,10 +92,17 @@ async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verif
 
         killed.behaviour.refuse = True
 
-        async def excluded_everywhere() -> bool:
-            return all([await node_status(http, replica, killed.host) == "dead" for replica in replicas])
+        processes = {("r1", "0"), ("r2", "0"), ("r3", "1"), ("r3", "2")}  # r3's API is served by its two workers
+        dead_in: set[tuple[str, str]] = set()
 
-        await until(excluded_everywhere, "the node killed during the outage dead on every replica")
+        async def excluded_everywhere() -> bool:
+            for replica in replicas:
+                worker, status = await node_status(http, replica, killed.host)
+                if status == "dead":
+                    dead_in.add((replica.name, worker))
+            return dead_in == processes
+
+        await until(excluded_everywhere, "the node killed during the outage dead in every process of every replica")
         for replica in replicas:
             assert await served(http, replica, f"during-{replica.name}") == alive.name
 
