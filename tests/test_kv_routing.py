@@ -3,7 +3,8 @@ publish their KV events over ZeroMQ in vLLM's format (fixtures/node.py), followe
 gateway's own subscribers into its index; prompts tokenized with the same tokenizer directory
 (fixtures/tokenizer_dir.py). Requests sent to a node directly stand for a client going around
 the gateway: the gateway sees what they put in the node's cache only through the node's events.
-Then `interlock verify` makes every pick again from the records, and a changed match fails it."""
+Then `interlock verify` makes every pick again from the records (test_verify's tamper suite
+changes their matches)."""
 
 from __future__ import annotations
 
@@ -192,35 +193,6 @@ def test_the_records_verify_and_explain_shows_the_blocks_each_node_held(kv_run):
         held = candidate.kv
         assert rows[candidate.node]["KV BLOCKS"] == f"{held.matched}/{held.total}"
         assert rows[candidate.node]["KV SEQ"] == str(held.seq)
-
-
-def _matched(candidates: list[dict]) -> None:
-    """A node that held nothing said to hold the whole prompt."""
-    candidates[1]["kv"]["matched"] = candidates[1]["kv"]["total"]
-
-
-def _total(candidates: list[dict]) -> None:
-    """The prompt's blocks one more at the node that held it."""
-    candidates[0]["kv"]["total"] += 1
-
-
-def _not_flowing(candidates: list[dict]) -> None:
-    candidates[1]["kv"]["flowing"] = False
-
-
-@pytest.mark.parametrize("edit", [_matched, _total, _not_flowing], ids=["matched", "total", "flowing"])
-def test_a_record_whose_match_was_changed_fails_naming_it(kv_run, tmp_path, edit):
-    lines = kv_run.decisions.read_text().splitlines()
-    tampered = json.loads(lines[-1])
-    edit(tampered["candidates"])
-    lines[-1] = json.dumps(tampered)
-    edited = tmp_path / "edited.jsonl"
-    edited.write_text("\n".join(lines) + "\n")
-    result = interlock("verify", kv_run.events, "--decisions", edited, "--json")
-    assert result.returncode == 1, result.stdout
-    report = json.loads(result.stdout)
-    assert {d["request_id"] for d in report["divergences"]} == {tampered["request_id"]}
-    assert any(d["field"].startswith("candidates") for d in report["divergences"]), report["divergences"]
 
 
 async def test_without_kv_events_kv_aware_routes_as_prefix_affinity_and_says_so(tmp_path):

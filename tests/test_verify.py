@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from test_kv_routing import KvRun, record_kv_run
 from test_whatif_cli import Run, record_run
 
 from fixtures.scenarios import DECISIONS_PATH, SCENARIO_PATH
@@ -369,3 +370,39 @@ def test_records_later_than_the_window_of_records_are_made_again_in_a_second_fol
     backwards = list(reversed(list(read_decisions_with_gaps([least_load_run.decisions]))))
     report = verify_records([least_load_run.events], backwards, window=2)
     assert (report.decisions, report.verified, report.divergent) == (12, 12, 0), report.divergences
+
+
+@pytest.fixture(scope="module")
+def kv_run(tmp_path_factory) -> KvRun:
+    """A kv_aware run whose records keep each candidate's match (`test_kv_routing`)."""
+    return trio.run(record_kv_run, tmp_path_factory.mktemp("kv"))
+
+
+def _matched(candidates: list[dict]) -> None:
+    """A node that held nothing said to hold the whole prompt."""
+    candidates[1]["kv"]["matched"] = candidates[1]["kv"]["total"]
+
+
+def _total(candidates: list[dict]) -> None:
+    """The prompt's blocks one more at the node that held it."""
+    candidates[0]["kv"]["total"] += 1
+
+
+def _not_flowing(candidates: list[dict]) -> None:
+    candidates[1]["kv"]["flowing"] = False
+
+
+@pytest.mark.parametrize("edit", [_matched, _total, _not_flowing], ids=["matched", "total", "flowing"])
+def test_a_kv_aware_record_whose_match_was_changed_fails_naming_it(kv_run, tmp_path, edit):
+    """A match is an input of the pick like load: changed where it changes a score, it fails."""
+    lines = kv_run.decisions.read_text().splitlines()
+    tampered = json.loads(lines[-1])
+    edit(tampered["candidates"])
+    lines[-1] = json.dumps(tampered)
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join(lines) + "\n")
+    result = verify(kv_run.events, edited, options=("--json",))
+    assert result.returncode == 1, result.stdout
+    report = json.loads(result.stdout)
+    assert {d["request_id"] for d in report["divergences"]} == {tampered["request_id"]}
+    assert any(d["field"].startswith("candidates") for d in report["divergences"]), report["divergences"]
