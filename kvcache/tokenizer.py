@@ -24,8 +24,13 @@ there, at the last whitespace before it (a token never spans one), so only its f
 matched; tokenizing runs in worker threads (at most TOKENIZING_THREADS at once); the tokens of
 the last CACHED_PROMPTS prompts are kept, keyed by a digest of the model's directory and the
 request's prompt (its messages or prompt as sent, and the options that change the rendering),
-so a prompt seen again (a retry, a client sending it to several replicas' workers) costs a
-digest. No network: every file is the directory's.
+so a prompt seen again (a retry) costs a digest on the trio thread. And a rendered chat is
+tokenized piece by piece between its special tokens (the template's role markers and ends of
+turn), the pieces of recent chats kept (CACHED_PIECE_TOKENS), so a conversation's next turn, or
+another conversation under the same system prompt, tokenizes only its new pieces; `tokenizers`
+itself cuts a text at its special tokens first, so the tokens are the whole text's (where they
+would not be, `_special_splitter` says why, the whole text is tokenized). No network: every
+file is the directory's.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import threading
+from array import array
 from collections import OrderedDict
 from datetime import datetime
 from typing import Any
@@ -58,6 +65,8 @@ MAX_PROMPT_CHARACTERS = 256 * 1024
 """Characters of a rendered prompt (or a completion's prompt) tokenized; the rest is not matched."""
 CACHED_PROMPTS = 256
 """Prompts whose tokens a process keeps, the least recently asked forgotten first."""
+CACHED_PIECE_TOKENS = 1_000_000
+"""Tokens of the pieces of recent chats kept per tokenizer (4 bytes each)."""
 LOADED_TOKENIZERS = 8
 """Tokenizer directories a process keeps loaded (a reload may name others)."""
 TOKENIZING_THREADS = 2
@@ -89,6 +98,10 @@ class ModelTokenizer:
         self._tokenizer = Tokenizer.from_str(text)
         self._template = _compile(files.chat_template) if files.chat_template else None
         self._special_tokens = files.special_tokens
+        self._splitter = _special_splitter(json.loads(text))
+        """The special tokens a rendered chat is cut at, with their ids; None when pieces between
+        them would not be tokenized as the whole is (`_special_splitter`)."""
+        self._pieces = _Pieces()
 
     def chat_tokens(self, messages: list[Any], add_generation_prompt: bool, kwargs: dict[str, Any]) -> list[int] | None:
         """The tokens of a chat's rendered prompt; None when the model has no template."""
@@ -98,7 +111,26 @@ class ModelTokenizer:
         rendered = self._template.render(
             **{**kwargs, **self._special_tokens, "messages": chat, "add_generation_prompt": add_generation_prompt}
         )
-        return self._tokenizer.encode(_capped(rendered), add_special_tokens=False).ids
+        rendered = _capped(rendered)
+        if self._splitter is None:
+            return self._tokenizer.encode(rendered, add_special_tokens=False).ids
+        pattern, ids = self._splitter
+        tokens: list[int] = []
+        for index, piece in enumerate(pattern.split(rendered)):
+            if index % 2:
+                tokens.append(ids[piece])
+            elif piece:
+                tokens += self._piece_tokens(piece)
+        return tokens
+
+    def _piece_tokens(self, piece: str) -> array:
+        """The tokens of the text between two special tokens, tokenized once while recent."""
+        key = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        tokens = self._pieces.get(key)
+        if tokens is None:
+            tokens = array("I", self._tokenizer.encode(piece, add_special_tokens=False).ids)
+            self._pieces.put(key, tokens)
+        return tokens
 
     def completion_tokens(self, prompt: str) -> list[int]:
         return self._tokenizer.encode(_capped(prompt), add_special_tokens=True).ids
@@ -113,6 +145,68 @@ def _compile(template: str) -> jinja2.Template:
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = _strftime_now
     return environment.from_string(template)
+
+
+def _special_splitter(tokenizer_json: dict[str, Any]) -> tuple[re.Pattern[str], dict[str, int]] | None:
+    """A pattern cutting a rendered chat at its special tokens, and their ids, when tokenizing
+    the pieces between them one by one gives the tokens of the whole: `tokenizers` cuts a text at
+    its added tokens before anything else and pre-tokenizes each piece on its own, so with a
+    byte-level pre-tokenizer, no normalizer, and special tokens that match exactly (not
+    normalized, no stripping, no whole-word rule, none inside another added token) it does. Else
+    None: the whole text is tokenized each time (a Metaspace pre-tokenizer, as Llama 2's, treats
+    the text's first piece apart)."""
+    if tokenizer_json.get("normalizer") is not None or not _byte_level(tokenizer_json.get("pre_tokenizer")):
+        return None
+    added = [token for token in tokenizer_json.get("added_tokens") or [] if isinstance(token, dict)]
+    special = {
+        token["content"]: token["id"]
+        for token in added
+        if token.get("special") and isinstance(token.get("content"), str) and token["content"]
+        and not any(token.get(key) for key in ("normalized", "lstrip", "rstrip", "single_word"))
+    }  # fmt: skip
+    contents = [token.get("content") for token in added if isinstance(token.get("content"), str)]
+    if not special or any(inside in other and inside != other for inside in special for other in contents):
+        return None
+    alternatives = sorted(special, key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, alternatives)) + ")"), special
+
+
+def _byte_level(pre_tokenizer: Any) -> bool:
+    """A byte-level pre-tokenizer (GPT-2's, Llama 3's and Qwen's: splits by patterns, then bytes)."""
+    if not isinstance(pre_tokenizer, dict):
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        steps = pre_tokenizer.get("pretokenizers") or []
+        kinds = [step.get("type") for step in steps if isinstance(step, dict)]
+        return len(kinds) == len(steps) and kinds.count("ByteLevel") == 1 and set(kinds) <= {"Split", "ByteLevel"}
+    return pre_tokenizer.get("type") == "ByteLevel"
+
+
+class _Pieces:
+    """The tokens of recent pieces of rendered chats (a system prompt, an earlier turn), by a
+    digest of their text, the least recently used forgotten first past CACHED_PIECE_TOKENS;
+    shared by the tokenizing threads."""
+
+    def __init__(self) -> None:
+        self._tokens: OrderedDict[bytes, array] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> array | None:
+        with self._lock:
+            tokens = self._tokens.get(key)
+            if tokens is not None:
+                self._tokens.move_to_end(key)
+            return tokens
+
+    def put(self, key: bytes, tokens: array) -> None:
+        with self._lock:
+            if key in self._tokens or len(tokens) > CACHED_PIECE_TOKENS:
+                return
+            self._tokens[key] = tokens
+            self._held += len(tokens)
+            while self._held > CACHED_PIECE_TOKENS:
+                self._held -= len(self._tokens.popitem(last=False)[1])
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:

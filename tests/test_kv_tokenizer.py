@@ -4,12 +4,15 @@ tokenizer directory (`fixtures.tokenizer_dir`), rendered and tokenized in worker
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import msgspec
 import pytest
 import trio
-from tokenizers import Tokenizer, processors
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
 from fixtures.tokenizer_dir import BOS, write_tokenizer_dir
 from kvcache.tokenizer import CACHED_PROMPTS, MAX_PROMPT_CHARACTERS, PromptTokens
@@ -129,3 +132,47 @@ async def test_tokenizing_runs_off_the_event_loop(directory):
         await prompts.tokens(str(directory), COMPLETION, body(prompt="lighthouse " * 20_000))
         done.set()
     assert turns > 1
+
+
+TEXTS = st.lists(st.sampled_from([*"ab ü\n😀.,", "</s>", "<s>", "<|user|>", " the", "sea"]), max_size=20).map("".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(chat=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), TEXTS), min_size=1, max_size=5))
+def test_a_chat_tokenized_piece_by_piece_is_tokenized_as_a_whole(chat):
+    """Recent pieces between special tokens are kept and reused; the tokens are the whole
+    rendered text's, special tokens written by a client included."""
+    directory = shared_directory()
+    messages = [{"role": role, "content": content} for role, content in chat]
+    tokens = trio.run(PromptTokens().tokens, str(directory), CHAT, body(messages=messages))
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    rendered = "<s>" + "".join(f"<|{role}|>\n{content}</s>\n" for role, content in chat) + "<|assistant|>\n"
+    assert tokens == tuple(tokenizer.encode(rendered, add_special_tokens=False).ids)
+
+
+_SHARED: list[Path] = []
+
+
+def shared_directory() -> Path:
+    """One tokenizer directory for every example of a property test."""
+    if not _SHARED:
+        _SHARED.append(write_tokenizer_dir(Path(tempfile.mkdtemp(prefix="tokenizer-"))))
+    return _SHARED[0]
+
+
+async def test_a_tokenizer_that_treats_the_first_piece_apart_is_tokenized_whole(tmp_path):
+    """A Metaspace pre-tokenizer (Llama 2's) marks only the text's first piece as a word's start:
+    pieces between special tokens tokenized alone would differ, so the whole text is tokenized."""
+    directory = write_tokenizer_dir(tmp_path / "tok")
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials)
+    tokenizer.train_from_iterator(["the sea and the wind", "a lighthouse keeper"] * 20, trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    messages = [{"role": "user", "content": "the sea"}, {"role": "assistant", "content": "the wind"}]
+    tokens = await PromptTokens().tokens(str(directory), CHAT, body(messages=messages))
+    rendered = "<s><|user|>\nthe sea</s>\n<|assistant|>\nthe wind</s>\n<|assistant|>\n"
+    assert tokens == tuple(tokenizer.encode(rendered, add_special_tokens=False).ids)
+    pieces = [tokenizer.encode(piece, add_special_tokens=False).ids for piece in ("\nthe sea", "\nthe wind")]
+    assert pieces[0] + pieces[1] != [t for t in tokens if t > 4]  # tokenized piece by piece, they would differ
