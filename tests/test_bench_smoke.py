@@ -20,6 +20,7 @@ from bench.servers import Server, interlock_config, nginx_path, start_nginx, sta
 from bench.upstream import MODEL, STREAM_CHUNKS
 from bench.wrk import run_wrk, wrk_path
 from controlplane.infrastructure.config import load_config
+from events.decisions import read_decisions
 from journal.segments import list_segments
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -303,21 +304,23 @@ def test_the_admission_bench_runs_a_flood_with_and_without_admission(tmp_path):
     assert verdicts <= {"PASS", "MISS"} and "admission" in completed.stdout
 
 
-def test_the_kv_bench_runs_each_policy_on_caching_nodes_and_measures_cpu(tmp_path):
+def test_the_kv_bench_routes_by_the_nodes_events_and_judges_kv_aware_against_prefix_affinity(tmp_path):
     completed = run_bench(
         "bench.kv", "--duration", "2", "--rate", "2", "--turns", "2", "--cpu-requests", "4",
-        "--policies", "round_robin,prefix_affinity", "--out", str(tmp_path / "results"), "--logs", str(tmp_path / "logs"),
+        "--policies", "prefix_affinity,kv_aware", "--out", str(tmp_path / "results"), "--logs", str(tmp_path / "logs"),
     )  # fmt: skip
     [path] = (tmp_path / "results").iterdir()
     results = json.loads(path.read_text())
-    assert [run["policy"] for run in results["runs"]] == ["round_robin", "prefix_affinity"]
+    assert [run["policy"] for run in results["runs"]] == ["prefix_affinity", "kv_aware"]
     for run in results["runs"]:
         assert run["requests"] > 0 and run["failed"] == 0 and sum(run["share"].values()) > 0.99
         assert run["prompt_blocks"] > 0 and 0 <= run["hit_ratio"] <= 1  # the nodes' own counters
-        assert list_segments(tmp_path / "logs" / run["policy"] / "decisions.jsonl")
-    [cpu] = results["cpu"]
-    assert cpu["policy"] == "prefix_affinity"
-    assert all(cpu[size]["failures"] == 0 for size in ("1000", "8000"))
+    # kv_aware matched the prompts against what the nodes' KV events said they hold.
+    records = list(read_decisions(next((tmp_path / "logs" / "kv_aware").glob("decisions.*.jsonl"))))
+    assert records and all(record.policy == "kv_aware" for record in records)
+    assert any(candidate.kv and candidate.kv.matched for record in records for candidate in record.candidates)
+    assert [row["policy"] for row in results["cpu"]] == ["prefix_affinity", "kv_aware"]
+    assert all(row[size]["failures"] == 0 for row in results["cpu"] for size in ("1000", "8000"))
     verdicts = [target["verdict"] for target in results["targets"]]
-    assert verdicts == ["n/a", "n/a", "n/a", "", ""]  # kv_aware was not run: its targets are not judged
-    assert "prefix_affinity" in completed.stdout
+    assert set(verdicts[:3]) <= {"PASS", "MISS"} and verdicts[3:] == ["", ""]  # the CPU figures have no target
+    assert "kv_aware" in completed.stdout
