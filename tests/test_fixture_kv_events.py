@@ -1,7 +1,8 @@
 """The simulated node's block prefix cache and its KV events (fixtures/kv_cache.py): real HTTP
-requests to the node, a real ZeroMQ SUB socket and a REQ socket for replay, the frames read as
-raw msgpack in vLLM's layout (not with the node's own structs), so a drift from vLLM's wire
-format fails here."""
+requests to the node, a real ZeroMQ SUB socket and a DEALER for replay, the frames read as raw
+msgpack in vLLM's layout (not with the node's own structs), so a drift from vLLM's wire format
+fails here; and the gateway's tokenizer (kvcache/tokenizer.py) against the tokens the node
+caches."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tokenizers import Tokenizer
 
 from fixtures.node import Behaviour, NodeSpec, SimulatedNode, serve_node, specs_from_config
 from fixtures.tokenizer_dir import write_tokenizer_dir
+from kvcache.tokenizer import PromptTokens
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 MODEL = "kv-model"
@@ -275,3 +277,33 @@ async def test_content_parts_render_as_their_joined_text_and_the_generation_prom
         without = as_text | {"add_generation_prompt": False}
         rendered = node._prompt_tokenizer.render(without)
         assert rendered.endswith("of France?</s>\n") and node._prompt_tokenizer.render(as_text) == rendered + "<|assistant|>\n"
+
+
+CONVERSATION = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "Grüße! What is the capital of France?"},
+    {"role": "assistant", "content": "Hello from kv1. lorem ipsum"},
+    {"role": "user", "content": [{"type": "text", "text": "And of"}, {"type": "text", "text": "Germany? 😀"}]},
+]
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": CONVERSATION[:2]}),
+        ("/v1/chat/completions", {"messages": CONVERSATION}),
+        ("/v1/chat/completions", {"messages": CONVERSATION, "add_generation_prompt": False}),
+        ("/v1/completions", {"prompt": "The quick brown fox jumps over the lazy dog."}),
+        ("/v1/completions", {"prompt": [5, 6, 7, 8, 9]}),
+    ],
+)
+async def test_the_gateways_tokenizer_gives_the_tokens_the_node_caches(tokenizer_dir, path, body):
+    """kv_aware matches the gateway's tokens against the blocks the node's events carry: both
+    sides must tokenize a prompt alike (the node as vLLM does)."""
+    body = {"model": MODEL, "max_tokens": 2} | body
+    gateway_tokens = await PromptTokens().tokens(str(tokenizer_dir), path, msgspec.json.encode(body))
+    async with kv_node(tokenizer_dir, kv_block_size=1) as (node, client):
+        async with subscribed(node) as sub:
+            assert (await client.post(path, json=body)).status_code == 200
+            [[_, _, _, node_tokens, *_]] = events_of((await receive(sub))[2])
+    assert list(gateway_tokens) == node_tokens
