@@ -1,14 +1,17 @@
 """A replica's partition: routing on its own probes while the fleet's event stream is away.
 
 A replica that has not reached the stream for `fleet.partition_after` (and does not lead)
-enters a partition: it probes the nodes itself and numbers its own events on from the fleet's
-last seq it applied, through the same apply path, so a node that dies during a NATS outage is
-excluded by every replica within the health rules' time. The partition's events are recorded
+enters a partition: it probes the nodes itself and numbers its own events through the same
+apply path, so a node that dies during a NATS outage is excluded by every replica within the
+health rules' time. Its seqs go on from the fleet's last seq it applied plus PARTITION_SEQ_GAP
+(the fleet's state taken up again at that seq, a checkpoint): seqs the fleet's events do not
+reach, so a decision record's seq says whether it was routed in the partition, also when the
+record is made after the partition ended (a stream still relayed then). The partition's events are recorded
 as they are applied, in the replica's partition directory (`fleet.partition_dir`), one
 directory per partition named `<replica>-from-<seq>-<UTC time>`:
 
 - `events.jsonl` (segments, as an event log): a checkpoint of the fleet's state it started
-  from, then its own events;
+  from (at the partition's first seq), then its own events;
 - `partition.json`: which replica, from which fleet seq, when it started and ended, the last
   seq it numbered (`PartitionRecord`).
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +53,12 @@ from events.state import ClusterState
 from events.types import Checkpoint, Event
 from journal.writer import LogAppender, SegmentedFile
 
+PARTITION_SEQ_GAP = 1_000_000_000
+"""A partition's seqs start this far past the fleet's seq it started from (module docstring)."""
+
+PARTITIONS_KEPT = 8
+"""The last partitions whose seqs name the records routed in them (`Partitions.partition_of`)."""
+
 PARTITION_EVENTS = "events.jsonl"
 PARTITION_RECORD = "partition.json"
 
@@ -60,13 +70,15 @@ class PartitionRecord(msgspec.Struct, kw_only=True):
     """Its name, the directory's (`Decision.partition` in the records routed in it)."""
     replica: str
     from_seq: int
-    """The fleet's last event seq the replica had applied: its events are numbered on from it."""
+    """The fleet's last event seq the replica had applied: its state is the partition's first."""
+    first_seq: int
+    """The seq of its first state (from_seq + PARTITION_SEQ_GAP): its events are numbered on from it."""
     started_at: float
     """UNIX seconds."""
     ended_at: float | None = None
     """UNIX seconds; None while it lasts (or when the replica died during it)."""
     last_seq: int = 0
-    """The last seq it numbered (its events are from_seq + 1 to last_seq)."""
+    """The last seq it numbered (its events are first_seq + 1 to last_seq); 0 while it lasts."""
 
     def interval(self) -> str:
         """`/health`'s words for it: who, from which seq, from when (to when)."""
@@ -132,17 +144,23 @@ class Partitions:
         self._may_partition = may_partition
         self._stream_reached_at = time.monotonic()
         self._current: _Current | None = None
-        self.last: PartitionRecord | None = None
-        """The last partition that ended, for `/health`."""
+        self._recent: deque[PartitionRecord] = deque(maxlen=PARTITIONS_KEPT)
+        """The last partitions, the newest last (the current one included)."""
         self.metrics = PartitionMetrics(registry, self)
 
     def current(self) -> PartitionRecord | None:
         return None if self._current is None else self._current.record
 
+    def last(self) -> PartitionRecord | None:
+        """The last partition that ended, for `/health`."""
+        return next((record for record in reversed(self._recent) if record.ended_at is not None), None)
+
     def partition_of(self, seq: int) -> str:
         """The partition a decision routed on `seq` was routed in ("" for the fleet's state)."""
-        current = self._current
-        return current.record.partition if current is not None and seq > current.record.from_seq else ""
+        for record in reversed(self._recent):
+            if record.first_seq <= seq and (record.ended_at is None or seq <= record.last_seq):
+                return record.partition
+        return ""
 
     def observe(self, event: Event) -> bool:
         """Take a data-plane observation while in a partition (to be numbered here); False when
@@ -167,7 +185,6 @@ class Partitions:
         self._applier.prober = None
         current.scope.cancel()
         self._applier.apply(Checkpoint.of(current.fleet_state))
-        self.last = record
         self._log.info(
             "fleet: partition ended; following the fleet's stream again",
             partition=record.partition,
@@ -189,8 +206,16 @@ class Partitions:
         state = self._view.snapshot
         started = self._view.now()
         name = f"{self._fleet.replica}-from-{state.seq}-{datetime.fromtimestamp(started, UTC):%Y%m%dT%H%M%SZ}"
-        record = PartitionRecord(partition=name, replica=self._fleet.replica, from_seq=state.seq, started_at=started)
+        record = PartitionRecord(
+            partition=name,
+            replica=self._fleet.replica,
+            from_seq=state.seq,
+            first_seq=state.seq + PARTITION_SEQ_GAP,
+            started_at=started,
+        )
         current = self._current = _Current(record, state)
+        self._recent.append(record)
+        self._applier.apply(msgspec.structs.replace(Checkpoint.of(state), seq=record.first_seq))
         self.metrics.partitions.inc()
         self._log.warn(
             "fleet: partitioned from the fleet's stream; probing the nodes and routing on this replica's own events",

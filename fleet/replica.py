@@ -330,7 +330,7 @@ class FleetControlPlane:
             headers["X-Interlock-Degraded"] = degraded
         if partition := self.partitions.current():
             headers["X-Interlock-Partition"] = partition.interval()
-        elif partition := self.partitions.last:
+        elif partition := self.partitions.last():
             headers["X-Interlock-Last-Partition"] = partition.interval()
         return headers
 

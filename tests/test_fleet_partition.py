@@ -61,6 +61,13 @@ async def served(http: httpx.AsyncClient, replica: Replica, request_id: str) -> 
     return response.headers["X-Interlock-Node"]
 
 
+async def left_by_its_client(http: httpx.AsyncClient, replica: Replica, request_id: str) -> None:
+    """A request whose answer never ends, until this task is cancelled (its client leaves)."""
+    await http.post(
+        replica.url + "/v1/chat/completions", json=chat(MODEL), headers={"X-Request-Id": request_id}, timeout=None
+    )
+
+
 async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verified(tmp_path):
     async with (
         nats_servers(tmp_path) as [server],
@@ -111,13 +118,23 @@ async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verif
 
         await until(spooled, "the records made during the outage in every replica's spool")
 
-        await server.start()
+        alive.behaviour.completion = "stall_mid_body"  # a request routed in r1's partition, answered in part
+        received = len(alive.requests)
+
+        async def reached_the_node() -> bool:
+            return len(alive.requests) > received
 
         async def all_back() -> bool:
             answers = [(await health(http, replica)).headers for replica in replicas]
             return all("X-Interlock-Partition" not in answer and "X-Interlock-Last-Partition" in answer for answer in answers)
 
-        await until(all_back, "every replica out of its partition, following the stream")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(left_by_its_client, http, replicas[0], "across-r1")
+            await until(reached_the_node, "the stalled request at the node")
+            alive.behaviour.completion = "ok"
+            await server.start()
+            await until(all_back, "every replica out of its partition, following the stream")
+            nursery.cancel_scope.cancel()  # its client leaves now: its record is made after the partition
         await agreed(http, replicas, observed)
 
         async def spools_sent() -> bool:
@@ -150,12 +167,16 @@ async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verif
             assert partition["ended_at"] > partition["started_at"]
             assert partition["from_seq"] in fleet_seqs
             events = list(read_events([directory / "events.jsonl"]))
-            assert isinstance(events[0], Checkpoint) and events[0].seq == partition["from_seq"]
-            assert [event.seq for event in events[1:]] == list(range(partition["from_seq"] + 1, partition["last_seq"] + 1))
+            first, last = partition["first_seq"], partition["last_seq"]
+            assert first > max(fleet_seqs)  # seqs the fleet's do not reach: a record's seq says where it was routed
+            assert isinstance(events[0], Checkpoint) and events[0].seq == first
+            assert [event.seq for event in events[1:]] == list(range(first + 1, last + 1))
             assert any(isinstance(event, HealthProbed) for event in events)  # probed by the replica itself
-            assert partition["from_seq"] < during.seq <= partition["last_seq"]
+            assert first <= during.seq <= last
             partitions[replica.name] = during.partition
             assert f"wrote partition {during.partition}" in exported.stdout.decode()
+        across = records["across-r1"]  # routed in the partition, recorded after it: its seq says where
+        assert (across.partition, across.status) == (partitions["r1"], None)
 
         without = await cli("fleet", "export", str(tmp_path / "without"), "--fleet", server.url)
         assert without.returncode == 0
@@ -186,7 +207,7 @@ async def test_a_partition_probes_excludes_a_dead_node_and_is_exported_and_verif
         [cause] = explained["causes"]
         assert cause["node"] == killed.host and cause["reason"] in ("dead", "expired")  # its health or its listing
         partition = msgspec.json.decode((export / "partitions" / name / "partition.json").read_bytes())
-        assert int(cause["last_change"]["seq"]) > partition["from_seq"]  # excluded by the partition's own probes
+        assert int(cause["last_change"]["seq"]) > partition["first_seq"]  # excluded by the partition's own probes
 
         wrong = await cli("explain", str(export / "events.jsonl"), "--request-id", "during-r1", "--decisions", decisions)
         assert wrong.returncode != 0
