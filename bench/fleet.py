@@ -1,8 +1,9 @@
-"""The fleet under load: HAProxy in front of three replicas, the leader SIGKILLed mid-run.
+"""The fleet under load: HAProxy in front of three replicas, the leader SIGKILLed mid-run, and
+all of NATS stopped with a node killed meanwhile.
 
-    python -m bench.fleet [--parts failover,follower-cpu] [--requests 4000] [--clients 16]
+    python -m bench.fleet [--parts failover,follower-cpu,outage] [--requests 4000] [--clients 16]
                           [--kill-after 1000] [--probe-seconds 10] [--cpu-nodes 1000]
-                          [--cpu-seconds 20] [--out bench/results]
+                          [--cpu-seconds 20] [--outage-seconds 30] [--out bench/results]
 
 On loopback, every process its own process group (stopped at the end, also on Ctrl-C or an
 error): three `nats-server`s clustered (JetStream on, streams kept three times), three
@@ -27,11 +28,23 @@ and Debian's `haproxy` on `deploy/haproxy/interlock.cfg` in front of them. Measu
   leader, then a follower) over that many simulated nodes (`bench.control_plane_load`'s node
   process), the follower's CPU time from /proc over `--cpu-seconds` (it does not probe; it
   applies the leader's events), the leader's beside it, and the events and messages it applied
-  a second (its `interlock_snapshot_seq` and apply-delay count over the run).
+  a second (its `interlock_snapshot_seq` and apply-delay count over the run);
+- the outage (issue 33's drill): a third fleet of three replicas (`[fleet]` name
+  `bench-outage`) over three more simulated nodes behind another HAProxy, `--clients` clients
+  (half plain, half streamed completions, each request with an id of its own) through it; every
+  NATS server stopped (SIGTERM) for `--outage-seconds`; once every replica is in a partition
+  (`X-Interlock-Partition`), a node SIGKILLed; then NATS started again. Measured: failed requests
+  (any answer but a whole 200); per replica, the seconds from the kill to its `/health` calling
+  the node dead (polled every 50 ms); the decision records spooled (the largest
+  `interlock_fleet_decision_spool_records` seen on each replica during the outage, summed) and
+  published (the export's records routed in a partition, and every answered request's record in
+  the export, `fleet export --partitions`); catch-up: from NATS started to every replica out of
+  its partition and not degraded, and to every spool back to what it held under load before
+  the outage (under load a spool always holds the records of a send or two).
 
-`--parts` runs one of the two fleets alone (`failover`: the first four figures; `follower-cpu`:
-the last). Prints a table with PASS/MISS against the targets of issue 21 and writes the figures
-to `bench/results/<UTC timestamp>-fleet.json`.
+`--parts` runs some of the fleets alone (`failover`: the first four figures; `follower-cpu`:
+the follower's CPU; `outage`: the outage's). Prints a table with PASS/MISS against the targets
+of issues 21 and 33 and writes the figures to `bench/results/<UTC timestamp>-fleet.json`.
 """
 
 from __future__ import annotations
@@ -58,6 +71,7 @@ from bench.control_plane_load import raise_file_limit
 from bench.processes import NamedProcess, Processes, cpu_seconds, free_port, group_pids, read_json_line
 from bench.report import busy_note, command_line, load_average, utc_now, write_results
 from bench.servers import PROJECT_ROOT, SimulatedNodeProcess, gateway_config, start_simulated_nodes
+from events.decisions import read_decisions
 
 MODEL = "fleet-model"
 HOST = "127.0.0.1"
@@ -74,7 +88,11 @@ TARGETS = {
     "fan_out_p99_ms": 20.0,
     "probes_per_node_per_interval": 1.0,
     "follower_core_percent": 5.0,
+    "records_missing": 0,
+    "seconds_to_exclude_dead_node": 3 * 1.0 + 1.0,
 }
+"""seconds_to_exclude_dead_node: the health rules' time, `health_fail_threshold` (3) probes
+`health_interval` (1 s) apart, plus one interval for the round under way at the kill."""
 
 
 @dataclass
@@ -92,21 +110,47 @@ class Replica:
 # --- starting things -------------------------------------------------------------------------
 
 
-def start_nats(processes: Processes, folder: Path, count: int = 3) -> list[str]:
-    """`count` clustered JetStream servers; their client URLs."""
+@dataclass
+class NatsCluster:
+    """Clustered JetStream servers, each its own process group; stopped and started again on
+    the same ports and stores (`stop`, `start`)."""
+
+    processes: Processes
+    argvs: dict[int, list[str]]
+    """Each server's command line, by its client port."""
+    running: list[NamedProcess]
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://{HOST}:{port}" for port in self.argvs]
+
+    def start(self) -> None:
+        for index, (port, argv) in enumerate(self.argvs.items(), start=1):
+            process = self.processes.start(f"nats{index}", argv, cores=None)
+            self.running.append(process)
+            _wait_for_port(port, process)
+
+    def stop(self) -> None:
+        while self.running:
+            self.processes.stop(self.running.pop())
+
+
+def start_nats(processes: Processes, folder: Path, count: int = 3) -> NatsCluster:
+    """`count` clustered JetStream servers, running."""
     ports = [(free_port(), free_port()) for _ in range(count)]
     program = shutil.which("nats-server")
     if program is None:
         raise SystemExit("bench.fleet needs nats-server (Debian: apt-get install nats-server)")
+    argvs = {}
     for index, (port, cluster_port) in enumerate(ports, start=1):
         routes = ",".join(f"nats://{HOST}:{other}" for _, other in ports if other != cluster_port)
-        argv = [
+        argvs[port] = [
             program, "-js", "-sd", str(folder / f"nats{index}"), "-a", HOST, "-p", str(port), "-n", f"nats{index}",
             "--cluster_name", "bench", "--cluster", f"nats://{HOST}:{cluster_port}", "--routes", routes,
         ]  # fmt: skip
-        process = processes.start(f"nats{index}", argv, cores=None)
-        _wait_for_port(port, process)
-    return [f"nats://{HOST}:{port}" for port, _ in ports]
+    cluster = NatsCluster(processes, argvs, [])
+    cluster.start()
+    return cluster
 
 
 def _wait_for_port(port: int, process: NamedProcess) -> None:
@@ -122,9 +166,9 @@ def _wait_for_port(port: int, process: NamedProcess) -> None:
     raise RuntimeError(f"{process.name} does not listen on {port}")
 
 
-def fleet_table(urls: list[str], replica: str, name: str) -> str:
+def fleet_table(urls: list[str], replica: str, name: str, more: dict[str, str] | None = None) -> str:
     servers = ", ".join(json.dumps(url) for url in urls)
-    settings = "".join(f"{key} = {json.dumps(value)}\n" for key, value in FLEET.items())
+    settings = "".join(f"{key} = {json.dumps(value)}\n" for key, value in (FLEET | (more or {})).items())
     return f"[fleet]\nnats = [{servers}]\nname = {json.dumps(name)}\nreplica = {json.dumps(replica)}\n{settings}"
 
 
@@ -139,7 +183,7 @@ def start_replica(processes: Processes, folder: Path, name: str, config_text: st
     return Replica(name, port, metrics_port, processes.start(name, argv, cores=None, cwd=PROJECT_ROOT))
 
 
-def start_haproxy(processes: Processes, replicas: list[Replica]) -> str:
+def start_haproxy(processes: Processes, replicas: list[Replica], name: str = "haproxy") -> str:
     """HAProxy on the shipped config in front of `replicas`; its URL."""
     program = shutil.which("haproxy")
     if program is None:
@@ -148,7 +192,7 @@ def start_haproxy(processes: Processes, replicas: list[Replica]) -> str:
     os.environ["INTERLOCK_LISTEN"] = f"{HOST}:{port}"
     for index, replica in enumerate(replicas, start=1):
         os.environ[f"INTERLOCK_{index}"] = f"{HOST}:{replica.port}"
-    process = processes.start("haproxy", [program, "-db", "-f", str(HAPROXY_CONFIG)], cores=None)
+    process = processes.start(name, [program, "-db", "-f", str(HAPROXY_CONFIG)], cores=None)
     _wait_for_port(port, process)
     return f"http://{HOST}:{port}"
 
@@ -292,12 +336,12 @@ async def load_with_failover(
     }
 
 
-def failover_run(processes: Processes, folder: Path, urls: list[str], args: argparse.Namespace) -> dict:
+def failover_run(processes: Processes, folder: Path, nats: NatsCluster, args: argparse.Namespace) -> dict:
     nodes = start_simulated_nodes(processes, 3, MODEL, ttft=0.002, tpot=0.001, tokens=4)
     replicas = []
     for name in ("r1", "r2", "r3"):
         port = free_port()
-        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(urls, name, "bench")
+        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(nats.urls, name, "bench")
         replicas.append(start_replica(processes, folder, name, text, port))
     leader = trio.run(wait_until_settled, replicas, len(nodes))
     url = start_haproxy(processes, replicas)
@@ -325,7 +369,7 @@ def failover_run(processes: Processes, folder: Path, urls: list[str], args: argp
     }
 
 
-def follower_cpu_run(processes: Processes, folder: Path, urls: list[str], args: argparse.Namespace) -> dict:
+def follower_cpu_run(processes: Processes, folder: Path, nats: NatsCluster, args: argparse.Namespace) -> dict:
     """A leader and a follower over `--cpu-nodes` simulated nodes (see the module docstring)."""
     nodes_process = processes.start(
         "nodes-many",
@@ -343,7 +387,7 @@ def follower_cpu_run(processes: Processes, folder: Path, urls: list[str], args: 
     replicas = []
     for name in ("leader", "follower"):
         port = free_port()
-        text = gateway_config(port, nodes, MODEL, settings, {}) + fleet_table(urls, name, "bench-many")
+        text = gateway_config(port, nodes, MODEL, settings, {}) + fleet_table(nats.urls, name, "bench-many")
         replicas.append(start_replica(processes, folder, name, text, port))
         trio.run(wait_until_settled, replicas, len(nodes))  # the first one started leads
     leader, follower = replicas
@@ -370,7 +414,141 @@ def follower_cpu_run(processes: Processes, folder: Path, urls: list[str], args: 
     }
 
 
-PARTS = {"failover": failover_run, "follower-cpu": follower_cpu_run}
+async def drive_outage(
+    url: str, replicas: list[Replica], nats: NatsCluster, killed: SimulatedNodeProcess, args: argparse.Namespace
+) -> dict:
+    """Load through `url` while NATS is stopped for `--outage-seconds` and `killed` is SIGKILLed
+    once every replica is in a partition (the outage part of the module docstring)."""
+    failures: Counter[str] = Counter()
+    answered: list[str] = []
+    stop_load = trio.Event()
+    outage: dict = {"excluded_after": {}, "spooled": {replica.name: 0.0 for replica in replicas}}
+
+    async def client(index: int) -> None:
+        streamed = index % 2 == 1
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "stream": streamed}
+        sent = 0
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            while not stop_load.is_set():
+                sent += 1
+                request_id = f"outage-{index}-{sent}"
+                try:
+                    response = await http.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+                    whole = not streamed or response.text.rstrip().endswith("data: [DONE]")
+                    failure = "" if response.status_code == 200 and whole else f"status {response.status_code}"
+                except httpx.HTTPError as error:
+                    failure = type(error).__name__
+                if failure:
+                    failures[failure] += 1
+                else:
+                    answered.append(request_id)
+
+    async def every(condition, what: str) -> None:
+        with trio.move_on_after(WAIT_SECONDS):
+            while not await condition():
+                await trio.sleep(0.05)
+            return
+        raise RuntimeError(f"not within {WAIT_SECONDS:g} s: {what}")
+
+    async with httpx.AsyncClient(trust_env=False) as http:
+
+        async def headers(replica: Replica) -> httpx.Headers:
+            return (await http.get(replica.url + "/health", timeout=5)).headers
+
+        async def all_partitioned() -> bool:
+            return all(["X-Interlock-Partition" in await headers(replica) for replica in replicas])
+
+        async def all_following() -> bool:
+            answers = [await headers(replica) for replica in replicas]
+            return not any("X-Interlock-Partition" in answer or "X-Interlock-Degraded" in answer for answer in answers)
+
+        async def spool(replica: Replica) -> float:
+            return (await scrape(replica)).get("interlock_fleet_decision_spool_records{}", 0)
+
+        async def spools_sent() -> bool:  # under load a spool always holds the records of a send or two
+            return all([await spool(replica) <= steady[replica.name] for replica in replicas])
+
+        async def watch_outage(back: trio.Event) -> None:
+            while not back.is_set():
+                for replica in replicas:
+                    outage["spooled"][replica.name] = max(outage["spooled"][replica.name], await spool(replica))
+                    excluded = outage["excluded_after"]
+                    if "killed_at" in outage and replica.name not in excluded:
+                        body = (await http.get(replica.url + "/health", timeout=5)).json()
+                        if any(node["ip"] == killed.host and node["status"] == "dead" for node in body["details"]):
+                            excluded[replica.name] = time.monotonic() - outage["killed_at"]
+                await trio.sleep(0.05)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(args.clients):
+                nursery.start_soon(client, index)
+            steady = {replica.name: 0.0 for replica in replicas}
+            with trio.move_on_after(5):  # the load under way before the outage
+                while True:
+                    for replica in replicas:
+                        steady[replica.name] = max(steady[replica.name], await spool(replica))
+                    await trio.sleep(0.05)
+            back = trio.Event()
+            nursery.start_soon(watch_outage, back)
+            await trio.to_thread.run_sync(nats.stop)
+            stopped_at = time.monotonic()
+            await every(all_partitioned, "every replica in a partition")
+            outage["seconds_to_partition"] = time.monotonic() - stopped_at
+            os.killpg(killed.process.pid, signal.SIGKILL)
+            outage["killed_at"] = time.monotonic()
+            await trio.sleep(max(0.0, stopped_at + args.outage_seconds - time.monotonic()))
+            answered_during = len(answered)
+            await trio.to_thread.run_sync(nats.start)
+            started_at = time.monotonic()
+            back.set()
+            await every(all_following, "every replica following the stream again")
+            outage["catch_up_seconds"] = time.monotonic() - started_at
+            await every(spools_sent, "every spool back to what it holds under load")
+            outage["spools_sent_seconds"] = time.monotonic() - started_at
+            await trio.sleep(5)  # the load after the outage
+            stop_load.set()
+    del outage["killed_at"]
+    return {
+        **outage,
+        "requests": len(answered) + sum(failures.values()),
+        "answered_during_outage": answered_during,
+        "failed": sum(failures.values()),
+        "failures": dict(failures),
+        "answered_ids": answered,
+    }
+
+
+def outage_run(processes: Processes, folder: Path, nats: NatsCluster, args: argparse.Namespace) -> dict:
+    """A fleet through an outage of all of NATS with a node killed meanwhile (module docstring)."""
+    nodes = start_simulated_nodes(processes, 3, MODEL, ttft=0.002, tpot=0.001, tokens=4)
+    replicas = []
+    for name in ("outage-r1", "outage-r2", "outage-r3"):
+        port = free_port()
+        partitions = {"partition_dir": str(folder / f"{name}-partitions")}
+        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(nats.urls, name, "bench-outage", partitions)
+        replicas.append(start_replica(processes, folder, name, text, port))
+    trio.run(wait_until_settled, replicas, len(nodes))
+    url = start_haproxy(processes, replicas, "haproxy-outage")
+    run = trio.run(drive_outage, url, replicas, nats, nodes[0], args)
+    export = folder / "outage-export"
+    command = [sys.executable, "-m", "interlock.cli", "fleet", "export", str(export), "--fleet", nats.urls[0]]
+    command += ["--name", "bench-outage", "--partitions", *(str(folder / f"{replica.name}-partitions") for replica in replicas)]
+    exported = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
+    if exported.returncode != 0 or exported.stderr:
+        raise RuntimeError(f"fleet export: {exported.stderr}")
+    records = list(read_decisions(export / "decisions.jsonl"))
+    recorded = {record.request_id for record in records}
+    answered = run.pop("answered_ids")
+    return {
+        **run,
+        "records_exported": len(records),
+        "records_routed_in_partitions": sum(1 for record in records if record.partition),
+        "records_missing": sum(1 for request_id in answered if request_id not in recorded),
+        "spooled_records": sum(run["spooled"].values()),
+    }
+
+
+PARTS = {"failover": failover_run, "follower-cpu": follower_cpu_run, "outage": outage_run}
 
 
 # --- the report ------------------------------------------------------------------------------
@@ -394,6 +572,18 @@ def evaluate(results: dict) -> list[dict]:
             (f"leader CPU at {many['nodes']} nodes (% core)", many["leader_core_percent"], None, None),
             (f"events applied a second at {many['nodes']} nodes", many["follower_events_per_second"], None, None),
             (f"messages applied a second at {many['nodes']} nodes", many["follower_messages_per_second"], None, None),
+        ]
+    if outage := results.get("outage"):
+        excluded = outage["excluded_after"]
+        slowest = max(excluded.values()) if len(excluded) == 3 else None
+        rows += [
+            ("outage: failed requests", outage["failed"], TARGETS["failed_requests"], f"{outage['failed']} of {outage['requests']}"),
+            ("outage: dead node excluded, slowest (s)", slowest, TARGETS["seconds_to_exclude_dead_node"], None),
+            ("outage: records spooled (peak, summed)", outage["spooled_records"], None, None),
+            ("outage: records routed in partitions", outage["records_routed_in_partitions"], None, None),
+            ("outage: answered without a record", outage["records_missing"], TARGETS["records_missing"], None),
+            ("outage: catch-up after NATS (s)", outage["catch_up_seconds"], None, None),
+            ("outage: spools sent after NATS (s)", outage["spools_sent_seconds"], None, None),
         ]
     evaluated = []
     for name, value, target, shown in rows:
@@ -421,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--probe-seconds", type=float, default=10.0, help="seconds the nodes' probes are counted (default: 10)")
     add("--cpu-nodes", type=int, default=1000, help="nodes of the follower-CPU run (default: 1000)")
     add("--cpu-seconds", type=float, default=20.0, help="seconds the follower's CPU is measured (default: 20)")
+    add("--outage-seconds", type=float, default=30.0, help="seconds every NATS server stays stopped (default: 30)")
     add("--out", type=Path, default=PROJECT_ROOT / "bench" / "results")
     args = parser.parse_args(argv)
     if not 0 < args.kill_after < args.requests:
@@ -433,12 +624,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-fleet-") as temporary, Processes(Path(temporary)) as processes:
         folder = Path(temporary)
         try:
-            urls = start_nats(processes, folder)
+            nats = start_nats(processes, folder)
             figures = {}
             for part in parts:
-                figures[part.replace("-", "_")] = PARTS[part](processes, folder, urls, args)
+                figures[part.replace("-", "_")] = PARTS[part](processes, folder, nats, args)
         except Exception:
-            for name in ("r1", "r2", "r3", "leader", "follower", "haproxy"):
+            for name in ("r1", "r2", "r3", "leader", "follower", "haproxy", "outage-r1", "outage-r2", "outage-r3"):
                 tail = processes.log_tail(name, 5)
                 if tail:
                     print(f"--- {name}\n{tail}", file=sys.stderr)
