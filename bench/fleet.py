@@ -433,7 +433,9 @@ async def drive_outage(
                 sent += 1
                 request_id = f"outage-{index}-{sent}"
                 try:
-                    response = await http.post(url + "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id})
+                    response = await http.post(
+                        url + "/v1/chat/completions", json=body, headers={"X-Request-Id": request_id}
+                    )
                     whole = not streamed or response.text.rstrip().endswith("data: [DONE]")
                     failure = "" if response.status_code == 200 and whole else f"status {response.status_code}"
                 except httpx.HTTPError as error:
@@ -524,15 +526,16 @@ def outage_run(processes: Processes, folder: Path, nats: NatsCluster, args: argp
     replicas = []
     for name in ("outage-r1", "outage-r2", "outage-r3"):
         port = free_port()
-        partitions = {"partition_dir": str(folder / f"{name}-partitions")}
-        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(nats.urls, name, "bench-outage", partitions)
+        fleet = fleet_table(nats.urls, name, "bench-outage", {"partition_dir": str(folder / f"{name}-partitions")})
+        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet
         replicas.append(start_replica(processes, folder, name, text, port))
     trio.run(wait_until_settled, replicas, len(nodes))
     url = start_haproxy(processes, replicas, "haproxy-outage")
     run = trio.run(drive_outage, url, replicas, nats, nodes[0], args)
     export = folder / "outage-export"
     command = [sys.executable, "-m", "interlock.cli", "fleet", "export", str(export), "--fleet", nats.urls[0]]
-    command += ["--name", "bench-outage", "--partitions", *(str(folder / f"{replica.name}-partitions") for replica in replicas)]
+    command += ["--name", "bench-outage", "--partitions"]
+    command += [str(folder / f"{replica.name}-partitions") for replica in replicas]
     exported = subprocess.run(command, cwd=PROJECT_ROOT, capture_output=True, text=True)
     if exported.returncode != 0 or exported.stderr:
         raise RuntimeError(f"fleet export: {exported.stderr}")
@@ -574,10 +577,10 @@ def evaluate(results: dict) -> list[dict]:
             (f"messages applied a second at {many['nodes']} nodes", many["follower_messages_per_second"], None, None),
         ]
     if outage := results.get("outage"):
-        excluded = outage["excluded_after"]
+        excluded, requests = outage["excluded_after"], outage["requests"]
         slowest = max(excluded.values()) if len(excluded) == 3 else None
         rows += [
-            ("outage: failed requests", outage["failed"], TARGETS["failed_requests"], f"{outage['failed']} of {outage['requests']}"),
+            ("outage: failed requests", outage["failed"], TARGETS["failed_requests"], f"{outage['failed']} of {requests}"),
             ("outage: dead node excluded, slowest (s)", slowest, TARGETS["seconds_to_exclude_dead_node"], None),
             ("outage: records spooled (peak, summed)", outage["spooled_records"], None, None),
             ("outage: records routed in partitions", outage["records_routed_in_partitions"], None, None),
