@@ -6,14 +6,14 @@ apply path, so a node that dies during a NATS outage is excluded by every replic
 health rules' time. Its seqs go on from the fleet's last seq it applied plus PARTITION_SEQ_GAP
 (the fleet's state taken up again at that seq, a checkpoint): seqs the fleet's events do not
 reach, so a decision record's seq says whether it was routed in the partition, also when the
-record is made after the partition ended (a stream still relayed then). The partition's events are recorded
-as they are applied, in the replica's partition directory (`fleet.partition_dir`), one
-directory per partition named `<replica>-from-<seq>-<UTC time>`:
+record is made after the partition ended (a stream still relayed then). The partition's events
+are recorded as they are applied, in the replica's partition directory (`fleet.partition_dir`),
+one directory per partition named `<replica>-from-<seq>-<UTC time>`:
 
 - `events.jsonl` (segments, as an event log): a checkpoint of the fleet's state it started
   from (at the partition's first seq), then its own events;
-- `partition.json`: which replica, from which fleet seq, when it started and ended, the last
-  seq it numbered (`PartitionRecord`).
+- `partition.json`: which replica, from which fleet seq, its first and last seqs, when it
+  started and ended (`PartitionRecord`).
 
 Files, not a publish when NATS returns: they are written as the events happen, so a replica
 killed during the outage, or before NATS is back, loses none of them, and no memory bound
@@ -239,9 +239,10 @@ class Partitions:
                         event, _ = await current.queue.receive()
                         self._applier.apply(msgspec.structs.replace(event, seq=self._view.snapshot.seq + 1))
         finally:
-            if self._current is current:  # not ended by the stream: cancelled with the replica
+            if self._current is current:  # not ended by the stream: the replica stops
                 self._current = None
                 self._applier.event_log = self._applier.prober = None
+                record.ended_at, record.last_seq = self._view.now(), self._view.snapshot.seq
             with trio.CancelScope(shield=True):
                 if event_log is not None:
                     await event_log.aclose()
