@@ -137,7 +137,7 @@ class Planning:
         if self._prompt_tokens is None:
             from kvcache.tokenizer import PromptTokens
 
-            self._prompt_tokens = PromptTokens()
+            self._prompt_tokens = PromptTokens(self._tokenizer_unusable)
         tokens = await self._prompt_tokens.tokens(directory, exchange.path, plan.body)
         if not tokens:
             return
@@ -147,6 +147,9 @@ class Planning:
                 found = index.match(node.ip, tokens)
                 if found is not None:
                     matches[node.ip] = KvBlocks(found.matched, found.total, found.seq, found.flowing)
+
+    def _tokenizer_unusable(self, error: str) -> None:
+        self._log.warn("kv_aware: a model's tokenizer does not load; its prompts get no tokens", error=error)
 
     def _warn_unserved(self, exchange: Exchange) -> None:
         """plinth's warning, at most once per UNSERVED_WARNING_INTERVAL (a client can ask for

@@ -42,6 +42,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -95,8 +96,11 @@ class ModelTokenizer:
 
     def __init__(self, files: TokenizerFiles) -> None:
         text = read_small_file(files.tokenizer_json, MAX_TOKENIZER_BYTES, "a tokenizer.json").decode("utf-8")
-        self._tokenizer = Tokenizer.from_str(text)
-        self._template = _compile(files.chat_template) if files.chat_template else None
+        try:
+            self._tokenizer = Tokenizer.from_str(text)
+            self._template = _compile(files.chat_template) if files.chat_template else None
+        except Exception as error:  # tokenizers raises Exception itself; jinja2 its TemplateSyntaxError
+            raise ValueError(f"{files.tokenizer_json}: {type(error).__name__}: {error}") from None
         self._special_tokens = files.special_tokens
         self._splitter = _special_splitter(json.loads(text))
         """The special tokens a rendered chat is cut at, with their ids; None when pieces between
@@ -239,15 +243,24 @@ def _capped(text: str) -> str:
     return cut[:end] if end > 0 else cut
 
 
+class TokenizerUnusable(Exception):
+    """A tokenizer directory that does not load (its files changed since the config was checked:
+    gone, or not a tokenizer `tokenizers` reads, or a template jinja2 cannot compile)."""
+
+
 class PromptTokens:
     """A process's tokenizing for `kv_aware`: each model directory loaded on first use (in a
-    worker thread), the tokens of recent prompts, and the threads that tokenize."""
+    worker thread), the tokens of recent prompts, and the threads that tokenize. A directory
+    that does not load gives no tokens (the policy falls back), and is told to `warn` once."""
 
-    def __init__(self) -> None:
+    def __init__(self, warn: Callable[[str], None]) -> None:
         self._recent: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._limiter = trio.CapacityLimiter(TOKENIZING_THREADS)
-        self._loaded: OrderedDict[tuple[str, int, int], ModelTokenizer] = OrderedDict()
+        self._loaded: OrderedDict[tuple[str, int, int], ModelTokenizer | TokenizerUnusable] = OrderedDict()
         self._loading = threading.Lock()
+        self._warn = warn
+        self._warned: set[str] = set()
+        """The directories whose failure to load was told (the config's: bounded)."""
 
     async def tokens(self, directory: str, path: str, body: bytes) -> tuple[int, ...] | None:
         """The token ids of the request's prompt under the tokenizer of `directory` (None: the
@@ -272,7 +285,13 @@ class PromptTokens:
         if tokens is not None:
             recent.move_to_end(key)
             return tokens
-        tokens = await trio.to_thread.run_sync(self._tokenize, directory, path, body, limiter=self._limiter)
+        try:
+            tokens = await trio.to_thread.run_sync(self._tokenize, directory, path, body, limiter=self._limiter)
+        except TokenizerUnusable as error:
+            if directory not in self._warned:
+                self._warned.add(directory)
+                self._warn(str(error))
+            return None
         if tokens is not None:
             recent[key] = tokens
             if len(recent) > CACHED_PROMPTS:
@@ -292,22 +311,32 @@ class PromptTokens:
                 tokens = tokenizer.chat_tokens(messages, chat.add_generation_prompt, kwargs)
             else:
                 tokens = _completion_tokens(tokenizer, msgspec.json.decode(_decode_completion(body).prompt))
-        except (msgspec.DecodeError, jinja2.TemplateError, TypeError, ValueError, OSError):
-            return None  # a prompt, template or directory the node would refuse too: no tokens, the policy falls back
+        except (msgspec.DecodeError, jinja2.TemplateError, TypeError, ValueError):
+            return None  # a prompt the node would refuse too: no tokens, the policy falls back
         return tuple(tokens) if tokens is not None else None
 
     def _tokenizer(self, directory: str) -> ModelTokenizer:
-        """The directory's tokenizer, loaded again when its files changed (a reload, a new model)."""
+        """The directory's tokenizer, loaded again when its files changed (a reload, a new model);
+        TokenizerUnusable when it does not load (kept, so it is not read again for each request)."""
         files = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
-        key = (directory, *(os.stat(os.path.join(directory, name)).st_mtime_ns for name in files))
+        try:
+            key = (directory, *(os.stat(os.path.join(directory, name)).st_mtime_ns for name in files))
+        except OSError as error:
+            raise TokenizerUnusable(f"tokenizer {directory}: {error}") from None
         with self._loading:
             tokenizer = self._loaded.get(key)
             if tokenizer is None:
-                tokenizer = self._loaded[key] = ModelTokenizer(read_tokenizer_directory(directory))
+                try:
+                    tokenizer = ModelTokenizer(read_tokenizer_directory(directory))
+                except (ValueError, OSError) as error:
+                    tokenizer = TokenizerUnusable(f"tokenizer {directory}: {error}")
+                self._loaded[key] = tokenizer
                 if len(self._loaded) > LOADED_TOKENIZERS:
                     self._loaded.popitem(last=False)
             self._loaded.move_to_end(key)
-            return tokenizer
+        if isinstance(tokenizer, TokenizerUnusable):
+            raise TokenizerUnusable(*tokenizer.args)
+        return tokenizer
 
 
 def _completion_tokens(tokenizer: ModelTokenizer, prompt: Any) -> list[int] | None:
