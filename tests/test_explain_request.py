@@ -222,6 +222,7 @@ def test_a_torn_last_line_is_skipped_with_a_warning(capsys, recorded, tmp_path):
         (["--request-id", "r", "--decisions", "d.jsonl", "--model", MODEL], "argument --model: not allowed"),
         (["--request-id", "r", "--decisions", "d.jsonl", "--until-seq", "3"], "argument --until-seq: not allowed"),
         (["events.jsonl", "--model", MODEL, "--decisions", "d.jsonl"], "--decisions: only allowed with --request-id"),
+        (["events.jsonl", "--model", MODEL, "--partition", "r1-from-7"], "--partition: only allowed with --request-id"),
         (["--model", MODEL], "the following arguments are required: LOG"),
     ],
 )
