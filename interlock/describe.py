@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controlplane.infrastructure.gocompat import format_go_seconds
-from events.config import Config, GatewayConfig
+from events.config import Config, GatewayConfig, ModelEntry
 
 
 def _describe_log(gateway: GatewayConfig, key: str) -> str:
@@ -54,7 +54,7 @@ def describe_config(config: Config) -> str:
         policy = f"  policy {model.policy}" if model.policy else ""
         own = (model.connect_timeout, model.first_byte_timeout, model.response_timeout) != (None, None, None)
         timeouts = f"  timeouts {_timeouts_text(config, model.name)}" if own else ""
-        lines.append(f"  {model.name}  {ring}{policy}{timeouts}")
+        lines.append(f"  {model.name}  {ring}{policy}{timeouts}{_tokenizer_text(config, model)}")
     lines.append(f"timeouts: {_timeouts_text(config, '')}")
     lines.append(_describe_routing(config))
     lines.append(_describe_admission(config))
@@ -114,10 +114,19 @@ def _describe_routing(config: Config) -> str:
     if routing.load_scrape_interval is None:
         scraped += " (load_scrape_interval unset: the default for these policies and the admission queue)"
     text = f"routing: {routing.policy}; node load scraped {scraped}"
-    if "prefix_affinity" in {routing.policy, *(model.policy for model in config.models.available)}:
+    if {"prefix_affinity", "kv_aware"} & {routing.policy, *(model.policy for model in config.models.available)}:
         messages = f"first {routing.prefix_messages} messages" if routing.prefix_messages else "every message"
         text += f"; prefix: {messages}, up to {routing.prefix_bytes} bytes; load bound {routing.load_bound:g}"
     return text
+
+
+def _tokenizer_text(config: Config, model: ModelEntry) -> str:
+    """A model's tokenizer directory, and what kv_aware does without one."""
+    if model.tokenizer:
+        return f"  tokenizer {model.tokenizer}"
+    if config.model_policy(model.name) == "kv_aware":
+        return "  no tokenizer: kv_aware routes it as prefix_affinity"
+    return ""
 
 
 def _describe_admission(config: Config) -> str:

@@ -1155,6 +1155,13 @@ def test_a_models_tokenizer_directory_is_checked_naming_the_entry_and_the_file(t
         assert f"{directory / name} is missing" in error.message
     error = load_error(tmp_path, entry.format(tmp_path / "absent"))
     assert error.key == "models.available[0].tokenizer" and "is not a directory" in error.message
+    summary = describe_config(config)
+    assert f"  m  standalone  policy kv_aware  tokenizer {directory}\n" in summary
+    assert "routing: round_robin" in summary and "load bound 1.25" in summary
+    untokenized = load_text(tmp_path, ONE_NODE + '[[models.available]]\nname = "m"\npolicy = "kv_aware"\n')
+    assert "  m  standalone  policy kv_aware  no tokenizer: kv_aware routes it as prefix_affinity\n" in (
+        describe_config(untokenized)
+    )
 
 
 def test_a_tokenizer_config_that_is_not_json_is_named(tmp_path: Path) -> None:
