@@ -61,6 +61,25 @@ PARTITION_AFTER_INTERVALS = 3
 DEFAULT_PARTITION_DIR = "partitions"
 DEFAULT_DECISION_SPOOL_BYTES = 32 * 1024 * 1024
 
+RESTART_KEYS = (
+    "listen",
+    "tls_certificate",
+    "tls_key",
+    "metrics_listen",
+    "event_log",
+    "event_log_max_bytes",
+    "event_log_retain_bytes",
+    "event_log_retain_age",
+    "decision_log",
+    "decision_log_max_bytes",
+    "decision_log_retain_bytes",
+    "decision_log_retain_age",
+    "workers",
+)
+"""`[gateway]` settings a running gateway keeps until it restarts (a reload warns for each, as plinth
+does for the listen addresses); in a fleet, each replica's own (`controlplane.infrastructure.
+config.fleet_wide`)."""
+
 Workers = int | Literal["auto"]
 """`gateway.workers`: a count of processes, or "auto"."""
 
@@ -320,6 +339,9 @@ class FleetConfig(Struct, frozen=True, kw_only=True):
     decision_spool_bytes: int = 0
     """The bound of this replica's encoded decision records waiting for the fleet's decision
     stream (`fleet.decisions`; the loader's default: DEFAULT_DECISION_SPOOL_BYTES)."""
+    config_version: int = 0
+    """Not a key of the file: in the config the fleet runs (its events' `[fleet]`, every other
+    key of the table empty), the version of the fleet's config document it is (0 elsewhere)."""
 
 
 DEFAULT_TENANT = "default"

@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -32,8 +31,7 @@ import msgspec
 
 from events.config import FleetConfig
 from events.log import decode_event, decode_events, encode_event, read_events
-from fleet.bridge import open_asyncio_thread
-from fleet.jetstream import FleetLink, MessageSetAside, continuing_events
+from fleet.jetstream import MessageSetAside, command_link, continuing_events
 from fleet.partition import PARTITION_EVENTS, PARTITION_RECORD, PartitionRecord
 from journal.segments import LogFileError, list_segments
 
@@ -52,7 +50,7 @@ async def export_events(
     """Write the fleet's event stream to `directory/events.jsonl`; the path and the events
     written. `set_aside(message_seq, reason)` is told of each message set aside."""
 
-    async with _reading(fleet) as link:
+    async with command_link(fleet) as link:
         first_message, last_message = await link.message_seqs()
         if last_message == 0:
             raise ExportError(f"the fleet's event stream {link.names.events} is empty")
@@ -95,7 +93,7 @@ async def export_decisions(fleet: FleetConfig, directory: Path) -> tuple[Path, i
     `directory/decisions.jsonl`; the path and the records written (an empty file for a fleet
     that has recorded none)."""
     batches: list[bytes] = []
-    async with _reading(fleet) as link:
+    async with command_link(fleet) as link:
         async for batch in link.read_decision_batches():
             batches.append(batch)
     path = _write(directory / "decisions.jsonl", b"".join(batches))
@@ -143,22 +141,6 @@ def export_partitions(sources: list[Path], directory: Path) -> list[PartitionRec
             _write(target / PARTITION_RECORD, (found / PARTITION_RECORD).read_bytes())
             written.append(record)
     return written
-
-
-@asynccontextmanager
-async def _reading(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
-    """A link to the fleet's JetStream that finds its streams (creates nothing)."""
-
-    def report(error: BaseException) -> None:
-        raise error
-
-    async with open_asyncio_thread(report) as bridge:
-        link = FleetLink(bridge, fleet)
-        try:
-            await link.connect(create=False)
-            yield link
-        finally:
-            await link.close()
 
 
 def _write(path: Path, data: bytes) -> Path:

@@ -16,6 +16,9 @@ names all start with the fleet's `name` (N below):
 - key-value bucket `N-replicas`, a key per replica name: who holds the name (`NameHolder`:
   host, process, listen address), renewed every `lease_renewal`, its TTL the lease, so a name
   is free a lease after its replica stopped;
+- key-value bucket `N-config`, key `config`: the fleet's config document (`fleet.document`),
+  its revision the config's version; proposed by `fleet config push` and a replica's SIGHUP,
+  applied by the leader as the reload event;
 - subject `N.observations` (core NATS, no stream): what replicas' data planes observe, for the
   leader to number;
 - stream `N-decisions` (subject `N.decisions`): every replica's decision records, a batch of
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -40,7 +43,7 @@ from nats.js.api import StreamConfig
 from events.config import FleetConfig
 from events.log import decode_event, decode_events
 from events.types import Checkpoint, Event
-from fleet.bridge import AsyncioThread, Delivery, DeliveryOverflowed
+from fleet.bridge import AsyncioThread, Delivery, DeliveryOverflowed, open_asyncio_thread
 from fleet.credentials import connect_options
 
 OPERATION_SECONDS = 5.0
@@ -65,6 +68,9 @@ CHECKPOINT_STREAM_HEADER = "Interlock-Events-Created"
 """A checkpoint's header: when the event stream it is of was created (a new store makes a new one)."""
 
 LEASE_KEY = "leader"
+CONFIG_KEY = "config"
+CONFIG_VERSIONS_KEPT = 16
+"""Versions of the fleet's config document the bucket keeps (the newest is the one in force)."""
 WRONG_LAST_SEQUENCE = 10071
 """JetStream's error code for an append whose expected last sequence is not the stream's."""
 
@@ -201,8 +207,29 @@ class Names:
     def replicas(self) -> str:
         return f"{self.fleet}-replicas"
 
+    @property
+    def config(self) -> str:
+        return f"{self.fleet}-config"
+
     def subject(self, what: str) -> str:
         return f"{self.fleet}.{what}"
+
+
+@contextlib.asynccontextmanager
+async def command_link(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
+    """A link of a command's (`fleet export`, `fleet config push`) to the fleet's JetStream, on
+    a bridge of its own whose failures are raised: it finds the streams and creates nothing."""
+
+    def report(error: BaseException) -> None:
+        raise error
+
+    async with open_asyncio_thread(report) as bridge:
+        link = FleetLink(bridge, fleet)
+        try:
+            await link.connect(create=False)
+            yield link
+        finally:
+            await link.close()
 
 
 class FleetLink:
@@ -222,6 +249,7 @@ class FleetLink:
         self._js = None
         self._kv = None
         self._names = None
+        self._config = None
         self.events_created = None
         """When the event stream was created, as last read (a new store makes a new stream)."""
         self.connected = trio.Event()
@@ -299,6 +327,7 @@ class FleetLink:
                 await self._call(self._js.add_stream, config)
         self._kv = await self._bucket(names.lease, replicas)
         self._names = await self._bucket(names.replicas, replicas)
+        await self.open_config_bucket()
 
     async def _bucket(self, name: str, replicas: int):
         """The key-value bucket `name`, its keys lasting a lease unless renewed (created if missing)."""
@@ -401,6 +430,37 @@ class FleetLink:
             return await self._call(self._names.update, self._fleet.replica, msgspec.json.encode(holder), last=revision)
         except nats.js.errors.KeyWrongLastSequenceError:
             return await self.claim_name(holder)
+
+    # --- the fleet's config document ------------------------------------------------------
+
+    async def open_config_bucket(self) -> None:
+        """Find the config document's bucket, creating it if missing (no TTL: the document
+        stays until replaced; CONFIG_VERSIONS_KEPT versions kept)."""
+        try:
+            self._config = await self._call(self._js.key_value, self.names.config)
+        except nats.js.errors.BucketNotFoundError:
+            replicas = self._fleet.stream_replicas or self.derived_stream_replicas()
+            self._config = await self._call(
+                self._js.create_key_value, bucket=self.names.config, history=CONFIG_VERSIONS_KEPT, replicas=replicas
+            )
+
+    async def config_document(self) -> tuple[bytes, int] | None:
+        """The fleet's config document as stored, and its version (the key's revision); None
+        when the fleet has none yet."""
+        try:
+            entry = await self._call(self._config.get, CONFIG_KEY)
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        return entry.value or b"", entry.revision
+
+    async def seed_config(self, document: bytes) -> int:
+        """Store the fleet's first config document; its version. KeyWrongLastSequenceError when
+        the fleet has one already (another replica seeded it first)."""
+        return await self._call(self._config.create, CONFIG_KEY, document)
+
+    async def propose_config(self, document: bytes) -> int:
+        """Store a new version of the fleet's config document (the leader applies it); its version."""
+        return await self._call(self._config.put, CONFIG_KEY, document)
 
     # --- the event stream -----------------------------------------------------------------
 

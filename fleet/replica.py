@@ -25,9 +25,10 @@ events are numbered by the fleet's leader, not by itself. Its tasks (children of
   runs out without a renewal (a cancel scope whose deadline is the lease's end, moved on by
   each renewal);
 - while leader, the term reads the stream's last message sequence, follows the stream to it,
-  appends its config numbered after the last event applied (`RunStarted` on an empty stream,
-  else `ConfigReloaded`: the config in force is the leader's, and this first append fences off
-  a deposed leader), publishes a checkpoint, then probes the nodes and appends the events (the
+  appends the fleet's config numbered after the last event applied (`RunStarted` on an empty
+  stream, else `ConfigReloaded`: the fleet's config document's, `fleet.document`, never this
+  replica's file's; this first append fences off a deposed leader), publishes a checkpoint,
+  appends each new version of the document as the reload event, then probes the nodes and appends the events (the
   prober's, and the replicas' observations): every event waiting in its queue, up to
   BATCH_EVENTS or BATCH_BYTES, numbered on from the last event seq, as one message conditional
   on the stream's last message sequence (one quorum round trip per batch, not per event);
@@ -64,14 +65,15 @@ from controlplane.effects.lifecycle import Lifecycle
 from controlplane.effects.metrics import ControlPlaneMetrics
 from controlplane.effects.prober import Prober
 from controlplane.effects.probes import ProbeClient
-from controlplane.infrastructure.config import NO_OVERRIDES, Overrides
+from controlplane.infrastructure.config import NO_OVERRIDES, Overrides, fleet_config_digest, fleet_wide
 from controlplane.infrastructure.logs import JsonLog
-from events.config import Config, FleetConfig
+from events.config import RESTART_KEYS, Config, FleetConfig
 from events.log import decode_event, encode_event
 from events.types import Checkpoint, ConfigReloaded, Event, RunStarted
 from fleet.agreement import StateAgreement
 from fleet.bridge import DeliveryOverflowed, open_asyncio_thread
 from fleet.decisions import FleetDecisions
+from fleet.document import ConfigDocument, decode_document, encode_document
 from fleet.jetstream import (
     NATS_ERRORS,
     OUT_OF_SEQUENCE,
@@ -262,6 +264,8 @@ class FleetControlPlane:
         self._name_revision = 0
         self._name_refused = ""
         """Why this replica may not serve as its name ("" unless a live replica holds it)."""
+        self._digested: tuple[tuple[Config | None, Config | None], tuple[str, str]] = ((None, None), ("", ""))
+        self._differs_logged = ""
         self.fleet_metrics = FleetMetrics(self.registry, self)
         self.decisions = FleetDecisions(
             self.replica, self.log, self.registry, spool_bytes=self.fleet.decision_spool_bytes
@@ -323,7 +327,7 @@ class FleetControlPlane:
         """This replica, the leader, and, while this replica may be routing on old state, why
         (`X-Interlock-Stale`, `/ready`'s reason: `/health` says it too) or, ready, why it is
         degraded (`X-Interlock-Degraded`)."""
-        headers = {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader}
+        headers = {"X-Interlock-Replica": self.replica, "X-Interlock-Leader": self.leader, **self._config_headers()}
         if stale := self._stale_reason():
             headers["X-Interlock-Stale"] = stale
         if degraded := self.degraded_reason():
@@ -347,10 +351,9 @@ class FleetControlPlane:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self.lifecycle.start()
         try:
-            own = RunStarted(
-                at=self.view.now(), version=self.version, config_path=self.config_path, config=self._own_config
-            )
-            await self.view.upstream_keys.read(self._own_config)
+            seq_zero = fleet_wide(self._own_config)
+            own = RunStarted(at=self.view.now(), version=self.version, config_path=self.config_path, config=seq_zero)
+            await self.view.upstream_keys.read_before(own)
             self.view.apply(own)  # seq 0: routes on its own config until the fleet's
             self.log.configure(self._own_config.gateway)
             bridge_opened = open_asyncio_thread(
@@ -385,8 +388,9 @@ class FleetControlPlane:
         await self.lifecycle.finished.wait()
 
     async def reload(self) -> bool:
-        """SIGHUP: read the config file again; a leader appends it (ConfigReloaded), a follower
-        keeps it for when it leads."""
+        """SIGHUP: read the config file again, validated here, and propose its fleet-wide part as
+        the fleet's config document (the leader applies it as the reload event); a replica key
+        changed needs a restart, said in the log."""
         if not self.lifecycle.may_reload:
             return False
         try:
@@ -394,9 +398,15 @@ class FleetControlPlane:
         except Exception as error:
             self.log.error("config reload failed; keeping current config", error=str(error))
             return False
-        self._own_config = config
-        if self.is_leader:
-            await self.queue.emit(ConfigReloaded(at=self.view.now(), config_path=self.config_path, config=config))
+        previous, self._own_config = self._own_config, config
+        for key in RESTART_KEYS:
+            old, new = getattr(previous.gateway, key), getattr(config.gateway, key)
+            if old != new:
+                self.log.warn(f"gateway.{key} changed; requires restart (a replica's own key)", old=old, new=new)
+        if previous.fleet != config.fleet:
+            self.log.warn("fleet changed; requires restart (the replica's connection to the fleet)")
+        await self._propose_own_file()
+        self._note_config_in_force()
         return True
 
     def _nats_client_error(self, description: str) -> None:
@@ -601,6 +611,8 @@ class FleetControlPlane:
         for event in events:
             await self.view.upstream_keys.read_before(event)
             self.applier.apply(event)
+        if any(isinstance(event, (RunStarted, ConfigReloaded, Checkpoint)) for event in events):
+            self._note_config_in_force()
         self._applied_at = time.monotonic()
         self._applied.set()
         self._applied = trio.Event()
@@ -731,6 +743,142 @@ class FleetControlPlane:
         if self._following is not None:
             self._following.cancel()
 
+    # --- the fleet's config -----------------------------------------------------------------
+
+    async def _fleet_config(self) -> Config:
+        """The config a new term appends: the fleet's config document's (`fleet.document`),
+        never this replica's file's. A fleet without one yet gets it seeded, from the config
+        of this replica's state of the fleet when it has one (NATS lost its store), else from
+        its file (the first replica of a new fleet). A document that does not decode is set
+        aside (logged, counted) and the config in force stays."""
+        stored = await self._link.config_document()
+        if stored is None:
+            fleets = self.view.snapshot.seq > 0
+            seed = self.view.snapshot.config if fleets else self._own_config
+            path = self.view.snapshot.config_path if fleets else self.config_path
+            try:
+                version = await self._link.seed_config(encode_document(seed, path, f"seeded by replica {self.replica}"))
+            except nats.js.errors.KeyWrongLastSequenceError:
+                stored = await self._link.config_document()  # another replica seeded it first
+            else:
+                self.log.info(
+                    "fleet: config document seeded", version=version, digest=fleet_config_digest(seed), path=path
+                )
+                return fleet_wide(seed, version)
+        if stored is not None and (document := self._decoded_document(*stored)) is not None:
+            return document.in_force(stored[1])
+        in_force = self.view.snapshot.config
+        return in_force if self.view.snapshot.seq > 0 else fleet_wide(self._own_config)
+
+    def _decoded_document(self, data: bytes, version: int) -> ConfigDocument | None:
+        """The fleet's document at `version`; None, logged and counted, when it does not decode."""
+        try:
+            return decode_document(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            self.fleet_metrics.messages_set_aside.labels("config", "undecodable").inc()
+            self.log.warn("fleet: the fleet's config document set aside", version=version, reason=str(error))
+            return None
+
+    async def _apply_proposals(self) -> None:
+        """While leading, every `lease_renewal`: a version of the fleet's config document other
+        than the one in force is appended as the reload event (read, not watched: nothing to
+        set up again after a reconnection or a new store; a second is nothing for a config)."""
+        handled = 0
+        """The last version appended (or set aside): the follower may not have applied it yet."""
+        while True:
+            await trio.sleep(self.fleet.lease_renewal)
+            try:
+                stored = await self._link.config_document()
+            except NATS_ERRORS as error:
+                self.log.warn("fleet: reading the fleet's config document failed", error=described(error))
+                continue
+            if stored is None or stored[1] in (self._version_in_force(), handled):
+                continue
+            data, handled = stored
+            document = self._decoded_document(data, handled)
+            if document is None:
+                continue
+            config = document.in_force(handled)
+            self.log.info(
+                "fleet: applying the fleet's config document",
+                version=handled,
+                digest=fleet_config_digest(config),
+                origin=document.origin,
+            )
+            await self.queue.emit_and_wait(ConfigReloaded(at=self.view.now(), config_path=document.path, config=config))
+
+    async def _propose_own_file(self) -> None:
+        """Propose this replica's file's fleet-wide part as the fleet's config document, unless
+        it is the config in force already; a failure is logged (the file stays unproposed)."""
+        digest = fleet_config_digest(self._own_config)
+        if self.view.snapshot.seq > 0 and digest == fleet_config_digest(self.view.snapshot.config):
+            self.log.info("fleet: the file's fleet-wide keys are the fleet's config already", digest=digest)
+            return
+        if self._link is None or not self._link.connected.is_set():
+            self.log.warn("fleet: not connected to NATS; the file's fleet-wide keys are not proposed", digest=digest)
+            return
+        document = encode_document(self._own_config, self.config_path, f"SIGHUP of replica {self.replica}")
+        try:
+            version = await self._link.propose_config(document)
+        except NATS_ERRORS as error:
+            self.log.warn("fleet: proposing the file's config failed", error=described(error))
+            return
+        self.log.info("fleet: config proposed", version=version, digest=digest, path=self.config_path)
+
+    def _version_in_force(self) -> int:
+        """The version of the fleet's config document in force (0: a config from before the
+        fleet had one, or from an event of another kind of writer)."""
+        fleet = self.view.snapshot.config.fleet
+        return 0 if fleet is None else fleet.config_version
+
+    def _config_differs(self) -> str:
+        """Why this replica's file is not the config the fleet runs ("" when its fleet-wide keys
+        are, or before the fleet's config has arrived)."""
+        in_force = self.view.snapshot.config
+        if self.view.snapshot.seq == 0 or in_force is None:
+            return ""
+        mine, fleets = self._digests()
+        if mine == fleets:
+            return ""
+        return (
+            f"{self.config_path}'s fleet-wide keys (digest {mine}) differ from the fleet's config in force "
+            f"(version {self._version_in_force()}, digest {fleets})"
+        )
+
+    def _digests(self) -> tuple[str, str]:
+        """The digests of this replica's file and of the config in force, computed once per config."""
+        own, in_force = self._own_config, self.view.snapshot.config
+        (digested_own, digested_in_force), digests = self._digested
+        if digested_own is not own or digested_in_force is not in_force:
+            digests = (fleet_config_digest(own), fleet_config_digest(in_force))
+            self._digested = ((own, in_force), digests)
+        return digests
+
+    def _config_headers(self) -> dict[str, str]:
+        """`/health`'s account of the fleet's config this replica runs: its version and digest,
+        and whether this replica's own file differs (`X-Interlock-Config-Differs`)."""
+        in_force = self.view.snapshot.config
+        if self.view.snapshot.seq == 0 or in_force is None:
+            return {}
+        headers = {
+            "X-Interlock-Config-Version": str(self._version_in_force()),
+            "X-Interlock-Config-Digest": self._digests()[1],
+        }
+        if differs := self._config_differs():
+            headers["X-Interlock-Config-Differs"] = differs
+        return headers
+
+    def _note_config_in_force(self) -> None:
+        """Say in the log, once per pair of configs, that this replica's file differs from the
+        fleet's config in force (at start, once the fleet's arrives; after each config change;
+        on SIGHUP)."""
+        differs = self._config_differs()
+        if differs and differs != self._differs_logged:
+            self.log.warn(
+                "fleet: this replica's config file differs from the fleet's; the fleet's is in force", reason=differs
+            )
+        self._differs_logged = differs
+
     # --- leading ----------------------------------------------------------------------------
 
     async def _campaign(self, client: ProbeClient) -> None:
@@ -796,7 +944,7 @@ class FleetControlPlane:
             if self._new_store:  # the new epoch starts from this replica's state, at the stream's end
                 state = StoredCheckpoint(encode_event(Checkpoint.of(self.view.snapshot)), last.message_seq)
                 await self._link.publish_checkpoint(state)
-            config = self._own_config
+            config = await self._fleet_config()
             if last.event_seq == 0:
                 fence: Event = RunStarted(
                     at=self.view.now(), version=self.version, config_path=self.config_path, config=config
@@ -811,6 +959,7 @@ class FleetControlPlane:
                 await nursery.start(self.applier.prober.run)
                 await nursery.start(self._number_observations)
                 nursery.start_soon(self._checkpoints)
+                nursery.start_soon(self._apply_proposals)
                 while True:
                     last = await self._append_waiting(last)
         except* AppendRefused as refusals:  # except*: the appends run beside the prober, in a nursery

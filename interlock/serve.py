@@ -136,7 +136,7 @@ async def serve(
             async with open_control_plane(
                 config_path, kind=kind, config=config, overrides=overrides, version=version, log=log, registry=registry
             ) as control_plane:
-                return await _run(control_plane, signals, sockets, registry, log, ready, count, decisions)
+                return await _run(control_plane, config, signals, sockets, registry, log, ready, count, decisions)
         except LogInUse as error:
             print(f"fatal: {error.strerror}", file=sys.stderr)
             return EXIT_FAILURE
@@ -237,6 +237,7 @@ async def api_application(
 
 async def _run(
     control_plane: ControlPlane,
+    config: Config,
     signals: AsyncIterator[int],
     sockets: tuple[socket.socket, socket.socket],
     registry: CollectorRegistry,
@@ -245,7 +246,8 @@ async def _run(
     workers: int,
     decisions: DecisionLog | None,
 ) -> int:
-    config = control_plane.view.snapshot.config
+    """`config` is the file's as loaded: its listeners' keys are this process's own (in a fleet the
+    state's config is the fleet's, without them)."""
     _log_topology(log, config)
     recorder = decision_recorder(control_plane, decisions)
     stop_listening = trio.Event()
@@ -285,6 +287,7 @@ async def _run(
                 record_decision=recorder.record if recorder is not None else _discard,
                 metrics=WorkerMetrics(registry),
                 metrics_dir=metrics_dir,
+                tls=tls_files(config.gateway),
             )
             async with trio.open_nursery() as nursery:
                 await nursery.start(pool.run)

@@ -25,7 +25,7 @@ from controlplane.infrastructure.logs import JsonLog
 from dataplane.admission.quota import LeasedQuota, QuotaGrant
 from events.decisions import Decision
 from events.types import Checkpoint
-from interlock.serve import api_application, serve_on_socket, tls_files
+from interlock.serve import api_application, serve_on_socket
 from interlock.workers import DecisionMade, ReplicaStatus, Report, decode_from_leader, encode_report
 from journal.stream import frame_lines, receive_lines
 
@@ -83,8 +83,12 @@ async def _events(leader: trio.SocketStream):
         yield decode_from_leader(line)
 
 
-async def run_worker(index: int, api_socket: socket.socket, leader_socket: socket.socket, log: JsonLog) -> int:
-    """Serve until SIGTERM or the leader's end of the socketpair closes; the exit code."""
+async def run_worker(
+    index: int, api_socket: socket.socket, leader_socket: socket.socket, log: JsonLog, tls: tuple[str, str] | None = None
+) -> int:
+    """Serve until SIGTERM or the leader's end of the socketpair closes; the exit code. `tls`:
+    the API listener's certificate and key files, its leader's own (in a fleet, the replica's
+    file's, which the fleet's config does not carry)."""
     leader = trio.SocketStream(trio.socket.from_stdlib_socket(leader_socket))
     reports = _Reports(log)
     leases = LeasedQuota(reports.report)
@@ -156,7 +160,7 @@ async def run_worker(index: int, api_socket: socket.socket, leader_socket: socke
             api_socket,
             stop,
             http2=follower.view.snapshot.config.gateway.http2,
-            tls=tls_files(follower.view.snapshot.config.gateway),
+            tls=tls,
             shutdown_grace=lambda: follower.view.snapshot.config.gateway.shutdown_grace,
             end_streams=api_app.end_streams,
         )
@@ -175,13 +179,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--api-fd", type=int, required=True)
     parser.add_argument("--leader-fd", type=int, required=True)
+    parser.add_argument("--tls-certificate", help="the API listener's certificate file (HTTPS, with --tls-key)")
+    parser.add_argument("--tls-key", help="the API listener's key file")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     prometheus_client.disable_created_metrics()
     api_socket = socket.socket(fileno=args.api_fd)
     leader_socket = socket.socket(fileno=args.leader_fd)
-    return trio.run(run_worker, args.index, api_socket, leader_socket, JsonLog(context={"worker": args.index}))
+    tls = (args.tls_certificate, args.tls_key) if args.tls_certificate else None
+    log = JsonLog(context={"worker": args.index})
+    return trio.run(run_worker, args.index, api_socket, leader_socket, log, tls)
 
 
 if __name__ == "__main__":

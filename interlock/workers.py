@@ -169,8 +169,12 @@ class WorkerPool:
         record_decision: Callable[[Decision], None],
         metrics: WorkerMetrics,
         metrics_dir: str,
+        tls: tuple[str, str] | None = None,
     ) -> None:
+        """`tls`: the API listener's certificate and key files, handed to each worker (this
+        process's own: a fleet's config does not carry a replica's)."""
         self._control_plane = control_plane
+        self._tls = tls
         self._api_socket = api_socket
         self._count = count
         self._log = log
@@ -279,6 +283,7 @@ class WorkerPool:
                         "--index", str(index),
                         "--api-fd", str(self._api_socket.fileno()),
                         "--leader-fd", str(worker_end.fileno()),
+                        *(("--tls-certificate", self._tls[0], "--tls-key", self._tls[1]) if self._tls else ()),
                     ],  # fmt: skip
                     pass_fds=(self._api_socket.fileno(), worker_end.fileno()),
                     env={**os.environ, "PROMETHEUS_MULTIPROC_DIR": self._metrics_dir},

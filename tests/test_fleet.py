@@ -31,6 +31,7 @@ import nats.errors
 import pytest
 import trio
 
+from controlplane.infrastructure.config import fleet_wide, load_config
 from controlplane.rules.reducer import INITIAL_STATE, reduce
 from events.config import Config, FleetConfig
 from events.log import decode_event, encode_event
@@ -609,13 +610,18 @@ async def test_a_replica_starts_from_a_checkpoint_taken_inside_a_message(tmp_pat
     """A checkpoint names the last message whose events it includes all of (message 2 here)
     and includes part of the next (events 11 to 15 of message 3's 11 to 20): a replica
     starting from it follows from message 3, skips what the checkpoint includes, and goes on
-    without a gap (a wrong start stalls it: the leader it becomes waits for event 20)."""
-    events: list[Event] = [RunStarted(at=1.0, version="test", config_path="gateway.toml", config=Config(), seq=1)]
-    events += [UpstreamRecovered(at=float(seq), node="10.0.0.1", seq=seq) for seq in range(2, 21)]
-    state = INITIAL_STATE
-    for event in events[:15]:
-        state, _ = reduce(state, event)
+    without a gap (a wrong start stalls it: the leader it becomes waits for event 20). The
+    stream's config, which the replica keeps (the fleet has no config document: it seeds one
+    from the state), names the node it then probes."""
     async with nats_servers(tmp_path) as servers, serve_nodes(node_specs(1)) as nodes:
+        written = tmp_path / "written.toml"
+        written.write_text(config_text(nodes))
+        config = fleet_wide(load_config(written))
+        events: list[Event] = [RunStarted(at=1.0, version="test", config_path=str(written), config=config, seq=1)]
+        events += [UpstreamRecovered(at=float(seq), node="10.0.0.1", seq=seq) for seq in range(2, 21)]
+        state = INITIAL_STATE
+        for event in events[:15]:
+            state, _ = reduce(state, event)
         fleet = FleetConfig(nats=(servers[0].url,), name="interlock", replica="writer", lease=2.0, lease_renewal=0.5)
         async with open_asyncio_thread(failing_bridge) as bridge:
             link = FleetLink(bridge, fleet)

@@ -51,12 +51,35 @@ from events.config import (
     LOG_LEVELS,
     PARTITION_AFTER_INTERVALS,
     POLICIES,
+    RESTART_KEYS,
     AdmissionConfig,
     Config,
     FleetConfig,
     GatewayConfig,
     TenantConfig,
 )
+
+
+def fleet_wide(config: Config, version: int = 0) -> Config:
+    """The fleet-wide part of `config`, as the fleet's config document holds it and the fleet's
+    events carry it: the one place that says which keys are the fleet's and which a replica's.
+
+    A replica's own keys are read from its file, never from the fleet: the `[gateway]` keys a
+    running gateway keeps until it restarts (RESTART_KEYS: where it listens, its TLS files, its
+    logs' paths and retention, its workers), here at their defaults, and the whole `[fleet]`
+    table (the connection to NATS, its credentials, the replica's name), here a table naming
+    the document's `version` alone. Every other key is the fleet's, one config for all
+    replicas: the nodes, the models, routing, the health rules and timeouts, admission, the
+    tenants and their keys, and what the logs say (`log_level`, `log_format`)."""
+    own = GatewayConfig()
+    gateway = replace(config.gateway, **{key: getattr(own, key) for key in RESTART_KEYS})
+    return replace(config, gateway=gateway, fleet=FleetConfig(config_version=version))
+
+
+def fleet_config_digest(config: Config) -> str:
+    """A short hash of `config`'s fleet-wide part, its version left out: equal for two files
+    whose fleet-wide keys are the same, whatever their replica's own keys."""
+    return hashlib.sha256(msgspec.json.encode(fleet_wide(config))).hexdigest()[:16]
 
 
 class ConfigError(Exception):

@@ -482,6 +482,8 @@ def _check_fleet(invalid: Invalid, fleet: FleetConfig | None) -> None:
             "fleet.decision_spool_bytes",
             f"decision_spool_bytes must be a number of bytes greater than zero (got {fleet.decision_spool_bytes})",
         )
+    if fleet.config_version:
+        raise invalid("fleet.config_version", "config_version is the fleet's config document's, not a key of the file")
     _check_fleet_credentials(invalid, fleet)
 
 

@@ -31,7 +31,7 @@ from controlplane.rules.transitions import (
     StepBuilder,
     StopProbing,
 )
-from events.config import Config
+from events.config import RESTART_KEYS, Config
 from events.state import ClusterState, NodeMap, NodeState, node_mapping, with_node
 from events.types import (
     AdapterLoaded,
@@ -84,24 +84,6 @@ def _run_started(state: ClusterState, event: RunStarted, out: StepBuilder) -> Cl
     return msgspec.structs.replace(
         state, version=event.version, config_path=event.config_path, config=config, nodes=nodes
     )
-
-
-RESTART_KEYS = (
-    "listen",
-    "tls_certificate",
-    "tls_key",
-    "metrics_listen",
-    "event_log",
-    "event_log_max_bytes",
-    "event_log_retain_bytes",
-    "event_log_retain_age",
-    "decision_log",
-    "decision_log_max_bytes",
-    "decision_log_retain_bytes",
-    "decision_log_retain_age",
-    "workers",
-)
-"""Gateway settings a running gateway keeps until it restarts (plinth warns for the listen addresses)."""
 
 
 def _config_reloaded(state: ClusterState, event: ConfigReloaded, out: StepBuilder) -> ClusterState:

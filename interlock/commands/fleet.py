@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import sys
 from pathlib import Path
+
+import trio
+from msgspec.structs import replace
+
+from controlplane.infrastructure.config import ConfigError, Overrides, fleet_config_digest, load_config
 
 from events.config import DEFAULT_FLEET_NAME, FleetConfig
 from interlock.commands.common import argument_type, bad_input
@@ -32,6 +39,21 @@ def add_fleet(commands: argparse._SubParsersAction) -> None:
         help="replicas' [fleet] partition_dir: their partitions' events are written as DIR/partitions/NAME/",
     )
     export.set_defaults(run=run_fleet_export)
+    config = actions.add_parser("config", help="the fleet's config document")
+    config_actions = config.add_subparsers(dest="config_action", required=True, metavar="ACTION")
+    push = config_actions.add_parser(
+        "push",
+        help="validate a file here, propose its fleet-wide keys as the fleet's config (the leader applies it)",
+    )
+    push.add_argument("path", metavar="FILE", help="the config file (its replica's own keys are not pushed)")
+    push.add_argument(
+        "--fleet",
+        type=argument_type(parse_nats_urls),
+        metavar="URL[,URL…]",
+        help="the NATS servers (default: the file's [fleet] nats); the file's [fleet] credentials are used",
+    )
+    push.add_argument("--name", help="the fleet's name (default: the file's [fleet] name, else interlock)")
+    push.set_defaults(run=run_fleet_config_push)
 
 
 def run_fleet_export(args: argparse.Namespace) -> int:
@@ -64,4 +86,26 @@ def run_fleet_export(args: argparse.Namespace) -> int:
             "(give its replica's partition_dir with --partitions)",
             file=sys.stderr,
         )
+    return 0
+
+
+def run_fleet_config_push(args: argparse.Namespace) -> int:
+    from fleet.document import encode_document, propose  # NATS, imported only for the fleet
+
+    try:
+        config = load_config(args.path, warn=lambda unknown: print(f"warning: {unknown}", file=sys.stderr),
+                             overrides=Overrides(fleet_nats=args.fleet))  # fmt: skip
+    except ConfigError as error:
+        return bad_input(args, str(error))
+    if config.fleet is None:
+        return bad_input(args, f"{args.path}: no [fleet] table: give the NATS servers with --fleet URL")
+    fleet = replace(config.fleet, name=args.name or config.fleet.name, replica="config-push")
+    origin = f"push from {socket.gethostname()}"
+    try:
+        version = trio.run(propose, fleet, encode_document(config, os.path.abspath(args.path), origin))
+    except Exception as error:  # NATS unreachable or refusing: one line, no traceback
+        servers = ",".join(fleet.nats)
+        return bad_input(args, f"cannot propose to the fleet {fleet.name!r} on {servers}: {error or repr(error)}")
+    print(f"proposed {args.path} as the fleet {fleet.name!r}'s config version {version} (digest "
+          f"{fleet_config_digest(config)}); its leader applies it as the reload event")  # fmt: skip
     return 0

@@ -9,8 +9,14 @@ import textwrap
 
 from controlplane.infrastructure.config import ConfigError, Overrides, load_config
 from controlplane.infrastructure.gocompat import parse_go_duration, parse_listen_address
-from controlplane.rules.reducer import RESTART_KEYS
-from events.config import DEFAULT_LISTEN, DEFAULT_METRICS_LISTEN, DEFAULT_SHUTDOWN_GRACE, LOG_FORMATS, LOG_LEVELS
+from events.config import (
+    DEFAULT_LISTEN,
+    DEFAULT_METRICS_LISTEN,
+    DEFAULT_SHUTDOWN_GRACE,
+    LOG_FORMATS,
+    LOG_LEVELS,
+    RESTART_KEYS,
+)
 from interlock.commands.check_config import unwritable_log
 from interlock.commands.common import EXIT_FAILURE, argument_type, bad_input, package_version
 
