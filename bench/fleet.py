@@ -166,9 +166,11 @@ def _wait_for_port(port: int, process: NamedProcess) -> None:
     raise RuntimeError(f"{process.name} does not listen on {port}")
 
 
-def fleet_table(urls: list[str], replica: str, name: str, more: dict[str, str] | None = None) -> str:
+def fleet_table(urls: list[str], replica: str, name: str, folder: Path) -> str:
+    """The [fleet] table of `replica`, its partitions written in `folder` (not the checkout)."""
     servers = ", ".join(json.dumps(url) for url in urls)
-    settings = "".join(f"{key} = {json.dumps(value)}\n" for key, value in (FLEET | (more or {})).items())
+    own = {"partition_dir": str(folder / f"{replica}-partitions")}
+    settings = "".join(f"{key} = {json.dumps(value)}\n" for key, value in (FLEET | own).items())
     return f"[fleet]\nnats = [{servers}]\nname = {json.dumps(name)}\nreplica = {json.dumps(replica)}\n{settings}"
 
 
@@ -341,7 +343,7 @@ def failover_run(processes: Processes, folder: Path, nats: NatsCluster, args: ar
     replicas = []
     for name in ("r1", "r2", "r3"):
         port = free_port()
-        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(nats.urls, name, "bench")
+        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(nats.urls, name, "bench", folder)
         replicas.append(start_replica(processes, folder, name, text, port))
     leader = trio.run(wait_until_settled, replicas, len(nodes))
     url = start_haproxy(processes, replicas)
@@ -387,7 +389,7 @@ def follower_cpu_run(processes: Processes, folder: Path, nats: NatsCluster, args
     replicas = []
     for name in ("leader", "follower"):
         port = free_port()
-        text = gateway_config(port, nodes, MODEL, settings, {}) + fleet_table(nats.urls, name, "bench-many")
+        text = gateway_config(port, nodes, MODEL, settings, {}) + fleet_table(nats.urls, name, "bench-many", folder)
         replicas.append(start_replica(processes, folder, name, text, port))
         trio.run(wait_until_settled, replicas, len(nodes))  # the first one started leads
     leader, follower = replicas
@@ -526,8 +528,7 @@ def outage_run(processes: Processes, folder: Path, nats: NatsCluster, args: argp
     replicas = []
     for name in ("outage-r1", "outage-r2", "outage-r3"):
         port = free_port()
-        fleet = fleet_table(nats.urls, name, "bench-outage", {"partition_dir": str(folder / f"{name}-partitions")})
-        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet
+        text = gateway_config(port, nodes, MODEL, GATEWAY, {}) + fleet_table(nats.urls, name, "bench-outage", folder)
         replicas.append(start_replica(processes, folder, name, text, port))
     trio.run(wait_until_settled, replicas, len(nodes))
     url = start_haproxy(processes, replicas, "haproxy-outage")
