@@ -22,10 +22,11 @@ stream's events. The decision records the replica makes on the partition's state
 (`Decision.partition`) and go to the fleet's decision stream like any others (`fleet.decisions`
 keeps them meanwhile).
 
-The first time the stream is reached again (the watch reads it, the follower receives a message,
-a term begins) the partition ends: the fleet's state at the seq it started from is put back (a
-checkpoint, through the apply path: the replica's workers take it too) and the follower goes
-on from there. The fleet's state wins; the partition's events are never published as the fleet's.
+When the fleet's events flow again (the follower receives a message of the stream, or the
+replica's term as leader begins) the partition ends: the fleet's state at the seq it started
+from is put back (a checkpoint, through the apply path: the replica's workers take it too) and
+the follower goes on from there. NATS answering is not enough: until a leader appends, the
+partition's probes are the only ones. The fleet's state wins; the partition's events are never published as the fleet's.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class PartitionMetrics:
 
 class Partitions:
     """This replica's partitions (module docstring): `run` enters one when the stream has been
-    away for `partition_after`; `stream_reached` ends it."""
+    away for `partition_after`; `end` ends it."""
 
     def __init__(
         self,
@@ -171,9 +172,21 @@ class Partitions:
         current.queue.observe(event)
         return True
 
-    def stream_reached(self) -> None:
-        """The fleet's stream answered: the partition, if any, ends at once, the fleet's state
-        it started from put back (the follower applies the stream on from there)."""
+    def fleet_seq(self, held: int) -> int:
+        """The fleet's seq the replica's state stands for, `held` being its state's seq: the
+        fleet's seq a partition under way started from."""
+        return held if self._current is None else self._current.record.from_seq
+
+    def stream_answered(self) -> None:
+        """A read of the fleet's stream succeeded: no partition begins. One under way goes on
+        until the fleet's events flow again (`end`): NATS may answer a while before a leader
+        appends, and meanwhile the partition's probes are the only ones."""
+        self._stream_reached_at = time.monotonic()
+
+    def end(self) -> None:
+        """The fleet's events flow again (a message of the stream, or this replica leads): the
+        partition, if any, ends at once, the fleet's state it started from put back (the stream
+        is applied on from there)."""
         self._stream_reached_at = time.monotonic()
         current, self._current = self._current, None
         if current is None:
@@ -227,7 +240,7 @@ class Partitions:
         event_log = await self._open_event_log(directory, record)
         try:
             with current.scope:
-                await trio.lowlevel.checkpoint()  # ended already (the stream answered meanwhile): no further
+                await trio.lowlevel.checkpoint()  # ended already (the fleet's events came meanwhile): no further
                 async with trio.open_nursery() as nursery:
                     if event_log is not None:
                         nursery.start_soon(event_log.run)

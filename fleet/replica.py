@@ -40,8 +40,8 @@ events are numbered by the fleet's leader, not by itself. Its tasks (children of
 
 A replica's data-plane observations go to the leader over NATS; the leader numbers them like
 any event. After `partition_after` without the stream, a replica that does not lead enters a
-partition (`fleet.partition`: it probes and numbers its own events) until the stream answers
-again (the watch's read, the follower's next message, a term's start).
+partition (`fleet.partition`: it probes and numbers its own events) until the fleet's events
+flow again (the follower's next message, a term's start).
 """
 
 from __future__ import annotations
@@ -521,7 +521,7 @@ class FleetControlPlane:
                         message_seq=self._applied_message_seq + 1,
                     )
                     return
-                self.partitions.stream_reached()
+                self.partitions.end()  # the fleet's events flow again
                 try:
                     events = continuing_events(message.data, self.view.snapshot.seq + 1)
                 except MessageSetAside as aside:
@@ -547,7 +547,7 @@ class FleetControlPlane:
         messages it needs (events of that message the checkpoint includes are skipped)."""
         applied = self._applied_message_seq
         first, last = await self._link.message_seqs()
-        self.partitions.stream_reached()
+        self.partitions.stream_answered()
         self._note_new_store(last, applied)
         self._followed_created = self._link.events_created
         if self._new_store:
@@ -555,7 +555,7 @@ class FleetControlPlane:
         if self._applied_message_seq > 0 and first <= self._applied_message_seq + 1:
             return self._applied_message_seq + 1
         newest = await self._newest_checkpoint()
-        if newest is not None and newest[1].seq >= self.view.snapshot.seq:
+        if newest is not None and newest[1].seq >= self.partitions.fleet_seq(self.view.snapshot.seq):
             stored, checkpoint = newest
             await self._apply_fleet_events([checkpoint])
             self._message_followed(stored.message_seq)
@@ -608,6 +608,7 @@ class FleetControlPlane:
         before it; then wake whoever waits for the seq."""
         if not events:
             return
+        self.partitions.end()
         for event in events:
             await self.view.upstream_keys.read_before(event)
             self.applier.apply(event)
@@ -664,7 +665,7 @@ class FleetControlPlane:
                     self.leader = ""
                 continue
             last, holder = read
-            self.partitions.stream_reached()
+            self.partitions.stream_answered()
             self._note_new_store(last, applied)
             now = leader_read_at = time.monotonic()
             self._stream_last_message_seq = last
@@ -716,7 +717,7 @@ class FleetControlPlane:
         (`_note_new_store`), at once: this replica's state is the new epoch's start."""
         applied = self._applied_message_seq
         _, message_seq = await self._link.message_seqs()
-        self.partitions.stream_reached()
+        self.partitions.end()  # leading: the fleet's state goes on from here
         self._note_new_store(message_seq, applied)
         while not self._new_store and self._applied_message_seq < message_seq:
             await self._followed.wait()
