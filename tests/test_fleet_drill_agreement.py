@@ -2,12 +2,16 @@
 replicas (`interlock serve` subprocesses with `[fleet]`): a checkpoint on the fleet's
 checkpoint subject whose seq, or whose state, is not what a replica holds after the message it
 names makes every replica degraded (`X-Interlock-Degraded` on `/ready`, which stays 200, and
-`interlock_fleet_state_disagrees` 1), until the next leader's checkpoint agrees again.
+`interlock_fleet_state_disagrees` 1), until the next leader's checkpoint agrees again. NATS
+back without its store after an outage long enough for every replica to be in a partition: the
+replicas leave their partitions, the new stream starts a new epoch from the leader's state, and
+every replica follows it on one state, agreeing with the leader's checkpoints.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 
 import httpx
@@ -17,8 +21,10 @@ import trio
 from events.log import encode_event
 from events.types import Checkpoint
 from fleet.jetstream import CHECKPOINT_MESSAGE_HEADER, CHECKPOINT_STREAM_HEADER
-from nats_cluster import stream_info
-from test_fleet import Observed, Replica, agreed, events_in, fleet_events, named, until
+from nats_cluster import nats_servers, stream_info
+from fixtures.node import serve_nodes
+from harness import node_specs
+from test_fleet import Observed, Replica, _seq_passed, agreed, events_in, fleet_events, fleet_of, named, until
 from test_fleet_messages import one_server_fleet
 
 
@@ -100,3 +106,40 @@ async def test_a_replica_whose_seq_or_digest_disagrees_with_a_checkpoint_says_so
 
 async def every_survivor_agrees(http: httpx.AsyncClient, survivors: list[Replica]) -> bool:
     return [await disagreement(http, replica) for replica in survivors] == [(200, "", 0)] * len(survivors)
+
+
+async def test_a_store_lost_during_a_partition_starts_a_new_epoch_on_one_state(tmp_path):
+    async with (
+        nats_servers(tmp_path) as [server],
+        serve_nodes(node_specs(2)) as nodes,
+        fleet_of(tmp_path, nodes, [server], fleet_keys='partition_after = "1s"\n') as replicas,
+        httpx.AsyncClient() as http,
+    ):
+        observed = Observed()
+        before = await agreed(http, replicas, observed)
+        await server.kill()
+
+        async def all_partitioned() -> bool:
+            return all([(await replica.health(http)).partition for replica in replicas])
+
+        await until(all_partitioned, "every replica in a partition")
+        shutil.rmtree(server.store)
+        await server.start()
+
+        async def all_following_one_stream() -> bool:
+            answers = [await replica.health(http) for replica in replicas]
+            return all(answer.partition == answer.degraded == "" for answer in answers) and all(
+                [await disagreement(http, replica) == (200, "", 0) for replica in replicas]
+            )
+
+        await until(all_following_one_stream, "every replica out of its partition, on the new stream")
+        await until(lambda: _seq_passed(http, replicas, before.seq + 5), "the new epoch applied everywhere")
+        after = await agreed(http, replicas, observed)
+        assert observed.disagreements() == {}
+        for replica in replicas:
+            assert "fleet: the event stream is new (NATS lost its store); following it from its first checkpoint" in (
+                replica.messages()
+            ), replica.name
+        seqs = [event.seq for event in events_in(await fleet_events(server.url))]
+        assert seqs[0] > before.seq  # the new epoch numbers on from the leader's state
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) and seqs[-1] >= after.seq
