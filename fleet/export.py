@@ -36,6 +36,11 @@ from fleet.partition import PARTITION_EVENTS, PARTITION_RECORD, PartitionRecord
 from journal.segments import LogFileError, list_segments
 
 
+EXPORTED_EVENTS = "events.jsonl"
+EXPORTED_DECISIONS = "decisions.jsonl"
+"""The export's event log and decision log, in its directory (`check-config --against DIR` reads them)."""
+
+
 class ExportError(Exception):
     """The stream cannot be read as a log (nothing in it, or a gap no checkpoint bridges)."""
 
@@ -72,7 +77,7 @@ async def export_events(
                 continue
             lines += [encode_event(event) for event in events]
             expected += len(events)
-    path = _write(directory / "events.jsonl", b"".join(lines))
+    path = _write(directory / EXPORTED_EVENTS, b"".join(lines))
     return path, len(lines)
 
 
@@ -96,7 +101,7 @@ async def export_decisions(fleet: FleetConfig, directory: Path) -> tuple[Path, i
     async with command_link(fleet) as link:
         async for batch in link.read_decision_batches():
             batches.append(batch)
-    path = _write(directory / "decisions.jsonl", b"".join(batches))
+    path = _write(directory / EXPORTED_DECISIONS, b"".join(batches))
     return path, sum(batch.count(b"\n") for batch in batches)
 
 

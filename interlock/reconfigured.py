@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import msgspec
 
 from controlplane.effects.replay import replay_steps, with_config
+from controlplane.infrastructure.config import fleet_wide
 from events.config import Config
 from events.decisions import Decision
 from events.state import Health
@@ -244,7 +245,10 @@ def config_dry_run(
 class ConfigChange:
     """A new config as a change of the recorded ones: its keys (each table's, `[[nodes]]` and
     `[[tenants]]` as wholes) that differ from the first config it is applied to (the one in
-    force at the reload), put into every config it is applied to."""
+    force at the reload), put into every config it is applied to. A fleet's recorded config
+    (it has a `[fleet]` table) is changed by the new config's fleet-wide part at the version
+    in force, as the fleet's leader would apply the file (a replica's own keys are never the
+    fleet's: `controlplane.infrastructure.config.fleet_wide`)."""
 
     def __init__(self, new: Config) -> None:
         self.new = new
@@ -252,16 +256,17 @@ class ConfigChange:
         """`table.key` (or `table`) of each key changed; None before the first config."""
 
     def __call__(self, recorded: Config) -> Config:
+        new = self.new if recorded.fleet is None else fleet_wide(self.new, recorded.fleet.config_version)
         if self.keys is None:
-            self.keys = changed_keys(recorded, self.new)
+            self.keys = changed_keys(recorded, new)
         changes: dict[str, object] = {}
         for key in self.keys:
             table, _, name = key.partition(".")
             if not name:
-                changes[table] = getattr(self.new, table)
+                changes[table] = getattr(new, table)
                 continue
             current = changes.get(table, getattr(recorded, table))
-            changes[table] = msgspec.structs.replace(current, **{name: getattr(getattr(self.new, table), name)})
+            changes[table] = msgspec.structs.replace(current, **{name: getattr(getattr(new, table), name)})
         return msgspec.structs.replace(recorded, **changes)
 
 

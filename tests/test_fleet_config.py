@@ -12,9 +12,7 @@ proposes nothing and says a restart is needed."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -75,14 +73,15 @@ async def leader_named(http: httpx.AsyncClient, replica: Replica) -> str:
     return leader
 
 
-async def push(path: Path, url: str) -> subprocess.CompletedProcess:
-    return await trio.run_process(
-        [sys.executable, "-m", "interlock.cli", "fleet", "config", "push", str(path), "--fleet", url],
-        capture_stdout=True,
-        capture_stderr=True,
-        check=False,
+async def interlock(*arguments: str, check: bool = True) -> str:
+    """`interlock ARGUMENTS`' output, stdout then stderr (exit 0 unless not `check`)."""
+    done = await trio.run_process(
+        [sys.executable, "-m", "interlock.cli", *arguments], capture_stdout=True, capture_stderr=True, check=False,
         cwd=PROJECT_ROOT,
-    )
+    )  # fmt: skip
+    output = done.stdout.decode() + done.stderr.decode()
+    assert (done.returncode == 0) == check, output
+    return output
 
 
 async def test_the_fleet_runs_its_document_whatever_the_files_and_whoever_leads(tmp_path):
@@ -113,22 +112,31 @@ async def test_the_fleet_runs_its_document_whatever_the_files_and_whoever_leads(
         # a file that does not validate is refused before anything is proposed, naming file and key
         bad = tmp_path / "bad.toml"
         bad.write_text(config_text(nodes, health_interval=HEALTH_INTERVAL) + '[routing]\npolicy = "fastest"\n')
-        refused = await push(bad, servers[0].url)
-        assert refused.returncode == 2
-        assert f"{bad}: routing.policy" in refused.stderr.decode()
+        refused = await interlock("fleet", "config", "push", str(bad), "--fleet", servers[0].url, check=False)
+        assert f"{bad}: routing.policy" in refused
 
         # a pushed file with one node becomes the fleet's config (version 2) on every replica
         pushed = tmp_path / "pushed.toml"
         pushed.write_text(config_text(nodes[:1], health_interval=HEALTH_INTERVAL))
-        answer = await push(pushed, servers[0].url)
-        assert answer.returncode == 0, answer.stderr.decode()
+        answer = await interlock("fleet", "config", "push", str(pushed), "--fleet", servers[0].url)
         pushed_digest = fleet_config_digest(load_config(pushed))
-        assert "config version 2" in answer.stdout.decode() and pushed_digest in answer.stdout.decode()
+        assert "config version 2" in answer and pushed_digest in answer
         await all_run(http, replicas, 2, pushed_digest)
         for replica in replicas:
             headers = await config_headers(http, replica)
             assert headers["nodes"] == "1"
             assert "version 2" in headers["x-interlock-config-differs"]  # both files list two nodes
+
+        # check-config against the fleet's export: a dry-run reload of a file's fleet-wide keys
+        export = tmp_path / "export"
+        await interlock("fleet", "export", str(export), "--fleet", servers[0].url)
+        seeder_file = str(seeder.config_path)
+        dry_run = await interlock("check-config", seeder_file, "--against", str(export))
+        assert "keys changed: none" in dry_run  # its replica's own keys and [fleet] are not the fleet's
+        dry_run = await interlock("check-config", str(other.config_path), "--against", str(export))
+        assert "keys changed: gateway.retry_unanswered " in dry_run
+        not_an_export = await interlock("check-config", seeder_file, "--against", str(tmp_path), check=False)
+        assert f"{tmp_path}: a directory without events.jsonl, not a fleet export" in not_an_export
 
         # the leader killed: the new one keeps the fleet's document, never its own file
         leader = named(replicas, await leader_named(http, replicas[0]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from controlplane.infrastructure.config import ConfigError, UnknownKey, load_config
@@ -36,7 +37,8 @@ def add_check_config(commands: argparse._SubParsersAction) -> None:
         "--against",
         nargs="+",
         metavar="LOG",
-        help="dry-run reload: replay this event log with the config reloaded at its start (or --since) "
+        help="dry-run reload: replay this event log (or a `fleet export` directory: its events.jsonl, and its "
+        "decisions.jsonl unless --decisions) with the config reloaded at its start (or --since) "
         "and compare the nodes' health and, with --decisions, where the recorded requests would go",
     )
     add_decision_logs(parser, required=False)
@@ -75,6 +77,11 @@ def run_check_config(args: argparse.Namespace) -> int:
     print("ok")
     print(describe_config(config))
     if args.against:
+        try:
+            args.against, args.decisions = fleet_export_logs(args.against, args.decisions)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return EXIT_BAD_INPUT
         report = config_dry_run(
             args.against, config, args.path, complete_decisions(args, warn) if args.decisions else None,
             since=args.since, warn=warn, skip_invalid=warn if args.skip_invalid else None,
@@ -85,6 +92,28 @@ def run_check_config(args: argparse.Namespace) -> int:
 
 
 LOG_KEYS = ("event_log", "decision_log")
+
+
+def fleet_export_logs(against: list[str], decisions: list[str] | None) -> tuple[list[str], list[str] | None]:
+    """The event logs and decision logs of `--against`, a `fleet export` directory read as its
+    `events.jsonl` and, when no `--decisions` are given, its `decisions.jsonl`; ValueError naming
+    a directory that is not an export. (A partition's events, in the export's `partitions/`, are
+    numbered apart from the fleet's: `--against DIR/partitions/NAME/events.jsonl` reads them.)"""
+    logs: list[str] = []
+    exported: list[str] = []
+    for path in against:
+        if not os.path.isdir(path):
+            logs.append(path)
+            continue
+        from fleet.export import EXPORTED_DECISIONS, EXPORTED_EVENTS  # NATS, imported only for an export
+
+        events = os.path.join(path, EXPORTED_EVENTS)
+        if not os.path.isfile(events):
+            raise ValueError(f"{path}: a directory without {EXPORTED_EVENTS}, not a fleet export (interlock fleet export)")
+        logs.append(events)
+        if os.path.isfile(records := os.path.join(path, EXPORTED_DECISIONS)):
+            exported.append(records)
+    return logs, decisions if decisions else (exported or None)
 
 
 def unwritable_log(config: Config, key: str) -> str | None:
