@@ -132,8 +132,10 @@ class Planning:
         exchange = ledger.exchange
         index = self._kv_index
         directory = ledger.view.config.tokenizers.get(exchange.model)
-        if index is None or directory is None:
-            return
+        if index is None or directory is None or not any(
+            node.ip in index.nodes for leg in plan.legs for node in leg.candidates
+        ):
+            return  # no candidate's KV events followed: tokenizing would tell the policy nothing
         if self._prompt_tokens is None:
             from kvcache.tokenizer import PromptTokens
 
