@@ -218,15 +218,22 @@ class Names:
 @contextlib.asynccontextmanager
 async def command_link(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
     """A link of a command's (`fleet export`, `fleet config push`) to the fleet's JetStream, on
-    a bridge of its own whose failures are raised: it finds the streams and creates nothing."""
+    a bridge of its own whose failures are raised: it finds the streams and creates nothing. A
+    connection that does not succeed in time fails with the last error the servers gave."""
 
     def report(error: BaseException) -> None:
         raise error
 
+    client_errors: list[str] = []
     async with open_asyncio_thread(report) as bridge:
-        link = FleetLink(bridge, fleet)
+        link = FleetLink(bridge, fleet, client_errors.append)
         try:
-            await link.connect(create=False)
+            try:
+                await link.connect(create=False)
+            except trio.TooSlowError:
+                if client_errors:  # what the servers said while the client kept trying (an authorization refused)
+                    raise nats.errors.Error(client_errors[-1]) from None
+                raise
             yield link
         finally:
             await link.close()

@@ -746,9 +746,9 @@ class FleetControlPlane:
 
     # --- the fleet's config -----------------------------------------------------------------
 
-    async def _fleet_config(self) -> Config:
-        """The config a new term appends: the fleet's config document's (`fleet.document`),
-        never this replica's file's. A fleet without one yet gets it seeded, from the config
+    async def _fleet_config(self) -> tuple[Config, str]:
+        """The config a new term appends, and the path of the file it was read from: the fleet's
+        config document's (`fleet.document`), never this replica's file's. A fleet without one yet gets it seeded, from the config
         of this replica's state of the fleet when it has one (NATS lost its store), else from
         its file (the first replica of a new fleet). A document that does not decode is set
         aside (logged, counted) and the config in force stays."""
@@ -765,11 +765,12 @@ class FleetControlPlane:
                 self.log.info(
                     "fleet: config document seeded", version=version, digest=fleet_config_digest(seed), path=path
                 )
-                return fleet_wide(seed, version)
+                return fleet_wide(seed, version), path
         if stored is not None and (document := self._decoded_document(*stored)) is not None:
-            return document.in_force(stored[1])
-        in_force = self.view.snapshot.config
-        return in_force if self.view.snapshot.seq > 0 else fleet_wide(self._own_config)
+            return document.in_force(stored[1]), document.path
+        if self.view.snapshot.seq > 0:
+            return self.view.snapshot.config, self.view.snapshot.config_path
+        return fleet_wide(self._own_config), self.config_path
 
     def _decoded_document(self, data: bytes, version: int) -> ConfigDocument | None:
         """The fleet's document at `version`; None, logged and counted, when it does not decode."""
@@ -945,13 +946,11 @@ class FleetControlPlane:
             if self._new_store:  # the new epoch starts from this replica's state, at the stream's end
                 state = StoredCheckpoint(encode_event(Checkpoint.of(self.view.snapshot)), last.message_seq)
                 await self._link.publish_checkpoint(state)
-            config = await self._fleet_config()
+            config, path = await self._fleet_config()
             if last.event_seq == 0:
-                fence: Event = RunStarted(
-                    at=self.view.now(), version=self.version, config_path=self.config_path, config=config
-                )
+                fence: Event = RunStarted(at=self.view.now(), version=self.version, config_path=path, config=config)
             else:
-                fence = ConfigReloaded(at=self.view.now(), config_path=self.config_path, config=config)
+                fence = ConfigReloaded(at=self.view.now(), config_path=path, config=config)
             last = await self._append([fence], [numbered(fence, last.event_seq + 1)], last)
             await self._applied_through(last.event_seq)
             await self._link.publish_checkpoint(self._checkpoint())

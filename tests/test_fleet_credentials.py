@@ -21,6 +21,7 @@ from fixtures.node import SimulatedNode, serve_nodes
 from harness import config_text, node_specs
 from nats_cluster import NatsServer
 from test_cli_serve import readme_block
+from test_fleet_config import interlock
 from test_fleet import HEALTH_INTERVAL, LEASE, LEASE_RENEWAL, Replica, until
 from test_tls import ca_file, issued
 
@@ -119,6 +120,15 @@ async def test_a_replica_with_user_and_password_leads_and_no_other_user_can_publ
             assert any("permissions violation" in error.lower() for error in errors), errors
             assert await events_stream_messages(server.url, "replica", "replica-secret") == before
             assert "a message of the event stream set aside" not in good.messages()
+
+            # the commands connect as the replica does, with its file's credentials
+            export = tmp_path / "export"
+            refused = await interlock("fleet", "export", str(export), "--fleet", server.url, check=False)
+            assert "authorization violation" in refused.lower()
+            exported = await interlock("fleet", "export", str(export), "--config", str(good.config_path))
+            assert exported.startswith("wrote ")
+            pushed = await interlock("fleet", "config", "push", str(good.config_path))
+            assert "config version 2" in pushed
         finally:
             await stop(replicas)
             await server.kill()

@@ -1,4 +1,5 @@
-"""`interlock fleet export`: the fleet's streams in NATS JetStream written as logs."""
+"""`interlock fleet export`: the fleet's streams in NATS JetStream written as logs; `interlock
+fleet config push`: a file's fleet-wide keys proposed as the fleet's config."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import trio
 from msgspec.structs import replace
 
 from controlplane.infrastructure.config import ConfigError, Overrides, fleet_config_digest, load_config
-
-from events.config import DEFAULT_FLEET_NAME, FleetConfig
+from events.config import DEFAULT_FLEET_NAME, Config, FleetConfig
 from interlock.commands.common import argument_type, bad_input
 from interlock.commands.serve import parse_nats_urls
 
@@ -26,9 +26,19 @@ def add_fleet(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("dir", type=Path, metavar="DIR", help="where events.jsonl and decisions.jsonl go")
     export.add_argument(
-        "--fleet", required=True, type=argument_type(parse_nats_urls), metavar="URL[,URL…]", help="the NATS servers"
+        "--fleet",
+        type=argument_type(parse_nats_urls),
+        metavar="URL[,URL…]",
+        help="the NATS servers (default, with --config: its [fleet] nats)",
     )
-    export.add_argument("--name", default=DEFAULT_FLEET_NAME, help=f"the fleet's name (default: {DEFAULT_FLEET_NAME})")
+    export.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a replica's config file: its [fleet] table's credentials, TLS files, servers and name are used",
+    )
+    export.add_argument(
+        "--name", help=f"the fleet's name (default: the --config file's [fleet] name, else {DEFAULT_FLEET_NAME})"
+    )
     export.add_argument(
         "--partitions",
         type=Path,
@@ -65,7 +75,16 @@ def run_fleet_export(args: argparse.Namespace) -> int:
         run_export_decisions,
     )
 
-    fleet = FleetConfig(nats=args.fleet, name=args.name, replica="export", lease=1.0, lease_renewal=0.5)
+    if args.config is not None:
+        try:
+            _, fleet = fleet_of_file(args.config, args.fleet, args.name, "export")
+        except ValueError as error:
+            return bad_input(args, str(error))
+    elif args.fleet is None:
+        return bad_input(args, "give the NATS servers with --fleet URL, or a replica's config file with --config FILE")
+    else:
+        name = args.name or DEFAULT_FLEET_NAME
+        fleet = FleetConfig(nats=args.fleet, name=name, replica="export", lease=1.0, lease_renewal=0.5)
     try:
         path, count = run_export(fleet, args.dir)
         decisions_path, decisions = run_export_decisions(fleet, args.dir)
@@ -73,8 +92,8 @@ def run_fleet_export(args: argparse.Namespace) -> int:
     except ExportError as error:
         return bad_input(args, str(error))
     except Exception as error:  # NATS unreachable, a stream missing: one line, no traceback
-        servers = ",".join(args.fleet)
-        return bad_input(args, f"cannot read the fleet {args.name!r} from {servers}: {error or repr(error)}")
+        servers = ",".join(fleet.nats)
+        return bad_input(args, f"cannot read the fleet {fleet.name!r} from {servers}: {str(error) or repr(error)}")
     print(f"wrote {count} events to {path}")
     print(f"wrote {decisions} decision records to {decisions_path}")
     for partition in partitions:
@@ -93,19 +112,29 @@ def run_fleet_config_push(args: argparse.Namespace) -> int:
     from fleet.document import encode_document, propose  # NATS, imported only for the fleet
 
     try:
-        config = load_config(args.path, warn=lambda unknown: print(f"warning: {unknown}", file=sys.stderr),
-                             overrides=Overrides(fleet_nats=args.fleet))  # fmt: skip
-    except ConfigError as error:
+        config, fleet = fleet_of_file(args.path, args.fleet, args.name, "config-push")
+    except ValueError as error:
         return bad_input(args, str(error))
-    if config.fleet is None:
-        return bad_input(args, f"{args.path}: no [fleet] table: give the NATS servers with --fleet URL")
-    fleet = replace(config.fleet, name=args.name or config.fleet.name, replica="config-push")
     origin = f"push from {socket.gethostname()}"
     try:
         version = trio.run(propose, fleet, encode_document(config, os.path.abspath(args.path), origin))
     except Exception as error:  # NATS unreachable or refusing: one line, no traceback
         servers = ",".join(fleet.nats)
-        return bad_input(args, f"cannot propose to the fleet {fleet.name!r} on {servers}: {error or repr(error)}")
+        return bad_input(args, f"cannot propose to the fleet {fleet.name!r} on {servers}: {str(error) or repr(error)}")
     print(f"proposed {args.path} as the fleet {fleet.name!r}'s config version {version} (digest "
           f"{fleet_config_digest(config)}); its leader applies it as the reload event")  # fmt: skip
     return 0
+
+
+def fleet_of_file(path: str, urls: tuple[str, ...] | None, name: str | None, who: str) -> tuple[Config, FleetConfig]:
+    """The config file at `path`, validated, and the fleet connection its `[fleet]` table gives
+    (credentials and TLS files), with `urls` and `name` (the command line's) winning, made as
+    `who`; ValueError naming the file and key when it does not validate or has no servers."""
+    try:
+        config = load_config(path, warn=lambda unknown: print(f"warning: {unknown}", file=sys.stderr),
+                             overrides=Overrides(fleet_nats=urls))  # fmt: skip
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    if config.fleet is None:
+        raise ValueError(f"{path}: no [fleet] table: give the NATS servers with --fleet URL")
+    return config, replace(config.fleet, name=name or config.fleet.name, replica=who)
