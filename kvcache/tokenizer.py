@@ -29,8 +29,10 @@ tokenized piece by piece between its special tokens (the template's role markers
 turn), the pieces of recent chats kept (CACHED_PIECE_TOKENS), so a conversation's next turn, or
 another conversation under the same system prompt, tokenizes only its new pieces; `tokenizers`
 itself cuts a text at its special tokens first, so the tokens are the whole text's (where they
-would not be, `_special_splitter` says why, the whole text is tokenized). No network: every
-file is the directory's.
+would not be, `_special_splitter` says why, the whole text is tokenized). `tokenizers` is asked
+for the ids alone (`encode_batch_fast`, which leaves out each token's offsets in the text: routing
+never reads them, and computing them is a good part of `encode`'s work). No network: every file is
+the directory's.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class ModelTokenizer:
         )
         rendered = _capped(rendered)
         if self._splitter is None:
-            return self._tokenizer.encode(rendered, add_special_tokens=False).ids
+            return self._encode(rendered, add_special_tokens=False)
         pattern, ids = self._splitter
         tokens: list[int] = []
         for index, piece in enumerate(pattern.split(rendered)):
@@ -132,12 +134,16 @@ class ModelTokenizer:
         key = hashlib.blake2b(piece.encode("utf-8", "surrogatepass"), digest_size=16).digest()
         tokens = self._pieces.get(key)
         if tokens is None:
-            tokens = array("I", self._tokenizer.encode(piece, add_special_tokens=False).ids)
+            tokens = array("I", self._encode(piece, add_special_tokens=False))
             self._pieces.put(key, tokens)
         return tokens
 
     def completion_tokens(self, prompt: str) -> list[int]:
-        return self._tokenizer.encode(_capped(prompt), add_special_tokens=True).ids
+        return self._encode(_capped(prompt), add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """The ids of `text` (`encode_batch_fast` on a batch of one: no offsets, see the module's doc)."""
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _compile(template: str) -> jinja2.Template:
