@@ -301,7 +301,9 @@ async def test_the_gateways_tokenizer_gives_the_tokens_the_node_caches(tokenizer
     """kv_aware matches the gateway's tokens against the blocks the node's events carry: both
     sides must tokenize a prompt alike (the node as vLLM does)."""
     body = {"model": MODEL, "max_tokens": 2} | body
-    gateway_tokens = await PromptTokens().tokens(str(tokenizer_dir), path, msgspec.json.encode(body))
+    unusable: list[str] = []
+    gateway_tokens = await PromptTokens(unusable.append).tokens(str(tokenizer_dir), path, msgspec.json.encode(body))
+    assert unusable == []
     async with kv_node(tokenizer_dir, kv_block_size=1) as (node, client):
         async with subscribed(node) as sub:
             assert (await client.post(path, json=body)).status_code == 200
