@@ -27,6 +27,7 @@ names all start with the fleet's `name` (N below):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
@@ -219,20 +220,22 @@ class Names:
 async def command_link(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
     """A link of a command's (`fleet export`, `fleet config push`) to the fleet's JetStream, on
     a bridge of its own whose failures are raised: it finds the streams and creates nothing. A
-    connection that does not succeed in time fails with the last error the servers gave."""
+    connection that does not succeed fails naming the errors the servers gave meanwhile."""
 
     def report(error: BaseException) -> None:
         raise error
 
-    client_errors: list[str] = []
+    client_errors: collections.deque[str] = collections.deque(maxlen=8)
     async with open_asyncio_thread(report) as bridge:
         link = FleetLink(bridge, fleet, client_errors.append)
         try:
             try:
                 await link.connect(create=False)
-            except trio.TooSlowError:
+            except NATS_ERRORS as error:
                 if client_errors:  # what the servers said while the client kept trying (an authorization refused)
-                    raise nats.errors.Error(client_errors[-1]) from None
+                    failed = "no connection in time" if isinstance(error, trio.TooSlowError) else str(error) or repr(error)
+                    said = "; ".join(dict.fromkeys(client_errors))
+                    raise nats.errors.Error(f"{failed} (the servers said: {said})") from None
                 raise
             yield link
         finally:
