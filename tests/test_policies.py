@@ -224,6 +224,20 @@ def test_kv_aware_weighs_the_blocks_held_against_the_load():
     assert choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix="p", matches=matches).node.ip == IPS[0]
 
 
+def test_kv_aware_lets_a_node_holding_the_prompt_take_one_request_over_the_load_bound():
+    # One request in the pool: prefix affinity's bound (whole requests) passes its node over for the next.
+    nodes = pool((1, 0), (0, 0), (0, 0))
+    matches = {IPS[0]: held(8), IPS[1]: held(0), IPS[2]: held(0)}
+    affinity = choose(PREFIX_AFFINITY, nodes, rotation=0, in_flight={}, prefix="p", load_bound=1.25, remembered=IPS[0])
+    assert affinity.node.ip != IPS[0] and affinity.candidates[-1].note == OVER_LOAD_BOUND
+    choice = choose(KV_AWARE, nodes, rotation=0, in_flight={}, prefix="p", load_bound=1.25, matches=matches)
+    assert choice.node.ip == IPS[0] and not any(c.note for c in choice.candidates)
+    # Two requests more on it: over the bound by more than the slack.
+    choice = choose(KV_AWARE, nodes, rotation=0, in_flight={IPS[0]: 2}, prefix="p", load_bound=1.25, matches=matches)
+    assert choice.node.ip != IPS[0]
+    assert choice.candidates[-1].node == IPS[0] and choice.candidates[-1].note == OVER_LOAD_BOUND
+
+
 def test_kv_aware_passes_over_a_node_above_the_load_bound_however_much_it_holds():
     nodes = pool((6, 0), (1, 0), (1, 0))
     matches = {IPS[0]: held(8), IPS[1]: held(0), IPS[2]: held(0)}

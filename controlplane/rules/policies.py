@@ -37,9 +37,13 @@ Every candidate gets a score, lower is better, and the choice lists them best fi
   the share of the prompt's blocks the node lacks (0 to 1; 1 when the prompt has no full block)
   plus its share of the pool's work were the request sent to it (its load, this request
   included, times its cost, as prefix affinity weighs them), ties in the prefix's order; a
-  node over prefix affinity's load bound is passed over (OVER_LOAD_BOUND), so a hot prefix
-  cannot pile onto the nodes that hold it, and the room rule below holds as for every policy
-  (its scrape's KV use among it).
+  node over prefix affinity's load bound by more than KV_BOUND_SLACK requests is passed over
+  (OVER_LOAD_BOUND), so a hot prefix cannot pile onto the nodes that hold it, and the room rule
+  below holds as for every policy (its scrape's KV use among it). The slack is for a pool at
+  low load, where the bound, in whole requests, leaves a node running a single request over
+  it: passing over the node that holds a conversation's blocks for an idle one makes the
+  request wait for the whole prompt's prefill, while a request more in a node's running batch
+  barely slows it.
   - A node whose events are not flowing, or without a match (no `kv_events`, or a prompt the
     gateway could not tokenize), is scored by prefix affinity's guess, marked `fallback`: it
     lacks nothing when it is the first of the prefix's order (the node the prefix last went
@@ -79,6 +83,8 @@ ROUND_ROBIN, LEAST_LOAD, POWER_OF_TWO, PREFIX_AFFINITY, KV_AWARE = POLICIES
 
 NOT_DRAWN = "not drawn"
 OVER_LOAD_BOUND = "load bound"
+KV_BOUND_SLACK = 1
+"""kv_aware: requests a node may take over prefix affinity's load bound (see the module's doc)."""
 LORA_AVOIDED = "lora affinity"
 AT_MAX_IN_FLIGHT = "max_in_flight"
 """Notes on candidates passed over other than by their score (AT_MAX_IN_FLIGHT: the node had no
@@ -297,14 +303,16 @@ def _prefix_order(pool: Sequence[NodeState], prefix: str, remembered: str) -> tu
     return order, first
 
 
-def _over_load_bound(pool: Sequence[NodeState], loads: list[float], load_bound: float, order: list[int]) -> set[int]:
+def _over_load_bound(
+    pool: Sequence[NodeState], loads: list[float], load_bound: float, order: list[int], slack: int = 0
+) -> set[int]:
     """The candidates whose work, with this request, is above `load_bound` times the pool's mean
-    (see the module's doc); never all of them."""
+    by more than `slack` requests (see the module's doc); never all of them."""
     costs = _costs(pool)
     work = sum(load * cost for load, cost in zip(loads, costs))
     # The most requests each node may hold, this one included, for its work to stay within the bound.
     allowed = [math.ceil(load_bound * (work + cost) / len(pool) / cost) for cost in costs]
-    over = {i for i in order if loads[i] + 1 > allowed[i]}
+    over = {i for i in order if loads[i] + 1 > allowed[i] + slack}
     if len(over) == len(order):  # loads in fractions can leave none under
         over.discard(min(order, key=lambda i: (loads[i] + 1) * costs[i]))
     return over
@@ -319,8 +327,8 @@ def _kv_aware(
     matches: Mapping[str, KvBlocks],
 ) -> Choice:
     """See the module's doc: the share of the prompt's blocks a node lacks plus its share of the
-    pool's work, within prefix affinity's load bound; prefix affinity's guess for a node whose
-    events are not flowing, and prefix affinity's choice when no node's are."""
+    pool's work, within prefix affinity's load bound and its slack; prefix affinity's guess for a
+    node whose events are not flowing, and prefix affinity's choice when no node's are."""
     held = [matches.get(node.ip) for node in pool]
     flowing = [match is not None and match.flowing for match in held]
     if not any(flowing):
@@ -337,7 +345,7 @@ def _kv_aware(
     work = sum(load * cost for load, cost in zip(loads, costs))
     scores = [lacked[i] + (loads[i] + 1) * costs[i] / (work + costs[i]) for i in range(len(pool))]
     ranked = sorted(order, key=lambda i: scores[i])  # ties in the prefix's order
-    over = _over_load_bound(pool, loads, load_bound, ranked)
+    over = _over_load_bound(pool, loads, load_bound, ranked, KV_BOUND_SLACK)
     chosen = [i for i in ranked if i not in over]
     passed_over = [i for i in ranked if i in over]
     choice = _ranked(pool, chosen + passed_over, scores, in_flight, dict.fromkeys(passed_over, OVER_LOAD_BOUND))
