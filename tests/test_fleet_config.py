@@ -11,7 +11,9 @@ proposes nothing and says a restart is needed."""
 
 from __future__ import annotations
 
+import os
 import signal
+import ssl
 import sys
 
 import httpx
@@ -23,6 +25,7 @@ from events.config import FleetConfig
 from fixtures.node import serve_nodes
 from harness import PROJECT_ROOT, config_text, node_specs
 from nats_cluster import nats_servers
+from test_tls import certificate_files  # noqa: F401 (a fixture)
 from test_fleet import HEALTH_INTERVAL, Replica, fleet_of, named, until
 
 
@@ -210,3 +213,51 @@ def test_the_fleet_wide_part_leaves_out_the_replicas_own_keys_and_the_fleet_tabl
     third = tmp_path / "third.toml"
     third.write_text(config_text(nodes, retry_unanswered=True) + '[fleet]\nnats = ["nats://127.0.0.1:4222"]\n')
     assert fleet_config_digest(load_config(third)) != fleet_config_digest(one)
+
+
+async def test_a_replicas_workers_serve_https_with_its_own_tls_files_after_the_fleets_config_arrives(
+    tmp_path, certificate_files
+):
+    """TLS files are a replica's own: the fleet's config carries none, and a worker started
+    after the fleet's config is in force (one killed, started again) serves HTTPS with its
+    replica's files."""
+    ca, certificate, key = certificate_files
+    async with nats_servers(tmp_path) as [server], serve_nodes(node_specs(1)) as nodes:
+        directory = tmp_path / "r1"
+        directory.mkdir()
+        path = directory / "gateway.toml"
+        gateway = config_text(nodes, health_interval=HEALTH_INTERVAL, tls_certificate=certificate, tls_key=key, workers=2)
+        path.write_text(gateway + f'[fleet]\nnats = ["{server.url}"]\nreplica = "r1"\n')
+        replica = Replica("r1", path, directory / "log.jsonl")
+        try:
+            await replica.start()
+            async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=ca), trust_env=False) as https:
+
+                async def runs_the_fleets_config() -> bool:
+                    try:
+                        response = await https.get(f"https://127.0.0.1:{replica.api_port}/health", timeout=2)
+                    except httpx.HTTPError:
+                        return False
+                    return response.headers.get("X-Interlock-Config-Version") == "1"
+
+                await until(runs_the_fleets_config, "a worker answers over HTTPS with the fleet's config")
+                first = next(line["pid"] for line in replica.lines() if line.get("msg") == "worker started")
+                os.kill(int(first), signal.SIGKILL)
+
+                async def started_again() -> bool:
+                    return sum(line.get("msg") == "worker started" for line in replica.lines()) == 3
+
+                await until(started_again, "the killed worker started again")
+                answered: set[str] = set()
+
+                async def both_workers_answer_over_https() -> bool:
+                    url = f"https://127.0.0.1:{replica.api_port}/health"
+                    response = await https.get(url, headers={"Connection": "close"}, timeout=5)  # a new connection
+                    answered.add(response.headers["X-Interlock-Worker"])
+                    return len(answered) == 2
+
+                await until(both_workers_answer_over_https, "both workers, the new one too, answer over HTTPS")
+        finally:
+            replica.signal(signal.SIGKILL)
+            if replica.process is not None:
+                await replica.process.wait()
