@@ -233,7 +233,8 @@ async def command_link(fleet: FleetConfig) -> AsyncIterator[FleetLink]:
                 await link.connect(create=False)
             except NATS_ERRORS as error:
                 if client_errors:  # what the servers said while the client kept trying (an authorization refused)
-                    failed = "no connection in time" if isinstance(error, trio.TooSlowError) else str(error) or repr(error)
+                    timed_out = isinstance(error, trio.TooSlowError)
+                    failed = "no connection in time" if timed_out else str(error) or repr(error)
                     said = "; ".join(dict.fromkeys(client_errors))
                     raise nats.errors.Error(f"{failed} (the servers said: {said})") from None
                 raise

@@ -226,7 +226,8 @@ async def test_a_replicas_workers_serve_https_with_its_own_tls_files_after_the_f
         directory = tmp_path / "r1"
         directory.mkdir()
         path = directory / "gateway.toml"
-        gateway = config_text(nodes, health_interval=HEALTH_INTERVAL, tls_certificate=certificate, tls_key=key, workers=2)
+        tls = {"tls_certificate": certificate, "tls_key": key}
+        gateway = config_text(nodes, health_interval=HEALTH_INTERVAL, workers=2, **tls)
         path.write_text(gateway + f'[fleet]\nnats = ["{server.url}"]\nreplica = "r1"\n')
         replica = Replica("r1", path, directory / "log.jsonl")
         try:
