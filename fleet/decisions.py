@@ -7,10 +7,12 @@ decision log, when one is configured, and here. Submitting never waits: the queu
 of records waiting for the stream, is bounded (`fleet.decision_spool_bytes`, in memory; beyond
 that a record is dropped and counted), and a task sends what is queued every BATCH_SECONDS, as
 one message of JSON Lines per up to BATCH_BYTES. A batch stays queued until JetStream has
-acknowledged it; one sent again after an unknown outcome carries the same message id, which
-JetStream's duplicate window drops. So a replica cut off from NATS keeps every record up to the
-bound (those routed in a partition among them, `Decision.partition`) and sends them when it is
-back; what it dropped is counted (`interlock_fleet_decisions_dropped_total`), what waits is in
+acknowledged it; one sent again after an unknown outcome carries the same message id and the
+same records, none added since (its first send may have been stored after all: JetStream's
+duplicate window drops the second, and a record added to it would be dropped with it). So a
+replica cut off from NATS keeps every record up to the bound (those routed in a partition
+among them, `Decision.partition`) and sends them when it is back; what it dropped is counted
+(`interlock_fleet_decisions_dropped_total`), what waits is in
 `interlock_fleet_decision_spool_bytes` beside its bound.
 
 `interlock fleet export DIR` writes the stream as `DIR/decisions.jsonl`, the decision log that
@@ -53,6 +55,10 @@ class FleetDecisions:
         self._process = secrets.token_hex(6)
         """Names this process's batches apart from an earlier run's (the message ids)."""
         self._batches_sent = 0
+        self._unacknowledged = 0
+        """How many records, from the queue's front, the batch being sent holds, until JetStream
+        acknowledges it: a send that failed (or was cancelled) is made again with these, under
+        the same id."""
         self._failing = False
         self.dropped = prometheus_client.Counter(
             "interlock_fleet_decisions_dropped_total",
@@ -107,13 +113,9 @@ class FleetDecisions:
 
     async def _send_queued(self, link: FleetLink) -> None:
         """Send the queue from its front, a batch at a time, until it is empty or a send fails
-        (that batch is sent again, under the same id, next time)."""
+        (that batch is sent again, the same records under the same id, next time)."""
         while self._queued:
-            count, size = 0, 0
-            for line in self._queued:
-                if size + len(line) > BATCH_BYTES:
-                    break
-                count, size = count + 1, size + len(line)
+            count = self._unacknowledged = self._unacknowledged or self._batch_length()
             batch = b"".join(self._queued[index] for index in range(count))
             try:
                 await link.publish_decisions(batch, f"{self.replica}-{self._process}-{self._batches_sent}")
@@ -124,7 +126,17 @@ class FleetDecisions:
                 self._failing = True
                 return
             self._failing = False
+            self._unacknowledged = 0
             self._batches_sent += 1
             for _ in range(count):
                 self._queued_bytes -= len(self._queued.popleft())
+
+    def _batch_length(self) -> int:
+        """How many records from the queue's front the next batch holds (up to BATCH_BYTES)."""
+        count, size = 0, 0
+        for line in self._queued:
+            if size + len(line) > BATCH_BYTES:
+                break
+            count, size = count + 1, size + len(line)
+        return count
 

@@ -7,18 +7,25 @@ stream, and the excluded node's state is traced to the fleet's events."""
 from __future__ import annotations
 
 import re
+import signal
 import sys
 
 import httpx
 import msgspec
+import prometheus_client
 import trio
 
+from events.config import FleetConfig
 from events.decisions import read_decisions
 from events.log import decode_event
 from fixtures.node import serve_nodes
-from harness import MODEL, PROJECT_ROOT, chat, decision_records, node_specs
+from fleet.bridge import open_asyncio_thread
+from fleet.decisions import FleetDecisions
+from fleet.jetstream import FleetLink
+from harness import MODEL, PROJECT_ROOT, CapturedLog, chat, decision_records, node_specs
 from nats_cluster import nats_servers
-from test_fleet import WAIT, Observed, Replica, agreed, fleet_of
+from test_fleet import WAIT, Observed, Replica, agreed, fleet_of, until
+from test_fleet_delivery import unexpected
 
 
 async def node_statuses(http: httpx.AsyncClient, replica: Replica) -> dict[str, list[str]]:
@@ -111,3 +118,51 @@ async def test_a_request_served_by_a_follower_or_a_worker_is_explained_from_the_
                 local = local_logs[replicas.index(replica)]
                 while request_id not in {decision.request_id for decision in decision_records(local)}:
                     await trio.sleep(0.1)
+
+
+async def test_a_batch_sent_again_after_an_unknown_outcome_holds_the_same_records(tmp_path):
+    """NATS stops answering (its process SIGSTOPped) with a batch of decision records on the
+    wire: the send fails, and is made again while a new record waits behind it. Once NATS
+    resumes it stores the first send, and JetStream's duplicate window drops the sends made
+    again under that id: they held the first batch's records alone, so the new record goes
+    in a batch of its own and reaches the stream."""
+    first, second = b'{"request_id":"first"}\n', b'{"request_id":"second"}\n'
+    registry = prometheus_client.CollectorRegistry()
+    fleet = FleetConfig(nats=(), name="resend", replica="r1", lease=60.0, lease_renewal=1.0)
+    async with nats_servers(tmp_path) as [server], open_asyncio_thread(unexpected) as bridge:
+        link = FleetLink(bridge, msgspec.structs.replace(fleet, nats=(server.url,)))
+        await link.connect()
+        decisions = FleetDecisions("r1", CapturedLog(), registry, spool_bytes=1 << 20)
+
+        def sample(name: str) -> float:
+            return registry.get_sample_value(name)
+
+        decisions.submit(first)
+        server.process.send_signal(signal.SIGSTOP)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(decisions.run, link)
+                failed = "interlock_fleet_decision_publish_errors_total"
+
+                async def first_send_failed() -> bool:
+                    return sample(failed) >= 1
+
+                await until(first_send_failed, "the first batch's send failed")
+                decisions.submit(second)
+                failures = sample(failed)
+
+                async def sent_again_since() -> bool:  # the next send starts after the record's submit
+                    return sample(failed) > failures
+
+                await until(sent_again_since, "a send failed after the second record was submitted")
+                server.process.send_signal(signal.SIGCONT)
+
+                async def all_sent() -> bool:
+                    return sample("interlock_fleet_decision_spool_records") == 0
+
+                await until(all_sent, "both records sent")
+                nursery.cancel_scope.cancel()
+        finally:
+            server.process.send_signal(signal.SIGCONT)
+        assert b"".join([batch async for batch in link.read_decision_batches()]) == first + second
+        await link.close()
