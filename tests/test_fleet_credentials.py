@@ -1,17 +1,19 @@
 """The fleet's connection with NATS credentials, against a real nats-server whose config file
-(written here) asks for them: a replica with a user and password, or a token over mutual TLS,
-joins and leads; one with a wrong password is refused and says so; a user of the same server
-whose publish rights leave out the fleet's subjects (README's account) cannot put a message on
-the events subject. Credentials that cannot work are config errors naming the key and file."""
+(written here) asks for them: a replica with a user and password, a token over mutual TLS, or
+an NKey seed joins and leads; one with a wrong password or another seed is refused and says
+so; a user of the same server whose publish rights leave out the fleet's subjects (README's
+account) cannot put a message on the events subject. Credentials that cannot work (a file
+without a valid seed among them) are config errors naming the key and file."""
 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
+import os
 from pathlib import Path
 
 import httpx
 import nats
+import nkeys
 import pytest
 import trio
 import trustme
@@ -51,6 +53,17 @@ async def leading(http: httpx.AsyncClient, replica: Replica) -> None:
         return health is not None and health.seq > 0 and health.leader == replica.name
 
     await until(condition, f"{replica.name} leads the fleet")
+
+
+async def good_leads_and_wrong_is_refused(http: httpx.AsyncClient, good: Replica, wrong: Replica) -> None:
+    """Start both; `good` leads, and `wrong` logs that NATS refused its credentials."""
+    for replica in (good, wrong):
+        await replica.start()
+    await leading(http, good)
+    await until(
+        lambda: trio.to_thread.run_sync(lambda: "authorization violation" in wrong.log_path.read_text().lower()),
+        f"{wrong.name}, with the wrong credentials, says NATS refused it",
+    )
 
 
 async def stop(replicas: list[Replica]) -> None:
@@ -112,13 +125,7 @@ async def test_a_replica_with_user_and_password_leads_and_no_other_user_can_publ
             good = fleet_config(tmp_path, "r1", nodes, server, 'user = "replica"\npassword = "replica-secret"')
             wrong = fleet_config(tmp_path, "r2", nodes, server, 'user = "replica"\npassword = "not-the-secret"')
             replicas += [good, wrong]
-            for replica in replicas:
-                await replica.start()
-            await leading(http, good)
-            await until(
-                lambda: trio.to_thread.run_sync(lambda: "authorization violation" in wrong.log_path.read_text().lower()),
-                "the replica with a wrong password says NATS refused it",
-            )
+            await good_leads_and_wrong_is_refused(http, good, wrong)
 
             errors = await publish_as(server.url, "observer", "observer-secret", "interlock.events", b"garbage")
             assert any("permissions violation" in error.lower() for error in errors), errors
@@ -164,35 +171,68 @@ async def test_a_replica_with_a_token_over_mutual_tls_leads(tmp_path):
             await server.kill()
 
 
+PUBLIC_KEY = "UAMK2FG4MI6UE3ACF3FK3OIQBCEIEZV7NSWFFEW63UXMRLFM2XLAXK4GY\n"
+"""A user's public key where its seed belongs."""
+JWT = "-----BEGIN NATS USER JWT-----\neyJ0\n------END NATS USER JWT------\n"
+
+
 @pytest.mark.parametrize(
-    ("credentials", "key", "message"),
+    ("credentials", "content", "key", "message"),
     [
-        ('user = "replica"', "fleet.password", "user is set: password must be set too"),
-        ('user = "a"\npassword = "b"\ntoken = "c"', "fleet.token", "user and token are two ways to authenticate"),
-        ('creds_file = "{missing}"', "fleet.creds_file", "reading {missing}: No such file or directory"),
-        ('tls_ca_file = "{missing}"', "fleet.tls_ca_file", "{missing}"),
-        ('tls_certificate = "{missing}"', "fleet.tls_key", "tls_certificate is set: tls_key must be set too"),
+        ('user = "replica"', None, "fleet.password", "user is set: password must be set too"),
+        ('user = "a"\npassword = "b"\ntoken = "c"', None, "fleet.token", "user and token are two ways to authenticate"),
+        ('creds_file = "{file}"', None, "fleet.creds_file", "reading {file}: No such file or directory"),
+        ('tls_ca_file = "{file}"', None, "fleet.tls_ca_file", "{file}"),
+        ('tls_certificate = "{file}"', None, "fleet.tls_key", "tls_certificate is set: tls_key must be set too"),
+        ('nkey_seed_file = "{file}"', "not a seed\n", "fleet.nkey_seed_file", "{file} holds no valid NKey seed"),
+        ('nkey_seed_file = "{file}"', PUBLIC_KEY, "fleet.nkey_seed_file", "{file} holds no valid NKey seed"),
+        ('creds_file = "{file}"', "", "fleet.creds_file", "{file} is not a NATS credentials file: no user JWT"),
+        ('creds_file = "{file}"', JWT, "fleet.creds_file", "{file} is not a NATS credentials file: no NKey seed"),
+        (
+            'creds_file = "{file}"',
+            JWT + "-----BEGIN USER NKEY SEED-----\nSUnot-a-seed\n------END USER NKEY SEED------\n",
+            "fleet.creds_file",
+            "{file} holds no valid NKey seed",
+        ),
     ],
 )
-def test_credentials_that_cannot_work_are_refused_naming_the_key_and_the_file(tmp_path, credentials, key, message):
-    missing = tmp_path / "missing.creds"
+def test_credentials_that_cannot_work_are_refused_naming_the_key_and_the_file(
+    tmp_path, credentials, content, key, message
+):
+    file = tmp_path / "credentials.file"
+    if content is not None:
+        file.write_text(content)
     path = tmp_path / "gateway.toml"
-    fleet = '[fleet]\nnats = ["nats://127.0.0.1:4222"]\nreplica = "r1"\n' + credentials.format(missing=missing)
+    fleet = '[fleet]\nnats = ["nats://127.0.0.1:4222"]\nreplica = "r1"\n' + credentials.format(file=file)
     path.write_text(config_text(node_specs(1)) + fleet)
     with pytest.raises(ConfigError) as refused:
         load_config(path)
     assert (refused.value.path, refused.value.key) == (str(path), key)
-    assert message.format(missing=missing) in refused.value.message
+    assert message.format(file=file) in refused.value.message
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nkeys") is not None, reason="the nkeys package is installed")
-def test_an_nkey_seed_without_the_nkeys_package_is_refused_naming_what_is_missing(tmp_path):
-    seed = tmp_path / "replica.nk"
-    seed.write_text("SUAMK2FG4MI6UE3ACF3FK3OIQBCEIEZV7NSWFFEW63UXMRLFM2XLAXK4GY\n")
-    path = tmp_path / "gateway.toml"
-    fleet = f'[fleet]\nnats = ["nats://127.0.0.1:4222"]\nreplica = "r1"\nnkey_seed_file = "{seed}"\n'
-    path.write_text(config_text(node_specs(1)) + fleet)
-    with pytest.raises(ConfigError) as refused:
-        load_config(path)
-    assert refused.value.key == "fleet.nkey_seed_file"
-    assert "needs the Python package nkeys" in refused.value.message
+def user_seed() -> tuple[bytes, str]:
+    """A new NKey user: its seed (`SU…`, the replica's file) and public key (`U…`, the server's)."""
+    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+    return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
+
+
+async def test_a_replica_with_an_nkey_seed_leads_and_one_with_another_seed_is_refused(tmp_path):
+    seed, public_key = user_seed()
+    other_seed, _ = user_seed()
+    (tmp_path / "replica.nk").write_bytes(seed + b"\n")
+    (tmp_path / "other.nk").write_bytes(other_seed + b"\n")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f'authorization {{ users = [ {{ nkey: "{public_key}" }} ] }}\n')
+    server = NatsServer(name="nats1", store=tmp_path / "store", config=conf)
+    replicas: list[Replica] = []
+    async with serve_nodes(node_specs(1)) as nodes, httpx.AsyncClient() as http:
+        await server.start()
+        try:
+            good = fleet_config(tmp_path, "r1", nodes, server, f'nkey_seed_file = "{tmp_path / "replica.nk"}"')
+            wrong = fleet_config(tmp_path, "r2", nodes, server, f'nkey_seed_file = "{tmp_path / "other.nk"}"')
+            replicas += [good, wrong]
+            await good_leads_and_wrong_is_refused(http, good, wrong)
+        finally:
+            await stop(replicas)
+            await server.kill()

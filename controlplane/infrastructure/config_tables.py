@@ -6,16 +6,16 @@ makes, the loader's `ConfigError`, which names the file.
 
 from __future__ import annotations
 
-import importlib.util
 import ipaddress
 import math
 import re
 from collections.abc import Callable
 
+import nkeys
 from msgspec.structs import replace
 
 from controlplane.infrastructure.gocompat import format_go_seconds, go_quote, parse_listen_address
-from controlplane.infrastructure.small_files import check_small_file
+from controlplane.infrastructure.small_files import read_small_file
 from controlplane.infrastructure.tlsfiles import check_server_files, client_context
 from controlplane.infrastructure.tokenizer_files import read_tokenizer_directory
 from events.config import (
@@ -505,13 +505,15 @@ def _check_fleet_credentials(invalid: Invalid, fleet: FleetConfig) -> None:
         if not path:
             continue
         try:
-            check_small_file(path, MAX_NATS_CREDENTIALS_BYTES, "an NKey seed or credentials file")
+            content = read_small_file(path, MAX_NATS_CREDENTIALS_BYTES, "an NKey seed or credentials file")
         except OSError as error:
             raise invalid(f"fleet.{key}", f"reading {path}: {error.strerror or error}") from None
         except ValueError as error:
             raise invalid(f"fleet.{key}", str(error)) from None
-        if importlib.util.find_spec("nkeys") is None:
-            raise invalid(f"fleet.{key}", "signing with an NKey needs the Python package nkeys, which is not installed")
+        if key == "nkey_seed_file":
+            _check_nkey_seed(invalid, key, path, content.strip())
+        else:
+            _check_creds_file(invalid, key, path, content)
     if bool(fleet.tls_certificate) != bool(fleet.tls_key):
         given, missing = ("tls_certificate", "tls_key") if fleet.tls_certificate else ("tls_key", "tls_certificate")
         raise invalid(f"fleet.{missing}", f"{given} is set: {missing} must be set too (mutual TLS), or neither")
@@ -524,6 +526,31 @@ def _check_fleet_credentials(invalid: Invalid, fleet: FleetConfig) -> None:
             client_context(fleet.tls_ca_file, fleet.tls_certificate, fleet.tls_key)
         except ValueError as error:
             raise invalid("fleet.tls_certificate", str(error)) from None
+
+
+def _check_nkey_seed(invalid: Invalid, key: str, path: str, seed: bytes) -> None:
+    """`seed` is an NKey seed (`SU…`): nats-py signs the server's nonce with it at each connect."""
+    try:
+        nkeys.from_seed(bytearray(seed)).wipe()
+    except (nkeys.NkeysError, ValueError):  # ValueError: PyNaCl's, for a key of the wrong length
+        message = f"{path} holds no valid NKey seed (a line SU…, as `nsc` or `nk -gen user` writes)"
+        raise invalid(f"fleet.{key}", message) from None
+
+
+def _check_creds_file(invalid: Invalid, key: str, path: str, content: bytes) -> None:
+    """`content` is a credentials file: a user JWT, then the user's NKey seed, each on the line
+    after its BEGIN marker (nats-py reads it so at each connect, and loops forever on a file
+    without the JWT's marker)."""
+    lines = content.splitlines()
+
+    def after(marker: bytes, what: str) -> bytes:
+        for index, line in enumerate(lines[:-1]):
+            if marker in line and lines[index + 1].strip():
+                return lines[index + 1].strip()
+        raise invalid(f"fleet.{key}", f"{path} is not a NATS credentials file: no {what} after {marker.decode()}")
+
+    after(b"BEGIN NATS USER JWT", "user JWT")
+    _check_nkey_seed(invalid, key, path, after(b"BEGIN USER NKEY SEED", "NKey seed"))
 
 
 def _hosts_overlap(first: str, second: str) -> bool:
