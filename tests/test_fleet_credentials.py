@@ -1,15 +1,21 @@
 """The fleet's connection with NATS credentials, against a real nats-server whose config file
-(written here) asks for them: a replica with a user and password, a token over mutual TLS, or
-an NKey seed joins and leads; one with a wrong password or another seed is refused and says
-so; a user of the same server whose publish rights leave out the fleet's subjects (README's
-account) cannot put a message on the events subject. Credentials that cannot work (a file
-without a valid seed among them) are config errors naming the key and file."""
+(written here) asks for them: a replica with a user and password, a token over mutual TLS, an
+NKey seed, or a creds file (the server in operator mode, its JWTs signed here as `nsc` would)
+joins and leads; one with a wrong password, another seed, or a user of an account the operator
+does not know is refused and says so; a user of the same server whose publish rights leave out
+the fleet's subjects (README's account) cannot put a message on the events subject.
+Credentials that cannot work (a file without a valid seed among them) are config errors naming
+the key and file."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import nats
@@ -211,28 +217,94 @@ def test_credentials_that_cannot_work_are_refused_naming_the_key_and_the_file(
     assert message.format(file=file) in refused.value.message
 
 
-def user_seed() -> tuple[bytes, str]:
-    """A new NKey user: its seed (`SU…`, the replica's file) and public key (`U…`, the server's)."""
-    seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
+def new_seed(prefix: int = nkeys.PREFIX_BYTE_USER) -> tuple[bytes, str]:
+    """A new NKey (a user's by default): its seed (`SU…`, the replica's file) and public key
+    (`U…`, the server's)."""
+    seed = nkeys.encode_seed(os.urandom(32), prefix)
     return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
 
 
-async def test_a_replica_with_an_nkey_seed_leads_and_one_with_another_seed_is_refused(tmp_path):
-    seed, public_key = user_seed()
-    other_seed, _ = user_seed()
-    (tmp_path / "replica.nk").write_bytes(seed + b"\n")
-    (tmp_path / "other.nk").write_bytes(other_seed + b"\n")
-    conf = tmp_path / "nats.conf"
-    conf.write_text(f'authorization {{ users = [ {{ nkey: "{public_key}" }} ] }}\n')
+async def one_leads_and_the_other_is_refused(tmp_path: Path, conf: Path, good: str, wrong: str) -> None:
+    """A nats-server with config `conf` and two replicas, their credentials `good` and `wrong`:
+    the first leads, the second says NATS refused it."""
     server = NatsServer(name="nats1", store=tmp_path / "store", config=conf)
     replicas: list[Replica] = []
     async with serve_nodes(node_specs(1)) as nodes, httpx.AsyncClient() as http:
         await server.start()
         try:
-            good = fleet_config(tmp_path, "r1", nodes, server, f'nkey_seed_file = "{tmp_path / "replica.nk"}"')
-            wrong = fleet_config(tmp_path, "r2", nodes, server, f'nkey_seed_file = "{tmp_path / "other.nk"}"')
-            replicas += [good, wrong]
-            await good_leads_and_wrong_is_refused(http, good, wrong)
+            for name, credentials in (("r1", good), ("r2", wrong)):
+                replicas.append(fleet_config(tmp_path, name, nodes, server, credentials))
+            await good_leads_and_wrong_is_refused(http, *replicas)
         finally:
             await stop(replicas)
             await server.kill()
+
+
+async def test_a_replica_with_an_nkey_seed_leads_and_one_with_another_seed_is_refused(tmp_path):
+    seed, public_key = new_seed()
+    other_seed, _ = new_seed()
+    (tmp_path / "replica.nk").write_bytes(seed + b"\n")
+    (tmp_path / "other.nk").write_bytes(other_seed + b"\n")
+    conf = tmp_path / "nats.conf"
+    conf.write_text(f'authorization {{ users = [ {{ nkey: "{public_key}" }} ] }}\n')
+    good, wrong = (f'nkey_seed_file = "{tmp_path / name}"' for name in ("replica.nk", "other.nk"))
+    await one_leads_and_the_other_is_refused(tmp_path, conf, good, wrong)
+
+
+def signed_jwt(issuer_seed: bytes, subject: str, claims: dict[str, Any]) -> str:
+    """A NATS JWT (as `nsc` writes one) for `subject`, its `nats` claims `claims`, signed by the
+    key of `issuer_seed`."""
+
+    def encoded(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    issuer = nkeys.from_seed(bytearray(issuer_seed))
+    header = encoded(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+    body = {"jti": encoded(os.urandom(16)), "iat": int(time.time()), "iss": issuer.public_key.decode()}
+    payload = encoded(json.dumps(body | {"name": subject, "sub": subject, "nats": claims}).encode())
+    return f"{header}.{payload}.{encoded(issuer.sign(f'{header}.{payload}'.encode()))}"
+
+
+UNLIMITED = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True, "conn": -1}
+JETSTREAM = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+
+
+def creds_file(path: Path, account_seed: bytes) -> Path:
+    """A credentials file at `path`: a new user's JWT issued by the account of `account_seed`, and
+    the user's seed."""
+    seed, public_key = new_seed()
+    user = signed_jwt(account_seed, public_key, {"type": "user", "version": 2, "pub": {}, "sub": {}} | UNLIMITED)
+    path.write_text(
+        f"-----BEGIN NATS USER JWT-----\n{user}\n------END NATS USER JWT------\n\n"
+        f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n"
+    )
+    return path
+
+
+def operator_mode(tmp_path: Path) -> tuple[Path, bytes]:
+    """A nats-server config in operator mode (an operator JWT, its accounts preloaded: the
+    fleet's with JetStream, and the system account), and the fleet account's seed."""
+    operator_seed, operator = new_seed(nkeys.PREFIX_BYTE_OPERATOR)
+    account_seed, account = new_seed(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, system = new_seed(nkeys.PREFIX_BYTE_ACCOUNT)
+    operator_jwt = tmp_path / "operator.jwt"
+    operator_claims = {"type": "operator", "version": 2, "system_account": system}
+    operator_jwt.write_text(signed_jwt(operator_seed, operator, operator_claims))
+    fleet_account = signed_jwt(
+        operator_seed, account, {"type": "account", "version": 2, "limits": UNLIMITED | JETSTREAM}
+    )
+    system_account = signed_jwt(operator_seed, system, {"type": "account", "version": 2, "limits": UNLIMITED})
+    conf = tmp_path / "nats.conf"
+    conf.write_text(
+        f'operator: "{operator_jwt}"\nsystem_account: {system}\nresolver: MEMORY\n'
+        f'resolver_preload: {{\n  {account}: "{fleet_account}"\n  {system}: "{system_account}"\n}}\n'
+    )
+    return conf, account_seed
+
+
+async def test_a_replica_with_a_creds_file_leads_and_one_of_an_unknown_account_is_refused(tmp_path):
+    conf, account_seed = operator_mode(tmp_path)
+    unknown_account_seed, _ = new_seed(nkeys.PREFIX_BYTE_ACCOUNT)
+    good = creds_file(tmp_path / "replica.creds", account_seed)
+    wrong = creds_file(tmp_path / "unknown.creds", unknown_account_seed)
+    await one_leads_and_the_other_is_refused(tmp_path, conf, f'creds_file = "{good}"', f'creds_file = "{wrong}"')
