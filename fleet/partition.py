@@ -186,7 +186,8 @@ class Partitions:
     def end(self) -> None:
         """The fleet's events flow again (a message of the stream, or this replica leads): the
         partition, if any, ends at once, the fleet's state it started from put back (the stream
-        is applied on from there)."""
+        is applied on from there). An event of the partition that its task had already taken
+        from the queue is dropped, never numbered on the fleet's state."""
         self._stream_reached_at = time.monotonic()
         current, self._current = self._current, None
         if current is None:
@@ -250,6 +251,8 @@ class Partitions:
                     await nursery.start(prober.run)
                     while True:
                         event, _ = await current.queue.receive()
+                        if self._current is not current:
+                            break  # `end` came after the event was handed over: the fleet's state is back
                         self._applier.apply(msgspec.structs.replace(event, seq=self._view.snapshot.seq + 1))
         finally:
             if self._current is current:  # not ended by the stream: the replica stops

@@ -14,16 +14,26 @@ brings drops the newest records, counted, and sends the others.
 from __future__ import annotations
 
 import sys
+import time
 
 import httpx
 import msgspec
+import prometheus_client
 import trio
+import trio.testing
 
+from controlplane.effects.applier import Applier
+from controlplane.effects.held_state import HeldState
+from controlplane.effects.metrics import ControlPlaneMetrics
+from controlplane.effects.probes import ProbeClient
+from controlplane.infrastructure.config import load_config
+from events.config import FleetConfig
 from events.decisions import read_decisions
 from events.log import read_events
-from events.types import Checkpoint, HealthProbed
+from events.types import Checkpoint, HealthProbed, RunStarted, UpstreamFailed
+from fleet.partition import PARTITION_SEQ_GAP, Partitions
 from fixtures.node import serve_nodes
-from harness import MODEL, PROJECT_ROOT, chat, node_specs
+from harness import MODEL, PROJECT_ROOT, CapturedLog, chat, node_specs, write_config
 from nats_cluster import nats_servers
 from test_fleet import Observed, Replica, agreed, assert_gapless, events_in, fleet_events, fleet_of, until
 
@@ -281,3 +291,31 @@ async def test_a_full_spool_drops_the_newest_records_and_counts_them(tmp_path):
             {"process": "r1/0", "first": int(spooled) + 1, "last": int(spooled + dropped)}
         ]
         assert not report["passed"]
+
+
+async def test_an_observation_handed_over_as_the_partition_ends_stays_out_of_the_fleets_state(tmp_path):
+    """The partition's task may have been handed an event of its queue when the fleet's events
+    flow again: `end` puts the fleet's state back, and that event must not be numbered on it
+    (the replica's state would then differ from the fleet's at the same seq for good)."""
+    async with serve_nodes(node_specs(1)) as nodes:
+        config = load_config(write_config(tmp_path, nodes, health_interval="1h"))
+        view = HeldState(now=time.time, observe=lambda event: None, stale_reason=lambda: "")
+        registry = prometheus_client.CollectorRegistry()
+        applier = Applier(view, CapturedLog(), ControlPlaneMetrics(registry))
+        applier.apply(RunStarted(at=time.time(), seq=1, version="test", config_path="gateway.toml", config=config))
+        fleet_state = view.snapshot
+        fleet = FleetConfig(replica="r1", lease_renewal=0.05, partition_after=0.05, partition_dir=str(tmp_path))
+        partitions = Partitions(
+            fleet, view=view, applier=applier, log=CapturedLog(), registry=registry, may_partition=lambda: True
+        )
+        async with ProbeClient() as client, trio.open_nursery() as nursery:
+            nursery.start_soon(partitions.run, client)
+            while partitions.current() is None or view.snapshot.seq <= PARTITION_SEQ_GAP + 1:
+                await trio.sleep(0.01)  # partitioned, and its first probe numbered
+            await trio.testing.wait_all_tasks_blocked()
+            assert partitions.observe(UpstreamFailed(at=time.time(), node=nodes[0].host, error="refused"))
+            partitions.end()
+            await trio.testing.wait_all_tasks_blocked()
+            assert view.snapshot.seq == fleet_state.seq
+            assert Checkpoint.of(view.snapshot).digest() == Checkpoint.of(fleet_state).digest()
+            nursery.cancel_scope.cancel()
