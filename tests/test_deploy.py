@@ -184,6 +184,12 @@ def ensure_base_image(podman: Podman, workdir: Path) -> None:
         shutil.rmtree(root)
 
 
+SOURCE_ONLY_DEPENDENCIES = ("nkeys",)
+"""Dependencies PyPI has as source distributions only (pure Python): their wheels are built
+here, as README's `pip wheel` builds them, since a download for the image's platform takes
+wheels only."""
+
+
 def wheelhouse(context: Path) -> None:
     """Interlock's wheel and its dependencies' for the image's Python (3.11), in context/wheels."""
     source = context / "source"
@@ -199,8 +205,11 @@ def wheelhouse(context: Path) -> None:
     assert built.returncode == 0, built.stderr[-3000:]
     platform = ["--implementation", "cp", "--python-version", "3.11", "--abi", "cp311", "--only-binary=:all:"]
     platform += ["--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_28_x86_64"]
+    source_only = [r for r in project["project"]["dependencies"] if r.startswith(SOURCE_ONLY_DEPENDENCIES)]
+    made = run(*pip, "wheel", "--no-deps", "--wheel-dir", wheels, *source_only, timeout=600)
+    assert made.returncode == 0, made.stderr[-3000:]
     wheel = next(wheels.glob("interlock-*.whl"))
-    fetched = run(*pip, "download", "--dest", wheels, *platform, wheel, timeout=600)
+    fetched = run(*pip, "download", "--dest", wheels, "--find-links", wheels, *platform, wheel, timeout=600)
     assert fetched.returncode == 0, fetched.stderr[-3000:]
     shutil.rmtree(source)
 
