@@ -5,7 +5,9 @@ shipped `deploy/haproxy/interlock.cfg`, and three simulated nodes, each a proces
 Under steady load through HAProxy (plain and streamed completions, each with its own request
 id), every NATS server is stopped for OUTAGE_SECONDS; once every replica is in a partition
 (probing the nodes itself) a node is SIGKILLed; then NATS is started again. No request through
-HAProxy fails; every replica excludes the dead node before NATS is back (by its own probes:
+HAProxy fails (but a stream the killed node was sending when it died: it is cut mid-body, past
+what any gateway can send again; the drill allows at most one per streamed client, and only
+from that node); every replica excludes the dead node before NATS is back (by its own probes:
 the health rules, not only its failed connections); afterwards the event stream is contiguous,
 every replica follows it again on one state, and every answered request's decision record is
 in the fleet's export.
@@ -39,10 +41,12 @@ NODE_FLAGS = ("--ttft", "0.005", "--tpot", "0.002", "--tokens", "4")
 @dataclass
 class Load:
     """What the drill's clients saw: the request ids answered in full, the failures (any
-    answer but a whole 200), and the replicas that answered."""
+    answer but a whole 200), the streams cut mid-body (by the node named, `X-Interlock-Node`),
+    and the replicas that answered."""
 
     answered: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    cut_by: dict[str, str] = field(default_factory=dict)
     replicas: set[str] = field(default_factory=set)
 
 
@@ -59,7 +63,14 @@ async def steady_load_through(http: httpx.AsyncClient, url: str) -> AsyncIterato
             request_id = f"{kind}-{number}-{sent}"
             body = chat(MODEL, stream=kind == "streamed")
             try:
-                response = await http.post(url + CHAT, json=body, headers={"X-Request-Id": request_id})
+                async with http.stream("POST", url + CHAT, json=body, headers={"X-Request-Id": request_id}) as response:
+                    try:
+                        await response.aread()
+                    except httpx.RemoteProtocolError:
+                        if kind == "streamed" and response.status_code == 200:
+                            load.cut_by[request_id] = response.headers["X-Interlock-Node"]
+                            continue
+                        raise
             except httpx.HTTPError as error:
                 load.failures.append(f"{request_id}: {error!r}")
                 continue
@@ -136,6 +147,8 @@ async def test_all_of_nats_stopped_under_load_with_a_node_killed_loses_no_reques
 
             await until(load_after_the_outage, "requests answered after NATS is back")
         assert load.failures == []
+        assert len(load.cut_by) <= CLIENTS["streamed"]
+        assert set(load.cut_by.values()) <= {killed.name, killed.host}, load.cut_by
         assert await metric_on_all(http, replicas, "interlock_fleet_partitioned") == [0] * len(replicas)
 
         async def spools_sent() -> bool:
