@@ -62,7 +62,7 @@ def add_fleet(commands: argparse._SubParsersAction) -> None:
         metavar="URL[,URL…]",
         help="the NATS servers (default: the file's [fleet] nats); the file's [fleet] credentials are used",
     )
-    push.add_argument("--name", help="the fleet's name (default: the file's [fleet] name, else interlock)")
+    push.add_argument("--name", help=f"the fleet's name (default: the file's [fleet] name, else {DEFAULT_FLEET_NAME})")
     push.set_defaults(run=run_fleet_config_push)
 
 
